@@ -1,0 +1,24 @@
+# Every target sets up ./.venv first (idempotent), so each is one command on a fresh machine.
+PY := .venv/bin/python
+
+.PHONY: setup main test lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+main: setup
+	$(PY) benchmarks/bench_advantages.py
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

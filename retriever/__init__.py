@@ -1,0 +1,1 @@
+"""COPC retriever package."""
