@@ -1,0 +1,171 @@
+"""Python client for the ``/retrieve`` API (this server or Search-R1's), built on httpx.
+
+Splits long query lists into batches, applies a per-request timeout, and retries
+connection errors, timeouts and HTTP 5xx with exponential backoff
+(``backoff_s * 2**attempt``, capped at ``backoff_max_s``, seconds). A 4xx answer is not
+retried: it raises :class:`RetrieverRequestError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class RetrieverError(RuntimeError):
+    """Base class of client errors."""
+
+
+class RetrieverRequestError(RetrieverError):
+    """The server rejected the request (HTTP 4xx); ``status`` and ``message`` from the server."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(f"retriever rejected the request (HTTP {status}): {message}")
+
+
+class RetrieverUnavailableError(RetrieverError):
+    """No successful answer after all attempts (connection errors, timeouts or HTTP 5xx)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Client behaviour.
+
+    Attributes:
+        url: server base URL, e.g. ``http://127.0.0.1:8000``.
+        timeout_s: per-request timeout (connect, read, write, pool), seconds.
+        max_retries: retries after the first attempt (total attempts = ``max_retries + 1``).
+        backoff_s: first backoff delay, seconds; doubles each retry.
+        backoff_max_s: largest backoff delay, seconds.
+        batch_size: most queries sent in one request.
+        topk: default passages per query.
+    """
+
+    url: str = "http://127.0.0.1:8000"
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    backoff_max_s: float = 8.0
+    batch_size: int = 64
+    topk: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"client.url must start with http:// or https://, got {self.url!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"client.timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_retries < 0:
+            raise ValueError(f"client.max_retries must be >= 0, got {self.max_retries}")
+        if self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("client.backoff_s and client.backoff_max_s must be >= 0")
+        if self.batch_size <= 0 or self.topk <= 0:
+            raise ValueError("client.batch_size and client.topk must be > 0")
+
+    def backoff(self, attempt: int) -> float:
+        """Delay in seconds before retry number ``attempt`` (0-based)."""
+        return min(self.backoff_max_s, self.backoff_s * (2**attempt))
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("detail") or body)[:500]
+    return str(body)[:500]
+
+
+class RetrieverClient:
+    """Synchronous client; one ``httpx.Client`` (connection pool) per instance.
+
+    Use as a context manager or call :meth:`close`. Thread-safe (httpx clients are).
+    """
+
+    def __init__(self, cfg: ClientConfig | None = None, **overrides: Any) -> None:
+        cfg = cfg or ClientConfig()
+        if overrides:
+            cfg = ClientConfig(**{**cfg.__dict__, **overrides})
+        self.cfg = cfg
+        self._http = httpx.Client(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s)
+        self.attempts = 0  # HTTP attempts made (for diagnostics and tests)
+
+    def __enter__(self) -> RetrieverClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def _request(self, method: str, path: str, json: Any = None) -> Any:
+        last = ""
+        total = self.cfg.max_retries + 1
+        for attempt in range(total):
+            if attempt:
+                time.sleep(self.cfg.backoff(attempt - 1))
+            self.attempts += 1
+            try:
+                resp = self._http.request(method, path, json=json)
+            except httpx.TransportError as exc:  # connect/read errors and timeouts
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {_error_message(resp)}"
+                continue
+            if resp.status_code >= 400:
+                raise RetrieverRequestError(resp.status_code, _error_message(resp))
+            return resp.json()
+        raise RetrieverUnavailableError(
+            f"retriever at {self.cfg.url}{path} failed after {total} attempts "
+            f"(timeout {self.cfg.timeout_s} s each); last error: {last}"
+        )
+
+    def health(self) -> dict[str, Any]:
+        """``GET /health`` (retried like searches)."""
+        return self._request("GET", "/health")
+
+    def retrieve(
+        self, queries: Sequence[str], topk: int | None = None, return_scores: bool = True
+    ) -> list[list[dict[str, Any]]]:
+        """Search-R1 ``/retrieve`` for each query, batched by ``cfg.batch_size``.
+
+        Args:
+            queries: query strings (sent as-is; the server validates them).
+            topk: passages per query (default ``cfg.topk``).
+            return_scores: include ``"score"`` in each hit.
+
+        Returns:
+            One list per query of hits ``{"document": {"id", "contents"}, "score"?}``,
+            best first, in the order of ``queries``.
+
+        Raises:
+            RetrieverRequestError: the server answered 4xx (bad query, topk too large ...).
+            RetrieverUnavailableError: all attempts failed (connection, timeout, 5xx).
+        """
+        if isinstance(queries, str):
+            raise TypeError("queries must be a sequence of strings, not a single string")
+        k = self.cfg.topk if topk is None else topk
+        out: list[list[dict[str, Any]]] = []
+        for start in range(0, len(queries), self.cfg.batch_size):
+            chunk = list(queries[start : start + self.cfg.batch_size])
+            body = {"queries": chunk, "topk": k, "return_scores": return_scores}
+            result = self._request("POST", "/retrieve", json=body)["result"]
+            if len(result) != len(chunk):
+                raise RetrieverError(
+                    f"server returned {len(result)} result lists for {len(chunk)} queries"
+                )
+            out.extend(result)
+        return out
+
+    def search(self, query: str, topk: int | None = None) -> list[dict[str, Any]]:
+        """Hits for a single query (see :meth:`retrieve`)."""
+        return self.retrieve([query], topk=topk)[0]
