@@ -1,0 +1,230 @@
+"""Advantage estimators over action tokens: COPC coupled returns, GAE, V-trace.
+
+All take ``(B, T)`` tensors aligned on response tokens plus ``loss_mask``
+``(B, T)`` (1 = action token, 0 = observation/padding) and return
+``(advantages, returns)``, each ``(B, T)`` with the dtype of ``values`` and
+exactly 0 at mask-0 positions. Recursions run over action tokens only:
+observation tokens are skipped, not discounted per token; reward on an
+observation token is folded onto the preceding action token; V after the last
+action token is 0 unless a bootstrap value is given (spec, "Setting").
+
+Values at mask-0 positions of ``values``, ``logp_old`` and ``logp_mu`` are never
+read: any garbage there leaves every output bit-identical. ``rewards`` at mask-0
+positions *are* read (they are folded), so padding must carry zero reward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import as_bool_mask, check_1d, check_2d_float, check_unit_interval, raise_if_not_finite
+from .margins import EPS_HIGH, EPS_LOW, margins
+from .scan import action_block_bounds, reverse_action_scan, td_residuals
+
+Tensor = torch.Tensor
+
+
+def _check_inputs(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
+                  bootstrap_values: Tensor | None, extra: dict[str, Tensor]) -> Tensor:
+    """Validate shapes/dtypes/hyper-parameters; return the bool mask."""
+    check_2d_float("values", values)
+    mask = as_bool_mask(loss_mask, values.shape)
+    check_2d_float("rewards", rewards, values.shape)
+    for name, t in extra.items():
+        check_2d_float(name, t, values.shape)
+    check_unit_interval("gamma", gamma)
+    check_unit_interval("lam", lam)
+    if bootstrap_values is not None:
+        check_1d("bootstrap_values", bootstrap_values, values.shape[0])
+    return mask
+
+
+def _td_corrected(rewards: Tensor, values: Tensor, mask: Tensor, rho_bar: Tensor | None,
+                  gamma: float, lam: float, bootstrap_values: Tensor | None, obs_reward: str,
+                  inputs: dict[str, Tensor], context: str) -> tuple[Tensor, Tensor]:
+    """Shared core of GAE and COPC: ``G_t = ρ̄_t δ_t + γλ G_{t+1}`` over action tokens.
+
+    ``rho_bar is None`` means ρ̄ ≡ 1 (plain GAE) and multiplies nothing, so
+    GAE and COPC with η_A = 0 are bit-identical.
+    """
+    starts, ends = action_block_bounds(mask)
+    delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward)
+    not_action = ~mask
+    x = (delta * rho_bar if rho_bar is not None else delta.clone()).masked_fill_(not_action, 0.0)
+    c = gamma * lam
+    g = reverse_action_scan(x, mask, c)
+    # Â_t = δ_t + γλ G_{t+1}; G at position t + 1 is G at the next action token.
+    advantages = torch.empty_like(delta)
+    torch.add(delta[:, :-1], g[:, 1:], alpha=c, out=advantages[:, :-1])
+    advantages[:, -1] = delta[:, -1]
+    advantages.masked_fill_(not_action, 0.0)
+    returns = g.add_(values).masked_fill_(not_action, 0.0)
+    raise_if_not_finite((advantages, returns), inputs, mask, context)
+    return advantages, returns
+
+
+def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, gamma: float = 1.0,
+                         lam: float = 1.0, bootstrap_values: Tensor | None = None,
+                         obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over action tokens (Schulman et al. 2016, eq. 16).
+
+    ``δ_t = r_t + γ V_{t+1} − V_t``, ``Â_t = Σ_{j≥t} (γλ)^{j−t} δ_j`` and returns
+    ``Â_t + V_t``, with ``t, j`` running over action tokens only (spec "Setting").
+    Bit-identical to :func:`coupled_advantage_return` with ``eta_a = 0``.
+
+    Args:
+        rewards: ``(B, T)`` float reward per token (outcome reward on the last action token;
+            reward on observation tokens is folded onto the preceding action token).
+        values: ``(B, T)`` float critic values V(s_t), read at action tokens only.
+        loss_mask: ``(B, T)`` bool/0-1, 1 on action tokens.
+        gamma: discount γ ∈ [0, 1] per action token.
+        lam: GAE λ ∈ [0, 1].
+        bootstrap_values: optional ``(B,)`` V after the last action token (truncated rows);
+            default 0 (terminated).
+        obs_reward: ``"fold"`` reward on observation tokens onto the preceding action token,
+            or ``"error"`` to refuse it (spec "Setting", (choice)).
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)`` with ``values.dtype``, 0 at mask-0 positions.
+        Rows with no action token are all zeros.
+
+    Raises:
+        ValueError: on mismatched shapes, γ/λ outside [0, 1], a loss_mask with values other
+            than 0/1, a reward that cannot be attributed to an action token, or NaN/inf in
+            the inputs at action tokens (the message names the input and position).
+        TypeError: on non-tensor or non-floating inputs.
+    """
+    mask = _check_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, {})
+    return _td_corrected(rewards, values, mask, None, gamma, lam, bootstrap_values, obs_reward,
+                         {"rewards": rewards, "values": values}, "gae_advantage_return")
+
+
+def clipped_ratio(logp_old: Tensor, logp_mu: Tensor, low: float, high: float) -> Tensor:
+    """Advantage-channel weight ``ρ̄ = clip(exp(logp_old − logp_mu), low, high)`` (no grad).
+
+    Spec "Advantage channel". ``logp_mu = −inf`` gives ρ = +inf → ``high``;
+    ``logp_old = −inf`` gives ρ = 0 → ``low``; both −inf give NaN.
+
+    Args:
+        logp_old: ``(B, T)`` float log π_old(y_t | s_t), recomputed by the learner.
+        logp_mu: ``(B, T)`` float behavior log-probs from the rollout engine.
+        low, high: the clip interval, e.g. from :func:`copc.margins`.
+
+    Returns:
+        ``(B, T)`` float tensor, detached.
+    """
+    with torch.no_grad():
+        return torch.sub(logp_old, logp_mu).exp_().clamp_(low, high)
+
+
+def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, logp_mu: Tensor,
+                             loss_mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+                             eta_a: float = 0.5, eps_low: float = EPS_LOW,
+                             eps_high: float = EPS_HIGH,
+                             bootstrap_values: Tensor | None = None,
+                             obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
+    """COPC advantage channel: clipped-ratio TD weighting (spec, "Advantage channel").
+
+    Over action tokens t (observation tokens skipped)::
+
+        ρ̄_t = clip(exp(logp_old_t − logp_mu_t), ℓ_A, u_A),  (ℓ_A, u_A) = margins(eta_a, ε_ℓ, ε_h)
+        δ_t = r_t + γ V_{t+1} − V_t
+        G_t = ρ̄_t δ_t + γλ G_{t+1},  G_{after last} = 0
+        returns_t = V_t + G_t                (critic target v̂_t)
+        advantages_t = δ_t + γλ G_{t+1}      (actor advantage Â_t; own residual unweighted)
+
+    COPC paper (Hu et al. 2026) §5; ``eta_a = 0`` is plain GAE ("COPC w/o RC") and is
+    bit-identical to :func:`gae_advantage_return` (the log-probs are then not read).
+    With γλ = 1 the scan is a reverse cumulative sum (no sequential loop at all).
+
+    Args:
+        rewards: ``(B, T)`` float reward per token (see :func:`gae_advantage_return`).
+        values: ``(B, T)`` float critic values V(s_t), read at action tokens only.
+        logp_old: ``(B, T)`` float learner log-probs before the update (no grad needed).
+        logp_mu: ``(B, T)`` float behavior-policy log-probs from the rollout engine.
+        loss_mask: ``(B, T)`` bool/0-1, 1 on action tokens.
+        gamma, lam: γ, λ ∈ [0, 1].
+        eta_a: advantage-channel strength η_A ∈ [0, 1].
+        eps_low, eps_high: base margins ε_ℓ, ε_h.
+        bootstrap_values: optional ``(B,)`` V after the last action token (truncated rows).
+        obs_reward: ``"fold"`` or ``"error"``, see :func:`gae_advantage_return`.
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)``, ``values.dtype``, 0 at mask-0 positions;
+        rows without action tokens are all zeros. Outputs carry no gradient history from
+        the log-probs.
+
+    Raises:
+        ValueError: as :func:`gae_advantage_return`, plus NaN log-ratios at action tokens
+            (e.g. ``logp_old = logp_mu = −inf``). ``logp_mu = −inf`` alone is defined: ρ̄ = u_A.
+        TypeError: on non-tensor or non-floating inputs.
+    """
+    mask = _check_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values,
+                         {"logp_old": logp_old, "logp_mu": logp_mu})
+    low, high = margins(eta_a, eps_low, eps_high)
+    rho_bar = None
+    if not (low == 1.0 and high == 1.0):
+        rho_bar = clipped_ratio(logp_old, logp_mu, low, high).to(values.dtype)
+    inputs = {"rewards": rewards, "values": values, "logp_old": logp_old, "logp_mu": logp_mu}
+    return _td_corrected(rewards, values, mask, rho_bar, gamma, lam, bootstrap_values, obs_reward,
+                         inputs, "coupled_advantage_return")
+
+
+def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, logp_mu: Tensor,
+                            loss_mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+                            rho_clip: float = 1.0, c_clip: float = 1.0,
+                            bootstrap_values: Tensor | None = None,
+                            obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
+    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and §4.2).
+
+    Over action tokens (observation tokens skipped), with ratio ``= exp(logp_old − logp_mu)``::
+
+        ρ_s = min(ρ̄, ratio_s),   c_s = λ · min(c̄, ratio_s)
+        v_s − V_s = ρ_s δ_s + γ c_s (v_{s+1} − V_{s+1})        returns = v_s
+        advantages_s = ρ_s (r_s + γ v_{s+1} − V_s)
+
+    with ``v`` after the last action token equal to the bootstrap value (0 by default).
+    Spec "Baselines", V-trace. The trace coefficient varies per token, so this runs a
+    loop over the action positions (O(T) Python steps; COPC's estimator needs none).
+
+    Args:
+        rewards, values, logp_old, logp_mu, loss_mask: as :func:`coupled_advantage_return`.
+        gamma, lam: γ, λ ∈ [0, 1].
+        rho_clip: truncation level ρ̄ > 0 (default 1).
+        c_clip: truncation level c̄ > 0 (default 1).
+        bootstrap_values: optional ``(B,)`` value after the last action token.
+        obs_reward: ``"fold"`` or ``"error"``, see :func:`gae_advantage_return`.
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)``, 0 at mask-0 positions.
+
+    Raises:
+        ValueError: as :func:`coupled_advantage_return`, plus non-positive ``rho_clip``/``c_clip``.
+    """
+    mask = _check_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values,
+                         {"logp_old": logp_old, "logp_mu": logp_mu})
+    for name, v in (("rho_clip", rho_clip), ("c_clip", c_clip)):
+        if not float(v) > 0.0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+    B, T = values.shape
+    dtype = values.dtype
+    starts, ends = action_block_bounds(mask)
+    delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward)
+    delta = torch.where(mask, delta, 0.0)
+    with torch.no_grad():
+        ratio = torch.where(mask, torch.sub(logp_old, logp_mu), 0.0).exp().to(dtype)
+    rho = ratio.clamp(max=rho_clip)
+    cs = lam * ratio.clamp(max=c_clip)
+    # diff[b, t] = v_t − V_t at action tokens, carried backwards across observation tokens.
+    diff = torch.zeros(B, T + 1, dtype=dtype, device=values.device)
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t]
+        d_t = rho[:, t] * delta[:, t] + gamma * cs[:, t] * diff[:, t + 1]
+        diff[:, t] = torch.where(m, d_t, diff[:, t + 1])
+    # r_s + γ v_{s+1} − V_s = δ_s + γ (v_{s+1} − V_{s+1}); the correction after the last
+    # action token is 0 (v there is the bootstrap value itself).
+    returns = torch.where(mask, values + diff[:, :T], 0.0)
+    advantages = torch.where(mask, rho * (delta + gamma * diff[:, 1:]), 0.0)
+    inputs = {"rewards": rewards, "values": values, "logp_old": logp_old, "logp_mu": logp_mu}
+    raise_if_not_finite((advantages, returns), inputs, mask, "vtrace_advantage_return")
+    return advantages, returns

@@ -1,0 +1,182 @@
+"""The algorithm configuration and the paper's named presets (spec, "Baselines").
+
+:class:`AlgorithmConfig` is a frozen dataclass validated at construction: a bad
+field raises ``ValueError`` naming the field and the value. Every **(choice)**
+of the spec is a field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .aggregation import LOSS_AGG_MODES
+from .margins import EPS_HIGH, EPS_LOW, ETA
+
+#: Advantage estimators that need a critic (values), and those that do not.
+CRITIC_ESTIMATORS = ("copc", "gae", "vtrace")
+OUTCOME_ESTIMATORS = ("grpo", "batch_norm")
+POLICY_LOSS_NAMES = ("dis", "ppo", "decoupled_ppo", "tis", "icepop")
+OBS_REWARD_MODES = ("fold", "error")
+
+
+def _unit(name: str, v: float) -> None:
+    if not 0.0 <= float(v) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+
+
+def _positive(name: str, v: float | None, *, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if v is None or not float(v) > 0.0:
+        raise ValueError(f"{name} must be > 0{' or None' if allow_none else ''}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Everything that defines an actor(-critic) update; one instance per preset.
+
+    Attributes (spec sections in brackets):
+        name: preset name (free text for custom configs).
+        advantage_estimator: ``copc`` | ``gae`` | ``vtrace`` | ``grpo`` | ``batch_norm``.
+        policy_loss: ``dis`` | ``ppo`` | ``decoupled_ppo`` | ``tis`` | ``icepop``.
+        use_critic: train a value model (required by ``copc``/``gae``/``vtrace``).
+        gamma, lam: γ, λ ∈ [0, 1] per action token ["Setting"; paper γ = λ = 1].
+        eps_low, eps_high: shared base margins ε_ℓ ∈ [0, 1], ε_h ≥ 0 ["Margins"].
+        eta_p, eta_a: channel strengths η_P, η_A ∈ [0, 1] ["Margins"].
+        dis_ppo_clip_eps: optional extra PPO clip vs π_old on the DIS loss, None = off
+            ["Policy channel", (choice)].
+        clip_low, clip_high: PPO clip ε (clip-higher when ``clip_high > clip_low``).
+        dual_clip_c: dual-clip constant > 1, or None.
+        behav_weight_cap, behav_cap_mode: AReaL behavior-weight cap and ``mask``/``truncate``.
+        tis_cap: TIS truncation C. icepop_low, icepop_high: IcePop α, β.
+        rho_clip, c_clip: V-trace ρ̄, c̄ ["Baselines"].
+        std_normalize: GRPO std normalisation.
+        normalize_advantages: whiten advantages over the batch's action tokens
+            ["Policy channel", (choice), default off].
+        loss_agg_mode: actor loss aggregation ["Policy channel", (choice)].
+        value_clip_eps: ε_V of the clipped value loss, None = unclipped ["Critic loss"].
+        value_loss_agg_mode: critic aggregation ["Critic loss": mean over action tokens].
+        obs_reward: reward on observation tokens: ``fold`` onto the preceding action token
+            or ``error`` ["Setting", (choice)].
+        max_staleness: forced max staleness (``ppo`` = 0, synchronous), None = trainer's.
+
+    Raises:
+        ValueError: at construction, naming the first invalid field and its value.
+    """
+
+    name: str = "copc"
+    advantage_estimator: str = "copc"
+    policy_loss: str = "dis"
+    use_critic: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    eps_low: float = EPS_LOW
+    eps_high: float = EPS_HIGH
+    eta_p: float = ETA
+    eta_a: float = ETA
+    dis_ppo_clip_eps: float | None = None
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float | None = None
+    behav_weight_cap: float | None = 5.0
+    behav_cap_mode: str = "mask"
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    rho_clip: float = 1.0
+    c_clip: float = 1.0
+    std_normalize: bool = True
+    normalize_advantages: bool = False
+    loss_agg_mode: str = "seq-mean-token-mean"
+    value_clip_eps: float | None = 0.5
+    value_loss_agg_mode: str = "token-mean"
+    obs_reward: str = "fold"
+    max_staleness: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        """Validate every field (see class docstring)."""
+        est = CRITIC_ESTIMATORS + OUTCOME_ESTIMATORS
+        if self.advantage_estimator not in est:
+            raise ValueError(f"advantage_estimator must be one of {est}, got {self.advantage_estimator!r}")
+        if self.policy_loss not in POLICY_LOSS_NAMES:
+            raise ValueError(f"policy_loss must be one of {POLICY_LOSS_NAMES}, got {self.policy_loss!r}")
+        if self.advantage_estimator in CRITIC_ESTIMATORS and not self.use_critic:
+            raise ValueError(
+                f"use_critic=False is incompatible with advantage_estimator={self.advantage_estimator!r}"
+                " (it needs values)")
+        for n in ("gamma", "lam", "eps_low", "eta_p", "eta_a"):
+            _unit(n, getattr(self, n))
+        if not float(self.eps_high) >= 0.0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high!r}")
+        for n in ("clip_high", "tis_cap", "icepop_low", "icepop_high", "rho_clip", "c_clip"):
+            _positive(n, getattr(self, n))
+        for n in ("dis_ppo_clip_eps", "behav_weight_cap", "value_clip_eps"):
+            _positive(n, getattr(self, n), allow_none=True)
+        if not 0.0 < float(self.clip_low) < 1.0:
+            raise ValueError(f"clip_low must be in (0, 1), got {self.clip_low!r}")
+        if self.dual_clip_c is not None and not float(self.dual_clip_c) > 1.0:
+            raise ValueError(f"dual_clip_c must be > 1 or None, got {self.dual_clip_c!r}")
+        if self.behav_cap_mode not in ("mask", "truncate"):
+            raise ValueError(f"behav_cap_mode must be 'mask' or 'truncate', got {self.behav_cap_mode!r}")
+        if not self.icepop_low < self.icepop_high:
+            raise ValueError(
+                f"icepop_low must be < icepop_high, got {self.icepop_low!r} >= {self.icepop_high!r}")
+        for n in ("loss_agg_mode", "value_loss_agg_mode"):
+            if getattr(self, n) not in LOSS_AGG_MODES:
+                raise ValueError(f"{n} must be one of {LOSS_AGG_MODES}, got {getattr(self, n)!r}")
+        if self.obs_reward not in OBS_REWARD_MODES:
+            raise ValueError(f"obs_reward must be one of {OBS_REWARD_MODES}, got {self.obs_reward!r}")
+        if self.max_staleness is not None and (isinstance(self.max_staleness, bool)
+                                               or not isinstance(self.max_staleness, int)
+                                               or self.max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
+
+    def replace(self, **overrides: Any) -> AlgorithmConfig:
+        """Return a validated copy with ``overrides`` applied.
+
+        Raises:
+            ValueError: for an unknown field name or an invalid value.
+        """
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown AlgorithmConfig field(s) {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **overrides)
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # spec table "Baselines the paper compares"
+    "ppo": dict(advantage_estimator="gae", policy_loss="ppo", max_staleness=0),
+    "ppo_async": dict(advantage_estimator="gae", policy_loss="ppo"),
+    "areal": dict(advantage_estimator="gae", policy_loss="decoupled_ppo"),
+    "sao": dict(advantage_estimator="batch_norm", policy_loss="dis", use_critic=False),
+    "vtrace": dict(advantage_estimator="vtrace", policy_loss="ppo", rho_clip=1.0, c_clip=1.0),
+    "dapo": dict(advantage_estimator="grpo", policy_loss="ppo", use_critic=False, clip_low=0.2,
+                 clip_high=0.28, loss_agg_mode="token-mean"),
+    "copc_wo_rc": dict(advantage_estimator="copc", policy_loss="dis", eta_a=0.0),
+    "copc": dict(advantage_estimator="copc", policy_loss="dis", eta_p=0.5, eta_a=0.5),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
+    """Build the named preset, optionally with field overrides.
+
+    Args:
+        name: one of :data:`PRESET_NAMES` (``ppo``, ``ppo_async``, ``areal``, ``sao``, ``vtrace``,
+            ``dapo``, ``copc_wo_rc``, ``copc``).
+        **overrides: :class:`AlgorithmConfig` fields to change (e.g. ``eta_a=0.25``).
+
+    Returns:
+        A frozen, validated :class:`AlgorithmConfig`.
+
+    Raises:
+        ValueError: for an unknown preset, unknown field or invalid value.
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {list(PRESET_NAMES)}")
+    return AlgorithmConfig(name=name, **_PRESETS[name]).replace(**overrides)

@@ -1,0 +1,237 @@
+"""Pick an advantage estimator or a policy loss by name from an :class:`AlgorithmConfig`.
+
+Two :class:`Registry` instances map names to adapters with one uniform signature:
+
+* advantage estimators: ``fn(inputs: AdvantageInputs, cfg) -> (advantages, returns)``
+* policy losses: ``fn(logp, inputs: PolicyLossInputs, cfg) -> (loss, metrics)``
+
+Users add their own with ``ADVANTAGE_ESTIMATORS.register("name")(fn)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from .advantages import coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
+from .aggregation import Denominators
+from .outcome import (
+    batch_normalized_advantages,
+    broadcast_to_tokens,
+    group_relative_advantages,
+    masked_whiten,
+)
+from .policy_losses import (
+    decoupled_ppo_policy_loss,
+    dis_policy_loss,
+    icepop_policy_loss,
+    ppo_clip_policy_loss,
+    tis_policy_loss,
+)
+from .presets import AlgorithmConfig
+
+Tensor = torch.Tensor
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    """A name → function table with a decorator and clear errors.
+
+    Args:
+        kind: what is registered, used in error messages (e.g. ``"advantage estimator"``).
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator registering ``fn`` under ``name``.
+
+        Raises:
+            ValueError: if ``name`` is already registered.
+        """
+        def deco(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = fn
+            return fn
+        return deco
+
+    def get(self, name: str) -> F:
+        """Return the function registered as ``name``.
+
+        Raises:
+            ValueError: for an unknown name, listing the known ones.
+        """
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+
+@dataclass
+class AdvantageInputs:
+    """Tensors an advantage estimator may read. All ``(B, T)`` unless noted.
+
+    Attributes:
+        rewards: per-token reward (float). values: critic values (float) or None without critic.
+        logp_old: learner log-probs before the update. logp_mu: behavior log-probs.
+        loss_mask: bool/0-1 action-token mask.
+        scores: ``(B,)`` outcome reward per sequence (critic-free estimators).
+        group_ids: ``(B,)`` int prompt-group id per sequence (GRPO).
+        bootstrap_values: ``(B,)`` V after the last action token of truncated rows.
+    """
+
+    rewards: Tensor
+    loss_mask: Tensor
+    values: Tensor | None = None
+    logp_old: Tensor | None = None
+    logp_mu: Tensor | None = None
+    scores: Tensor | None = None
+    group_ids: Tensor | None = None
+    bootstrap_values: Tensor | None = None
+
+    def require(self, *names: str, who: str) -> None:
+        """Raise ``ValueError`` if any of ``names`` is None, naming the estimator."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{who} needs {missing}, which are None")
+
+
+@dataclass
+class PolicyLossInputs:
+    """Tensors a policy loss may read (all ``(B, T)``), plus micro-batch denominators."""
+
+    logp_old: Tensor
+    logp_mu: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    denominators: Denominators | None = None
+
+
+ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs, AlgorithmConfig], tuple[Tensor, Tensor]]] = \
+    Registry("advantage estimator")
+POLICY_LOSSES: Registry[Callable[[Tensor, PolicyLossInputs, AlgorithmConfig], tuple[Tensor, dict]]] = \
+    Registry("policy loss")
+
+
+@ADVANTAGE_ESTIMATORS.register("copc")
+def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    x.require("values", "logp_old", "logp_mu", who="advantage estimator 'copc'")
+    return coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
+                                    gamma=cfg.gamma, lam=cfg.lam, eta_a=cfg.eta_a,
+                                    eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                    bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    x.require("values", who="advantage estimator 'gae'")
+    return gae_advantage_return(x.rewards, x.values, x.loss_mask, gamma=cfg.gamma, lam=cfg.lam,
+                                bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward)
+
+
+@ADVANTAGE_ESTIMATORS.register("vtrace")
+def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    x.require("values", "logp_old", "logp_mu", who="advantage estimator 'vtrace'")
+    return vtrace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
+                                   gamma=cfg.gamma, lam=cfg.lam, rho_clip=cfg.rho_clip,
+                                   c_clip=cfg.c_clip, bootstrap_values=x.bootstrap_values,
+                                   obs_reward=cfg.obs_reward)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    x.require("scores", "group_ids", who="advantage estimator 'grpo'")
+    adv = broadcast_to_tokens(group_relative_advantages(x.scores, x.group_ids,
+                                                        std_normalize=cfg.std_normalize), x.loss_mask)
+    return adv, adv.clone()
+
+
+@ADVANTAGE_ESTIMATORS.register("batch_norm")
+def _batch_norm(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    x.require("scores", who="advantage estimator 'batch_norm'")
+    adv = broadcast_to_tokens(batch_normalized_advantages(x.scores), x.loss_mask)
+    return adv, adv.clone()
+
+
+def compute_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """Run ``cfg.advantage_estimator`` (then optional whitening) on ``inputs``.
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)``; for critic-free estimators ``returns`` is a
+        copy of the (un-whitened) advantages and is not used.
+
+    Raises:
+        ValueError: for an unknown estimator or missing inputs (named), or as the estimator.
+    """
+    adv, ret = ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)(inputs, cfg)
+    if cfg.normalize_advantages:
+        adv = masked_whiten(adv, inputs.loss_mask)
+    return adv, ret
+
+
+@POLICY_LOSSES.register("dis")
+def _dis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    return dis_policy_loss(logp, x.logp_mu, x.advantages, x.loss_mask, eta_p=cfg.eta_p,
+                           eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                           loss_agg_mode=cfg.loss_agg_mode, logp_old=x.logp_old,
+                           ppo_clip_eps=cfg.dis_ppo_clip_eps, denominators=x.denominators)
+
+
+@POLICY_LOSSES.register("ppo")
+def _ppo(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    return ppo_clip_policy_loss(logp, x.logp_old, x.advantages, x.loss_mask, clip_low=cfg.clip_low,
+                                clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c,
+                                loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
+
+
+@POLICY_LOSSES.register("decoupled_ppo")
+def _decoupled(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    return decoupled_ppo_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
+                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                     dual_clip_c=cfg.dual_clip_c,
+                                     behav_weight_cap=cfg.behav_weight_cap,
+                                     behav_cap_mode=cfg.behav_cap_mode,
+                                     loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
+
+
+@POLICY_LOSSES.register("tis")
+def _tis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    return tis_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
+                           clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                           dual_clip_c=cfg.dual_clip_c, tis_cap=cfg.tis_cap,
+                           loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
+
+
+@POLICY_LOSSES.register("icepop")
+def _icepop(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    return icepop_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
+                              clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                              dual_clip_c=cfg.dual_clip_c, icepop_low=cfg.icepop_low,
+                              icepop_high=cfg.icepop_high, loss_agg_mode=cfg.loss_agg_mode,
+                              denominators=x.denominators)
+
+
+def compute_policy_loss(logp: Tensor, inputs: PolicyLossInputs, cfg: AlgorithmConfig
+                        ) -> tuple[Tensor, dict[str, float]]:
+    """Run ``cfg.policy_loss`` on the current log-probs ``logp`` ``(B, T)`` (with grad).
+
+    Returns:
+        ``(loss, metrics)`` as the chosen loss.
+
+    Raises:
+        ValueError: for an unknown loss name, or as the loss.
+    """
+    return POLICY_LOSSES.get(cfg.policy_loss)(logp, inputs, cfg)

@@ -1,0 +1,85 @@
+"""Slow, obviously-correct per-token reference loops for the advantage estimators.
+
+Written straight from docs/algorithm.md, one row and one action token at a time,
+in float64 Python scalars. Used only by the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _rows(rewards, values, mask, logp_old=None, logp_mu=None, bootstrap=None):
+    B, T = mask.shape
+    for b in range(B):
+        acts = [t for t in range(T) if bool(mask[b, t])]
+        r = {t: float(rewards[b, t]) for t in acts}
+        for t in range(T):  # fold observation rewards onto the preceding action token
+            if not bool(mask[b, t]) and float(rewards[b, t]) != 0.0:
+                prev = [a for a in acts if a < t]
+                assert prev, "unattributable reward"
+                r[prev[-1]] += float(rewards[b, t])
+        v = [float(values[b, t]) for t in acts]
+        v_after = 0.0 if bootstrap is None else float(bootstrap[b])
+        ratio = None
+        if logp_old is not None:
+            ratio = [math.exp(float(logp_old[b, t]) - float(logp_mu[b, t])) for t in acts]
+        yield b, acts, [r[t] for t in acts], v, v_after, ratio
+
+
+def coupled_reference(rewards, values, logp_old, logp_mu, mask, gamma, lam, low, high,
+                      bootstrap=None):
+    """G_t = clip(ρ_t) δ_t + γλ G_{t+1} over action tokens; returns (adv, ret) float64."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    ret = torch.zeros(mask.shape, dtype=torch.float64)
+    for b, acts, r, v, v_after, ratio in _rows(rewards, values, mask, logp_old, logp_mu, bootstrap):
+        G_next = 0.0
+        for k in range(len(acts) - 1, -1, -1):
+            v_next = v[k + 1] if k + 1 < len(acts) else v_after
+            delta = r[k] + gamma * v_next - v[k]
+            rho_bar = 1.0 if ratio is None else min(max(ratio[k], low), high)
+            adv[b, acts[k]] = delta + gamma * lam * G_next
+            G = rho_bar * delta + gamma * lam * G_next
+            ret[b, acts[k]] = v[k] + G
+            G_next = G
+    return adv, ret
+
+
+def vtrace_reference(rewards, values, logp_old, logp_mu, mask, gamma, lam, rho_clip, c_clip,
+                     bootstrap=None):
+    """V-trace (Espeholt et al. 2018) over action tokens; returns (adv, ret) float64."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    ret = torch.zeros(mask.shape, dtype=torch.float64)
+    for b, acts, r, v, v_after, ratio in _rows(rewards, values, mask, logp_old, logp_mu, bootstrap):
+        n = len(acts)
+        vs = [0.0] * (n + 1)
+        vs[n] = v_after
+        V = [*v, v_after]
+        for k in range(n - 1, -1, -1):
+            rho = min(rho_clip, ratio[k])
+            c = lam * min(c_clip, ratio[k])
+            delta = r[k] + gamma * V[k + 1] - V[k]
+            vs[k] = V[k] + rho * delta + gamma * c * (vs[k + 1] - V[k + 1])
+        for k in range(n):
+            rho = min(rho_clip, ratio[k])
+            ret[b, acts[k]] = vs[k]
+            adv[b, acts[k]] = rho * (r[k] + gamma * vs[k + 1] - V[k])
+    return adv, ret
+
+
+def random_multiturn_mask(B: int, T: int, g: torch.Generator, obs_frac: float = 0.3) -> torch.Tensor:
+    """Rows of alternating action/observation blocks with padding; some rows special."""
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        length = int(torch.randint(1, T + 1, (1,), generator=g))
+        t, action = 0, True
+        while t < length:
+            blk = int(torch.randint(1, max(2, T // 4), (1,), generator=g))
+            if action:
+                mask[b, t:min(t + blk, length)] = True
+            t += blk
+            action = bool(torch.rand(1, generator=g) > obs_frac) if not action else False
+            action = action or not mask[b].any()
+    return mask
