@@ -27,11 +27,11 @@ Tensor = torch.Tensor
 def _check_inputs(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
                   bootstrap_values: Tensor | None, extra: dict[str, Tensor]) -> Tensor:
     """Validate shapes/dtypes/hyper-parameters; return the bool mask."""
-    check_2d_float("values", values)
-    mask = as_bool_mask(loss_mask, values.shape)
-    check_2d_float("rewards", rewards, values.shape)
+    mask = as_bool_mask(loss_mask)
+    check_2d_float("values", values, mask.shape)
+    check_2d_float("rewards", rewards, mask.shape)
     for name, t in extra.items():
-        check_2d_float(name, t, values.shape)
+        check_2d_float(name, t, mask.shape)
     check_unit_interval("gamma", gamma)
     check_unit_interval("lam", lam)
     if bootstrap_values is not None:

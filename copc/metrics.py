@@ -70,8 +70,9 @@ def interval_fractions(ratio: Tensor, loss_mask: Tensor, low: float, high: float
     """
     m = as_bool_mask(loss_mask, ratio.shape)
     n = max(int(m.sum()), 1)
-    lo = int(((ratio <= low) & m).sum())
-    hi = int(((ratio >= high) & m).sum())
+    below = (ratio <= low) & m
+    lo = int(below.sum())
+    hi = int(((ratio >= high) & m & ~below).sum())  # a token is counted once, even if low == high
     return {
         f"{prefix}/{name}_frac": (lo + hi) / n,
         f"{prefix}/{name}_low_frac": lo / n,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_bool_mask, check_2d_float
+from ._checks import as_bool_mask, check_2d_float, raise_if_not_finite
 from .aggregation import Denominators, aggregate_loss, check_loss_agg_mode
 from .margins import EPS_HIGH, EPS_LOW, margins
 from .metrics import interval_fractions, ratio_statistics
@@ -110,7 +110,8 @@ def dis_policy_loss(logp: Tensor, logp_mu: Tensor, advantages: Tensor, loss_mask
         the token is masked (defined, no NaN in loss or gradient).
 
     Raises:
-        ValueError: on bad shapes/mode/margins, or ``ppo_clip_eps`` without ``logp_old``.
+        ValueError: on bad shapes/mode/margins, ``ppo_clip_eps`` without ``logp_old``, or NaN
+            inputs at action tokens (named in the message).
     """
     low, high = margins(eta_p, eps_low, eps_high)
     m, t = _prepare(loss_mask, loss_agg_mode, logp=logp, logp_mu=logp_mu, advantages=advantages)
@@ -134,6 +135,8 @@ def dis_policy_loss(logp: Tensor, logp_mu: Tensor, advantages: Tensor, loss_mask
         tok = w_old_mu * ppo
     tok = torch.where(keep, tok, 0.0)
     loss = aggregate_loss(tok, m, loss_agg_mode, denominators)
+    raise_if_not_finite((loss,), {"logp": logp, "logp_mu": logp_mu, "advantages": advantages}, m,
+                        "dis_policy_loss")
     metrics = {"actor/pg_loss": float(loss.detach())}
     metrics.update(interval_fractions(rho_d, m, low, high, "actor", "dis_masked"))
     metrics.update(ratio_statistics(log_ratio, m, "actor"))
@@ -164,13 +167,16 @@ def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, los
         ``actor/approx_kl`` (k1 estimator, mean of ``logp_old − logp``), ``actor/ratio_*`` (π/π_old).
 
     Raises:
-        ValueError: on bad shapes/mode or clip parameters.
+        ValueError: on bad shapes/mode or clip parameters, or NaN/inf inputs at action tokens
+            (named in the message).
     """
     _ppo_checks(clip_low, clip_high, dual_clip_c)
     m, t = _prepare(loss_mask, loss_agg_mode, logp=logp, logp_old=logp_old, advantages=advantages)
     log_ratio = t["logp"] - t["logp_old"].detach()
     tok, clipped, dual = ppo_token_loss(log_ratio, t["advantages"], clip_low, clip_high, dual_clip_c)
     loss = aggregate_loss(tok, m, loss_agg_mode, denominators)
+    raise_if_not_finite((loss,), {"logp": logp, "logp_old": logp_old, "advantages": advantages}, m,
+                        "ppo_clip_policy_loss")
     return loss, _ppo_metrics(loss, log_ratio, clipped, dual, m)
 
 
@@ -216,7 +222,8 @@ def decoupled_ppo_policy_loss(logp: Tensor, logp_prox: Tensor, logp_mu: Tensor, 
         ``behav/ratio_*`` statistics of π_prox/µ.
 
     Raises:
-        ValueError: on bad shapes/mode/parameters.
+        ValueError: on bad shapes/mode/parameters, or NaN/inf inputs at action tokens that
+            make the loss non-finite (the message names the input and position).
     """
     _ppo_checks(clip_low, clip_high, dual_clip_c)
     _check_positive(behav_weight_cap=behav_weight_cap)
@@ -231,6 +238,8 @@ def decoupled_ppo_policy_loss(logp: Tensor, logp_prox: Tensor, logp_mu: Tensor, 
     w, capped = _capped_weight(log_w, m, behav_weight_cap, behav_cap_mode)
     tok = w * tok  # w is 0 on tokens dropped by the "mask" cap
     loss = aggregate_loss(tok, m, loss_agg_mode, denominators)
+    raise_if_not_finite((loss,), {"logp": logp, "logp_prox": logp_prox, "logp_mu": logp_mu,
+                                  "advantages": advantages}, m, "decoupled_ppo_policy_loss")
     metrics = _ppo_metrics(loss, log_ratio, clipped, dual, m)
     metrics["actor/behav_capped_frac"] = int((capped & m).sum()) / max(int(m.sum()), 1)
     metrics.update(ratio_statistics(log_w, m, "behav"))
@@ -268,7 +277,8 @@ def tis_policy_loss(logp: Tensor, logp_old: Tensor, logp_mu: Tensor, advantages:
         ``(loss, metrics)``: PPO metrics plus ``actor/tis_truncated_frac``, ``behav/ratio_*``.
 
     Raises:
-        ValueError: on bad shapes/mode/parameters.
+        ValueError: on bad shapes/mode/parameters, or NaN/inf inputs at action tokens that
+            make the loss non-finite (the message names the input and position).
     """
     _check_positive(tis_cap=tis_cap)
     loss, metrics = decoupled_ppo_policy_loss(
@@ -299,7 +309,8 @@ def icepop_policy_loss(logp: Tensor, logp_old: Tensor, logp_mu: Tensor, advantag
         ``(loss, metrics)``: PPO metrics plus ``actor/icepop_masked_frac``, ``behav/ratio_*``.
 
     Raises:
-        ValueError: on bad shapes/mode/parameters.
+        ValueError: on bad shapes/mode/parameters, or NaN/inf inputs at action tokens that
+            make the loss non-finite (the message names the input and position).
     """
     _ppo_checks(clip_low, clip_high, dual_clip_c)
     _check_positive(icepop_low=icepop_low, icepop_high=icepop_high)
@@ -315,6 +326,8 @@ def icepop_policy_loss(logp: Tensor, logp_old: Tensor, logp_mu: Tensor, advantag
     keep = (k >= icepop_low) & (k <= icepop_high) & m
     tok = torch.where(keep, k * tok, 0.0)
     loss = aggregate_loss(tok, m, loss_agg_mode, denominators)
+    raise_if_not_finite((loss,), {"logp": logp, "logp_old": logp_old, "logp_mu": logp_mu,
+                                  "advantages": advantages}, m, "icepop_policy_loss")
     metrics = _ppo_metrics(loss, log_ratio, clipped, dual, m)
     metrics["actor/icepop_masked_frac"] = int((~keep & m).sum()) / max(int(m.sum()), 1)
     metrics.update(ratio_statistics(log_k, m, "behav"))

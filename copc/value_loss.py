@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_bool_mask, check_2d_float
+from ._checks import as_bool_mask, check_2d_float, raise_if_not_finite
 from .aggregation import Denominators, aggregate_loss
 
 Tensor = torch.Tensor
@@ -35,7 +35,7 @@ def value_loss(values: Tensor, values_old: Tensor, returns: Tensor, loss_mask: T
         ``explained_variance``).
 
     Raises:
-        ValueError: on mismatched shapes or ``clip_eps <= 0``.
+        ValueError: on mismatched shapes, ``clip_eps <= 0`` or NaN/inf inputs at action tokens.
     """
     check_2d_float("values", values)
     m = as_bool_mask(loss_mask, values.shape)
@@ -56,6 +56,8 @@ def value_loss(values: Tensor, values_old: Tensor, returns: Tensor, loss_mask: T
         tok = 0.5 * torch.maximum(err, err_clip)
         clipped = (err_clip > err) & m
     loss = aggregate_loss(tok, m, loss_agg_mode, denominators)
+    raise_if_not_finite((loss,), {"values": values, "values_old": values_old, "returns": returns}, m,
+                        "value_loss")
     with torch.no_grad():
         n = max(int(m.sum()), 1)
         r_sel, v_sel = returns.detach()[m], values.detach()[m]

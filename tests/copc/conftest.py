@@ -1,0 +1,8 @@
+"""Make the slow reference implementations in this folder importable (``import reference``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
