@@ -61,9 +61,7 @@ class BM25Searcher:
         self.num_passages = num_passages
 
     @classmethod
-    def build(
-        cls, texts: Sequence[str], cfg: BM25Config, show_progress: bool = True
-    ) -> BM25Searcher:
+    def build(cls, texts: Sequence[str], cfg: BM25Config, show_progress: bool = True) -> BM25Searcher:
         """Index ``texts`` (passage contents, row order = passage index).
 
         Raises:
@@ -74,9 +72,7 @@ class BM25Searcher:
         if not texts:
             raise ValueError("cannot build a BM25 index over 0 passages")
         tok = _tokenizer(cfg)
-        ids = tok.tokenize(
-            list(texts), update_vocab=True, return_as="ids", show_progress=show_progress
-        )
+        ids = tok.tokenize(list(texts), update_vocab=True, return_as="ids", show_progress=show_progress)
         ret = bm25s.BM25(method="lucene", k1=cfg.k1, b=cfg.b)
         ret.index(ids, show_progress=show_progress)
         return cls(ret, tok, len(texts))
@@ -113,8 +109,6 @@ class BM25Searcher:
             BM25 scores, sorted by descending score, ``k' = min(k, num_passages)``.
         """
         k = min(k, self.num_passages)
-        q = self._tokenizer.tokenize(
-            list(queries), update_vocab=False, return_as="ids", show_progress=False
-        )
+        q = self._tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
         idx, scores = self._retriever.retrieve(q, k=k, show_progress=False, n_threads=1)
         return np.asarray(idx, dtype=np.int64), np.asarray(scores, dtype=np.float32)

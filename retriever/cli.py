@@ -33,9 +33,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--batch-size", type=int, default=64, help="dense: passages per forward pass")
     b.add_argument("--max-tokens", type=int, default=256, help="dense: passage truncation")
     b.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    b.add_argument(
-        "--faiss", default="flat", choices=("flat", "hnsw", "ivf"), help="dense: FAISS index type"
-    )
+    b.add_argument("--faiss", default="flat", choices=("flat", "hnsw", "ivf"), help="dense: FAISS index type")
     b.add_argument("--nlist", type=int, default=1024, help="dense ivf: number of cells")
     b.add_argument("--nprobe", type=int, default=32, help="dense ivf: cells probed per query")
     b.add_argument("--hnsw-m", type=int, default=32, help="dense hnsw: links per node")
@@ -59,9 +57,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-topk", type=int, default=100)
     s.add_argument("--max-queries", type=int, default=1024, help="queries per request")
     s.add_argument("--max-query-chars", type=int, default=2048)
-    s.add_argument(
-        "--max-batch-queries", type=int, default=256, help="queries merged into one backend call"
-    )
+    s.add_argument("--max-batch-queries", type=int, default=256, help="queries merged into one backend call")
     s.add_argument("--max-wait-ms", type=float, default=0.0)
     s.add_argument("--log-level", default="warning")
     s.set_defaults(func=_serve)

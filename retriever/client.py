@@ -160,9 +160,7 @@ class RetrieverClient:
             body = {"queries": chunk, "topk": k, "return_scores": return_scores}
             result = self._request("POST", "/retrieve", json=body)["result"]
             if len(result) != len(chunk):
-                raise RetrieverError(
-                    f"server returned {len(result)} result lists for {len(chunk)} queries"
-                )
+                raise RetrieverError(f"server returned {len(result)} result lists for {len(chunk)} queries")
             out.extend(result)
         return out
 

@@ -59,9 +59,7 @@ def _parse_line(path: Path, lineno: int, raw: str) -> Passage:
     try:
         rec = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise CorpusFormatError(
-            path, lineno, f"invalid JSON ({exc.msg} at column {exc.colno})"
-        ) from None
+        raise CorpusFormatError(path, lineno, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(rec, dict):
         raise CorpusFormatError(path, lineno, f"expected a JSON object, got {type(rec).__name__}")
     if "id" not in rec:

@@ -40,9 +40,7 @@ class FaissConfig:
 
     def __post_init__(self) -> None:
         if self.index_type not in INDEX_TYPES:
-            raise ValueError(
-                f"faiss.index_type must be one of {INDEX_TYPES}, got {self.index_type!r}"
-            )
+            raise ValueError(f"faiss.index_type must be one of {INDEX_TYPES}, got {self.index_type!r}")
         for name in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"faiss.{name} must be > 0, got {getattr(self, name)}")

@@ -71,11 +71,7 @@ class EncoderConfig:
         """``(query_prefix, passage_prefix)`` after applying the defaults described above."""
         e5 = self.model_path is not None
         q = self.query_prefix if self.query_prefix is not None else (E5_QUERY_PREFIX if e5 else "")
-        p = (
-            self.passage_prefix
-            if self.passage_prefix is not None
-            else (E5_PASSAGE_PREFIX if e5 else "")
-        )
+        p = self.passage_prefix if self.passage_prefix is not None else (E5_PASSAGE_PREFIX if e5 else "")
         return q, p
 
 
@@ -151,6 +147,4 @@ class Encoder:
 
     def encode_passages(self, passages: Sequence[str], show_progress: bool = True) -> np.ndarray:
         """Encode passages with the passage prefix; returns float32 ``(n, dimension)``."""
-        return self.encode(
-            passages, self.cfg.passage_max_tokens, self.passage_prefix, show_progress
-        )
+        return self.encode(passages, self.cfg.passage_max_tokens, self.passage_prefix, show_progress)

@@ -129,9 +129,7 @@ class LoadedIndex:
     meta: IndexMeta
 
 
-def load_index(
-    index_dir: str | Path, corpus: str | Path | None = None, device: str = "auto"
-) -> LoadedIndex:
+def load_index(index_dir: str | Path, corpus: str | Path | None = None, device: str = "auto") -> LoadedIndex:
     """Load an index directory and its corpus, refusing a corpus it was not built for.
 
     Args:
@@ -162,14 +160,13 @@ def load_index(
         from retriever.encoder import Encoder
 
         enc_cfg = EncoderConfig(**{**meta.params["encoder"], "device": device})
-        searcher = DenseSearcher.load(
-            index_dir, Encoder(enc_cfg), FaissConfig(**meta.params["faiss"])
-        )
+        searcher = DenseSearcher.load(index_dir, Encoder(enc_cfg), FaissConfig(**meta.params["faiss"]))
     else:
         from retriever.pyserini_backend import PyseriniSearcher
 
+        lucene = Path(meta.params["lucene_index"])
         searcher = PyseriniSearcher(
-            meta.params["lucene_index"],
+            lucene if lucene.is_absolute() else Path(index_dir) / lucene,
             [p.id for p in passages],
             BM25Config(**meta.params["bm25"]),
             threads=int(meta.params.get("threads", 1)),

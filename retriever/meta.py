@@ -100,6 +100,5 @@ class IndexMeta:
             )
         if num_passages is not None and num_passages != self.num_passages:
             raise IndexMismatchError(
-                f"index has {self.num_passages} passages but corpus {corpus_path} "
-                f"has {num_passages}"
+                f"index has {self.num_passages} passages but corpus {corpus_path} has {num_passages}"
             )

@@ -71,9 +71,7 @@ class ServerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
         if self.default_topk > self.max_topk:
-            raise ValueError(
-                f"server.default_topk ({self.default_topk}) > server.max_topk ({self.max_topk})"
-            )
+            raise ValueError(f"server.default_topk ({self.default_topk}) > server.max_topk ({self.max_topk})")
         if self.max_wait_ms < 0:
             raise ValueError(f"server.max_wait_ms must be >= 0, got {self.max_wait_ms}")
 
@@ -109,9 +107,7 @@ def validation_message(errors: list[dict]) -> str:
     for err in errors:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         msg = err.get("msg", "invalid")
-        got = (
-            f" (got {_short(err['input'])})" if "input" in err and err["type"] != "missing" else ""
-        )
+        got = f" (got {_short(err['input'])})" if "input" in err and err["type"] != "missing" else ""
         parts.append(f"{loc}: {msg}{got}")
     return "; ".join(parts)
 
@@ -121,8 +117,7 @@ class _Formatter:
 
     def __init__(self, loaded: LoadedIndex) -> None:
         self.docs = [
-            json.dumps({"id": p.id, "contents": p.contents}, ensure_ascii=False)
-            for p in loaded.passages
+            json.dumps({"id": p.id, "contents": p.contents}, ensure_ascii=False) for p in loaded.passages
         ]
 
     def __call__(self, idx: np.ndarray, scores: np.ndarray, k: int) -> tuple[str, str]:
@@ -234,6 +229,4 @@ def serve(
     """
     import uvicorn
 
-    uvicorn.run(
-        create_app(loaded, cfg), host=host, port=port, log_level=log_level, access_log=False
-    )
+    uvicorn.run(create_app(loaded, cfg), host=host, port=port, log_level=log_level, access_log=False)

@@ -104,9 +104,7 @@ def bm25_index(shared_data, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("bm25") / "index"
     build_index(
-        BuildConfig(
-            kind="bm25", corpus=str(shared_data["corpus"]), out=str(out), show_progress=False
-        )
+        BuildConfig(kind="bm25", corpus=str(shared_data["corpus"]), out=str(out), show_progress=False)
     )
     return out
 
@@ -114,9 +112,7 @@ def bm25_index(shared_data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bm25_server(bm25_index) -> Iterator[str]:
     """Base URL of a real server on the full-corpus BM25 index (max_topk 20)."""
-    yield from serve_index(
-        bm25_index, "--max-topk", "20", "--max-queries", "64", "--max-query-chars", "500"
-    )
+    yield from serve_index(bm25_index, "--max-topk", "20", "--max-queries", "64", "--max-query-chars", "500")
 
 
 @pytest.fixture(scope="session")

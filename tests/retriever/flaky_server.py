@@ -39,8 +39,7 @@ def make_app(fails: int, hangs: int) -> FastAPI:
         if n <= fails + hangs:
             await asyncio.sleep(3.0)
         hits = [
-            [{"document": {"id": str(i), "contents": q}, "score": 1.0}]
-            for i, q in enumerate(body["queries"])
+            [{"document": {"id": str(i), "contents": q}, "score": 1.0}] for i, q in enumerate(body["queries"])
         ]
         return {"result": hits}
 

@@ -115,9 +115,7 @@ def test_32_concurrent_clients_50_requests_each(bm25_server):
     queries = ["Shirley Temple", "Animorphs companion books", "Kiss and Tell", "Evan Morris"]
     before = httpx.get(f"{bm25_server}/health").json()
     expected = {
-        q: _post(bm25_server, {"queries": [q], "topk": 3, "return_scores": True}).json()["result"][
-            0
-        ]
+        q: _post(bm25_server, {"queries": [q], "topk": 3, "return_scores": True}).json()["result"][0]
         for q in queries
     }
 
