@@ -1,0 +1,246 @@
+"""Multi-turn text tool environments on top of ``gymnasium.Env``.
+
+An episode: ``reset`` returns the prompt text; each ``step(action)`` takes the model's text for
+one turn. If the action contains a tool call (the earliest one, by position, over all tools),
+the tool runs and its rendered result is the next observation; if it contains a final answer
+and no tool call, the episode terminates and is scored; otherwise the action is invalid.
+Rewards are computed from the concatenated *actions* only (never the prompt or tool output).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import gymnasium
+from gymnasium import spaces
+
+TRUNCATION_MARKER = "\n...[truncated {n} characters]...\n"
+
+
+class TextSpace(spaces.Text):
+    """``gymnasium.spaces.Text`` that accepts any Unicode string up to ``max_length`` chars.
+
+    Gymnasium's ``Text`` only accepts characters of its (sampling) charset; model text and
+    tool output are arbitrary Unicode, so ``contains`` checks type and length only. Samples
+    are drawn from printable ASCII.
+    """
+
+    def __init__(self, max_length: int, seed: int | None = None) -> None:
+        charset = "".join(chr(c) for c in range(32, 127)) + "\n"
+        super().__init__(max_length=max_length, min_length=0, charset=charset, seed=seed)
+
+    def contains(self, x: Any) -> bool:
+        """True for a ``str`` of at most ``max_length`` characters."""
+        return isinstance(x, str) and len(x) <= self.max_length
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call found in an action: tool name, payload, and its ``[start, end)`` span."""
+
+    tool: str
+    payload: str
+    start: int
+    end: int
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool: how a call is found in text, how it runs, how its result is rendered."""
+
+    name: str
+
+    def find(self, text: str) -> ToolCall | None:
+        """Return the first well-formed call in ``text`` or ``None``."""
+
+    def run(self, payload: str) -> Any:
+        """Execute the call; must not raise for bad payloads (return an error result)."""
+
+    def render(self, result: Any) -> str:
+        """Observation text for ``result`` (e.g. ``<interpreter>...</interpreter>``)."""
+
+
+class RegexTool:
+    """Base for tools whose calls are ``open_tag ... close_tag`` spans matched by a regex.
+
+    Subclasses set ``name`` and ``pattern`` (group 1 = payload) and implement ``run`` and
+    ``render``.
+    """
+
+    name = "tool"
+    pattern: re.Pattern[str] = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
+
+    def find(self, text: str) -> ToolCall | None:
+        """First match of ``pattern`` in ``text``."""
+        m = self.pattern.search(text)
+        if m is None:
+            return None
+        return ToolCall(self.name, m.group(1), m.start(), m.end())
+
+
+@dataclass(frozen=True)
+class EnvLimits:
+    """Episode limits.
+
+    Attributes:
+        max_turns: most actions (model turns) per episode; reaching it truncates.
+        max_tool_calls: most tool executions per episode; more calls get an error reply.
+        max_observation_chars: longer tool observations are cut in the middle with a visible
+            ``...[truncated N characters]...`` marker.
+        max_action_chars: ``action_space`` length bound (characters).
+    """
+
+    max_turns: int = 8
+    max_tool_calls: int = 8
+    max_observation_chars: int = 4096
+    max_action_chars: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tool_calls", "max_observation_chars", "max_action_chars"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EnvLimits.{name}={v!r}: must be an int >= 1")
+
+
+def truncate_observation(text: str, max_chars: int) -> str:
+    """Cut ``text`` to about ``max_chars`` characters keeping head and tail, with a marker."""
+    if len(text) <= max_chars:
+        return text
+    keep = max(max_chars - len(TRUNCATION_MARKER.format(n=len(text))), 2)
+    head, tail = keep // 2, keep - keep // 2
+    return text[:head] + TRUNCATION_MARKER.format(n=len(text) - head - tail) + text[-tail:]
+
+
+@dataclass
+class _Episode:
+    sample: Mapping[str, Any]
+    prompt: str
+    actions: list[str] = field(default_factory=list)
+    tool_calls: int = 0
+    done: bool = False
+
+
+class ToolEnv(gymnasium.Env):
+    """Base class of multi-turn text tool environments (observation/action = text).
+
+    Subclasses implement :meth:`build_prompt`, :meth:`extract_answer` and :meth:`score`, and
+    pass their tools. ``info`` of ``reset``/``step`` has: ``turn`` (actions taken so far),
+    ``tool_calls`` (executed so far), ``tool`` (name of the tool run this step or None),
+    ``invalid`` (action had neither a tool call nor a final answer), ``final_answer``
+    (parsed, or None), ``reward_components`` (dict, on the last step), ``sample_id``.
+
+    Args:
+        tools: tools recognised in actions.
+        limits: :class:`EnvLimits`.
+        samples: data rows to draw from on ``reset`` without ``options["sample"]``.
+        invalid_action_reply: observation for an invalid action; ``None`` ends the episode
+            (scored as is) instead.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 - gymnasium convention
+
+    def __init__(self, tools: Sequence[Tool], limits: EnvLimits | None = None,
+                 samples: Sequence[Mapping[str, Any]] | None = None,
+                 invalid_action_reply: str | None = None) -> None:
+        self.tools = list(tools)
+        self.limits = limits or EnvLimits()
+        self.samples = list(samples) if samples is not None else None
+        self.invalid_action_reply = invalid_action_reply
+        self.observation_space = TextSpace(max(self.limits.max_observation_chars, 1 << 20))
+        self.action_space = TextSpace(self.limits.max_action_chars)
+        self._ep: _Episode | None = None
+
+    # -- subclass hooks -------------------------------------------------------------------
+    def build_prompt(self, sample: Mapping[str, Any]) -> str:
+        """Prompt text for ``sample``."""
+        raise NotImplementedError
+
+    def extract_answer(self, action: str) -> str | None:
+        """Final answer in one action, or ``None`` if it has none."""
+        raise NotImplementedError
+
+    def score(self, sample: Mapping[str, Any], response: str, answer: str | None,
+              tool_calls: int) -> tuple[float, dict[str, float]]:
+        """(reward, components) for the model's concatenated actions ``response``."""
+        raise NotImplementedError
+
+    # -- gymnasium API ------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Start an episode on ``options["sample"]`` or a seeded random row of ``samples``.
+
+        Raises:
+            ValueError: neither ``options["sample"]`` nor ``samples`` is available.
+        """
+        super().reset(seed=seed)
+        sample = (options or {}).get("sample")
+        if sample is None:
+            if not self.samples:
+                raise ValueError(
+                    f"{type(self).__name__}.reset: pass options={{'sample': {{...}}}} or "
+                    "construct the env with samples")
+            sample = self.samples[int(self.np_random.integers(len(self.samples)))]
+        if not isinstance(sample, Mapping):
+            raise ValueError(f"options['sample'] must be a mapping, got {type(sample).__name__}")
+        prompt = self.build_prompt(sample)
+        self._ep = _Episode(sample=sample, prompt=prompt)
+        return prompt, self._info(tool=None, invalid=False, answer=None)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Apply one model turn; see the class docstring for ``info``.
+
+        Raises:
+            RuntimeError: ``reset`` was not called or the episode is over.
+            TypeError: ``action`` is not a str.
+        """
+        ep = self._ep
+        if ep is None or ep.done:
+            raise RuntimeError("step() called before reset() or after the episode ended")
+        if not isinstance(action, str):
+            raise TypeError(f"action must be str, got {type(action).__name__}")
+        ep.actions.append(action)
+        turn = len(ep.actions)
+        calls = [c for c in (t.find(action) for t in self.tools) if c is not None]
+        call = min(calls, key=lambda c: c.start) if calls else None
+        answer = self.extract_answer(action) if call is None else None
+        last_turn = turn >= self.limits.max_turns
+        if call is None and (answer is not None or self.invalid_action_reply is None):
+            return self._finish(answer, terminated=True, truncated=False,
+                                invalid=answer is None)
+        if last_turn:  # a tool call or invalid action on the last allowed turn
+            return self._finish(None, terminated=False, truncated=True, invalid=call is None)
+        if call is None:
+            obs = self.invalid_action_reply or ""
+            return obs, 0.0, False, False, self._info(tool=None, invalid=True, answer=None)
+        if ep.tool_calls >= self.limits.max_tool_calls:
+            obs = self.render_limit_reached(call)
+            return obs, 0.0, False, False, self._info(tool=call.tool, invalid=True, answer=None)
+        tool = next(t for t in self.tools if t.name == call.tool)
+        ep.tool_calls += 1
+        obs = truncate_observation(tool.render(tool.run(call.payload)),
+                                   self.limits.max_observation_chars)
+        return obs, 0.0, False, False, self._info(tool=call.tool, invalid=False, answer=None)
+
+    def render_limit_reached(self, call: ToolCall) -> str:
+        """Observation when ``max_tool_calls`` is exhausted (override to use the tool's tags)."""
+        return f"\n[tool call limit of {self.limits.max_tool_calls} reached; give your answer]\n"
+
+    def _finish(self, answer: str | None, *, terminated: bool, truncated: bool,
+                invalid: bool) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        ep = self._ep
+        assert ep is not None
+        ep.done = True
+        reward, comps = self.score(ep.sample, "".join(ep.actions), answer, ep.tool_calls)
+        info = self._info(tool=None, invalid=invalid, answer=answer)
+        info["reward_components"] = comps
+        return "", float(reward), terminated, truncated, info
+
+    def _info(self, *, tool: str | None, invalid: bool, answer: str | None) -> dict[str, Any]:
+        ep = self._ep
+        assert ep is not None
+        return {"turn": len(ep.actions), "tool_calls": ep.tool_calls, "tool": tool,
+                "invalid": invalid, "final_answer": answer, "reward_components": {},
+                "sample_id": ep.sample.get("id")}
