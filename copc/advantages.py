@@ -49,16 +49,12 @@ def _td_corrected(rewards: Tensor, values: Tensor, mask: Tensor, rho_bar: Tensor
     """
     starts, ends = action_block_bounds(mask)
     delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward)
-    not_action = ~mask
-    x = (delta * rho_bar if rho_bar is not None else delta.clone()).masked_fill_(not_action, 0.0)
+    x = torch.where(mask, delta if rho_bar is None else rho_bar.mul_(delta), 0.0)
     c = gamma * lam
-    g = reverse_action_scan(x, mask, c)
-    # Â_t = δ_t + γλ G_{t+1}; G at position t + 1 is G at the next action token.
-    advantages = torch.empty_like(delta)
-    torch.add(delta[:, :-1], g[:, 1:], alpha=c, out=advantages[:, :-1])
-    advantages[:, -1] = delta[:, -1]
-    advantages.masked_fill_(not_action, 0.0)
-    returns = g.add_(values).masked_fill_(not_action, 0.0)
+    g, g_next = reverse_action_scan(x, mask, c)
+    # Â_t = δ_t + γλ G_{t+1} (own residual unweighted); v̂_t = V_t + G_t.
+    advantages = torch.where(mask, torch.add(delta, g_next, alpha=c) if c != 1.0 else g_next.add_(delta), 0.0)
+    returns = torch.where(mask, g.add_(values), 0.0)
     raise_if_not_finite((advantages, returns), inputs, mask, context)
     return advantages, returns
 

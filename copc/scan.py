@@ -130,11 +130,9 @@ def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     """
     T = values.shape[1]
     r = rewards if rewards.dtype == values.dtype else rewards.to(values.dtype)
-    delta = torch.empty_like(values)
+    delta = torch.sub(r, values)
     # interior action tokens: the next token is the next action token
-    torch.add(r[:, :-1], values[:, 1:], alpha=gamma, out=delta[:, :-1])
-    delta[:, -1] = r[:, -1]
-    delta.sub_(values)
+    delta[:, :-1].add_(values[:, 1:], alpha=gamma)
     if ends.numel() == 0:
         return delta
     # turn ends: next action token is the next turn's first token, else the bootstrap value
@@ -159,20 +157,21 @@ def _block_size(c: float, dtype: torch.dtype, block: int) -> int:
     return max(1, min(block, int(safe / -math.log10(c))))
 
 
-def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAULT_BLOCK) -> Tensor:
-    """Discounted reverse cumulative sum over action tokens, observation tokens skipped.
+def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAULT_BLOCK
+                        ) -> tuple[Tensor, Tensor]:
+    """Discounted reverse cumulative sums over action tokens, observation tokens skipped.
 
-    Computes, for every position ``p`` of every row,
-    ``G_p = Σ_{j ≥ p, mask_j} c^{#action tokens in [p, j)} · x_j``, i.e. the recursion
     ``G_t = x_t + c · G_{n(t)}`` over action tokens (``n(t)`` the next action token,
-    ``G`` after the last one = 0), with ``G`` at an observation position equal to
-    ``G`` at the next action token. Spec: "Advantage channel", ``G_t``.
+    ``G`` after the last one = 0); spec "Advantage channel", ``G_t``. Returns both
+    ``G`` and ``G_next``, where ``G_next[p]`` is ``G`` at the first action token after
+    position ``p`` (0 if none), so ``G_t = x_t + c · G_next[t]`` at action tokens.
 
     Implementation: blocks of ``L`` tokens, chained right to left through their carries
-    ``H`` (a loop over ``T / L`` blocks, never over tokens). ``c == 1``: the suffix sums
-    of a block are ``total − cumsum(x) + x`` (one ``cumsum`` and two passes; sums never
-    span more than a block, which keeps float32 error small). ``0 < c < 1``: with ``Ex``
-    the count of earlier action tokens in the block, ``S = U · (c^{Ex} x)`` with ``U``
+    ``H`` (a loop over ``T / L`` blocks, never over tokens). ``c == 1``: inside block
+    ``i``, ``G_next[p] = H_i − cumsum(x)_p`` (one ``cumsum`` and one pass; a prefix never
+    spans more than a block, which keeps float32 cancellation small; at a block's last
+    token this is ``H_{i+1}``, so no boundary case). ``0 < c < 1``: with ``Ex`` the count
+    of earlier action tokens in the block, ``S = U · (c^{Ex} x)`` with ``U``
     upper-triangular ones (a matmul, since total − prefix would cancel catastrophically
     for decaying weights) and ``G = c^{−Ex} (S + c^{n_block} H_next)``.
 
@@ -183,37 +182,41 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
         block: maximum block length in tokens.
 
     Returns:
-        ``(B, T)`` tensor of ``G`` with the dtype of ``x`` (a new tensor).
+        ``(G, G_next)``, each ``(B, T)`` with the dtype of ``x`` (new tensors). Their
+        values at non-action positions are the pass-through values defined above.
 
     Raises:
         ValueError: if ``c`` is outside ``[0, 1]``.
     """
     if not 0.0 <= c <= 1.0:
         raise ValueError(f"discount c = gamma * lam must be in [0, 1], got {c!r}")
-    if c == 0.0:
-        return x.clone()
     B, T = x.shape
-    L = min(_block_size(c, x.dtype, block if c == 1.0 else min(block, MATMUL_BLOCK)), T)
-    nb = -(-T // L)
-    pad = nb * L - T
-    xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(B, nb, L)
     if c == 1.0:
+        L = min(block, T)
+        nb = -(-T // L)
+        pad = nb * L - T
+        xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(B, nb, L)
         cs = xb.cumsum(2)
-        tot = cs[:, :, -1]
-        # H[i] = Σ_{k ≥ i} tot[k]: G at the start of block i
-        H = tot.flip(1).cumsum(1).flip(1)
-        g = torch.sub(H.unsqueeze(2), cs).add_(xb)
-        return g.view(B, nb * L)[:, :T] if pad else g.view(B, T)
-    mb = (torch.nn.functional.pad(mask, (0, pad)) if pad else mask).view(B, nb, L)
-    ex = mb.cumsum(2, dtype=x.dtype)
-    decay = torch.pow(c, ex[:, :, -1])  # c^{action tokens in the block}
-    w = ex.sub_(mb.to(x.dtype)).mul_(math.log(c)).exp_()  # c^{Ex}
-    # Suffix sums by a triangular matmul: total − prefix would cancel catastrophically
-    # here, because early tokens carry the largest weights c^{Ex}.
-    upper = torch.ones(L, L, dtype=x.dtype, device=x.device).tril_()  # [j, k] = 1 if j >= k
-    s = (xb * w) @ upper
-    H = torch.zeros(B, nb + 1, dtype=x.dtype, device=x.device)
-    for i in range(nb - 1, -1, -1):  # loop over blocks, not tokens
-        H[:, i] = s[:, i, 0] + decay[:, i] * H[:, i + 1]
-    g = s.add_((decay * H[:, 1:]).unsqueeze(2)).div_(w)
-    return g.view(B, nb * L)[:, :T] if pad else g.view(B, T)
+        H = cs[:, :, -1].flip(1).cumsum(1).flip(1)  # G at the start of each block
+        g_next = torch.sub(H.unsqueeze(2), cs).view(B, nb * L)[:, :T]
+        return g_next + x, g_next
+    if c == 0.0:
+        g = x.clone()
+    else:
+        L = min(_block_size(c, x.dtype, min(block, MATMUL_BLOCK)), T)
+        nb = -(-T // L)
+        pad = nb * L - T
+        xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(B, nb, L)
+        mb = (torch.nn.functional.pad(mask, (0, pad)) if pad else mask).view(B, nb, L)
+        ex = mb.cumsum(2, dtype=x.dtype)
+        decay = torch.pow(c, ex[:, :, -1])  # c^{action tokens in the block}
+        w = ex.sub_(mb.to(x.dtype)).mul_(math.log(c)).exp_()  # c^{Ex}
+        upper = torch.ones(L, L, dtype=x.dtype, device=x.device).tril_()  # [j, k] = 1 if j >= k
+        s = (xb * w) @ upper
+        H = torch.zeros(B, nb + 1, dtype=x.dtype, device=x.device)
+        for i in range(nb - 1, -1, -1):  # loop over blocks, not tokens
+            H[:, i] = s[:, i, 0] + decay[:, i] * H[:, i + 1]
+        g = s.add_((decay * H[:, 1:]).unsqueeze(2)).div_(w).view(B, nb * L)[:, :T]
+    g_next = torch.zeros_like(g)
+    g_next[:, :-1] = g[:, 1:]
+    return g, g_next

@@ -206,7 +206,7 @@ def test_observation_reward_equals_reward_moved_to_preceding_action():
     x = two_turn()
     moved = dict(x)
     moved["rewards"] = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.0, 1.0, 0.0]], dtype=F64)
-    for a, b in zip(copc.coupled_advantage_return(**x), copc.coupled_advantage_return(**moved)):
+    for a, b in zip(copc.coupled_advantage_return(**x), copc.coupled_advantage_return(**moved), strict=True):
         assert torch.equal(a, b)
 
 

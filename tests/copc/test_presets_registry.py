@@ -63,7 +63,7 @@ def test_invalid_overrides_name_the_field(overrides, match):
 
 
 def test_unknown_preset():
-    with pytest.raises(ValueError, match="unknown preset 'grpo'.*available"):
+    with pytest.raises(ValueError, match=r"unknown preset 'grpo'.*available"):
         copc.get_preset("grpo")
 
 
