@@ -1,0 +1,206 @@
+"""``SearchEnv``: Search-R1-style multi-turn QA with a retriever tool."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from ..base import EnvLimits, RegexTool, ToolEnv
+from ..data import DEFAULT_DATA_DIR, load_jsonl, resolve_data_path
+from .reward import exact_match, f1_score, substring_match
+
+PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some "
+    "knowledge, you can call a search engine by <search> query </search> and it will return "
+    "the top searched results between <information> and </information>. You can search as "
+    "many times as your want. If you find no further external knowledge needed, you can "
+    "directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+INVALID_ACTION_REPLY = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between "
+    "<search> and </search>. If I want to give the final answer, I should put the answer "
+    "between <answer> and </answer>. Let me try again.\n"
+)
+ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+QA_DATASETS = ("nq", "triviaqa", "popqa", "bamboogle", "hotpotqa", "2wikimultihopqa", "musique")
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    """What the search tool needs: the retriever client's ``retrieve`` method.
+
+    ``retrieve(queries, topk)`` returns, per query, up to ``topk`` hits
+    ``{"document": {"id": str, "contents": '"Title"\\ntext'}, "score": float}``, best first
+    (``retriever.client.RetrieverClient`` implements it).
+    """
+
+    def retrieve(self, queries: Sequence[str], topk: int | None = None
+                 ) -> list[list[dict[str, Any]]]:
+        """Hits per query."""
+
+
+def format_passages(hits: Sequence[Mapping[str, Any]]) -> str:
+    """Search-R1 rendering: ``Doc i(Title: T) text`` lines for hits with contents
+    ``"Title"\\ntext``."""
+    lines = []
+    for i, hit in enumerate(hits, 1):
+        contents = str(hit["document"]["contents"])
+        title, _, text = contents.partition("\n")
+        lines.append(f"Doc {i}(Title: {title.strip().strip(chr(34))}) {text.strip()}")
+    return "\n".join(lines)
+
+
+class SearchTool(RegexTool):
+    """``<search>query</search>`` → ``<information>Doc 1(Title: …) …</information>``.
+
+    Retrieval errors are rendered as an observation (the episode goes on), not raised.
+    """
+
+    name = "search"
+    pattern = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+
+    def __init__(self, retriever: Retriever, topk: int = 3) -> None:
+        self.retriever, self.topk = retriever, topk
+
+    def run(self, payload: str) -> list[dict[str, Any]] | str:
+        """Hits for the stripped query, or an error string."""
+        query = payload.strip()
+        if not query:
+            return "empty search query"
+        try:
+            return self.retriever.retrieve([query], topk=self.topk)[0]
+        except Exception as e:  # the model sees the failure; training is not interrupted
+            return f"search failed: {type(e).__name__}: {e}"
+
+    def render(self, result: list[dict[str, Any]] | str) -> str:
+        """The Search-R1 ``<information>`` block."""
+        body = result if isinstance(result, str) else format_passages(result)
+        return f"\n\n<information>{body}</information>\n\n"
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Settings of :class:`SearchEnv` (validated).
+
+    Attributes:
+        dataset: one of ``QA_DATASETS`` (file ``qa/<name>.jsonl``) or a JSONL path; rows
+            ``{"id", "question", "golden_answers": [str, ...]}``; ``None`` for no dataset.
+        data_dir: data root (relative paths: from the repository root).
+        limit: read at most this many rows.
+        retriever_url: server URL used when no retriever object is passed.
+        topk: passages per search (Search-R1 default 3).
+        reward: ``"em"`` (exact match), ``"substring_em"`` or ``"f1"``.
+        limits: :class:`EnvLimits`; ``max_turns`` default 4 (Search-R1).
+    """
+
+    dataset: str | None = None
+    data_dir: str = DEFAULT_DATA_DIR
+    limit: int | None = None
+    retriever_url: str = "http://127.0.0.1:8000"
+    topk: int = 3
+    reward: str = "em"
+    limits: EnvLimits = field(default_factory=lambda: EnvLimits(max_turns=4, max_tool_calls=4))
+    prompt_template: str = PROMPT
+
+    def __post_init__(self) -> None:
+        if self.reward not in ("em", "substring_em", "f1"):
+            raise ValueError(f"SearchConfig.reward={self.reward!r}: em | substring_em | f1")
+        if not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"SearchConfig.topk={self.topk!r}: must be an int >= 1")
+        if "{question}" not in self.prompt_template:
+            raise ValueError("SearchConfig.prompt_template must contain '{question}'")
+
+
+def load_qa(dataset: str, data_dir: str = DEFAULT_DATA_DIR, limit: int | None = None
+            ) -> list[dict[str, Any]]:
+    """Load a QA set by name (``nq``, ``hotpotqa``, ...) or JSONL path.
+
+    Raises:
+        FileNotFoundError / ValueError: missing file, bad line, or ``golden_answers`` not a
+            list of strings (message gives the line).
+    """
+    rel = f"qa/{dataset}.jsonl" if dataset in QA_DATASETS else dataset
+    path = resolve_data_path(Path(rel), data_dir)
+    rows = load_jsonl(path, ("id", "question", "golden_answers"), limit)
+    for i, r in enumerate(rows, 1):
+        ga = r["golden_answers"]
+        if not isinstance(ga, list) or not all(isinstance(a, str) for a in ga):
+            raise ValueError(f"{path}: row {i} ({r['id']!r}): golden_answers must be a list of "
+                             f"str, got {ga!r}")
+    return rows
+
+
+class SearchEnv(ToolEnv):
+    """Search-R1 env: ``<search>`` calls the retriever, ``<answer>`` ends the episode.
+
+    An action with neither tag gets Search-R1's invalid-action reply. The reward (EM,
+    substring EM or F1 against any golden answer) is computed on the final ``<answer>``,
+    which is parsed from the model's text only. Keyword overrides are :class:`SearchConfig`
+    fields.
+
+    Args:
+        config: :class:`SearchConfig`.
+        retriever: object with ``retrieve(queries, topk)`` (e.g.
+            ``retriever.client.RetrieverClient``); default: a client for
+            ``config.retriever_url``.
+        samples: rows instead of ``config.dataset``.
+    """
+
+    def __init__(self, config: SearchConfig | None = None, retriever: Retriever | None = None,
+                 samples: Sequence[Mapping[str, Any]] | None = None, **overrides: Any) -> None:
+        cfg = config or SearchConfig()
+        if overrides:
+            cfg = replace(cfg, **overrides)
+        self.config = cfg
+        if samples is None and cfg.dataset is not None:
+            samples = load_qa(cfg.dataset, cfg.data_dir, cfg.limit)
+        self._own_retriever = retriever is None
+        if retriever is None:
+            from retriever.client import ClientConfig, RetrieverClient
+
+            retriever = RetrieverClient(ClientConfig(url=cfg.retriever_url, topk=cfg.topk))
+        if not isinstance(retriever, Retriever):
+            raise TypeError(f"retriever must have a retrieve(queries, topk) method, got "
+                            f"{type(retriever).__name__}")
+        self.retriever = retriever
+        self.search = SearchTool(retriever, cfg.topk)
+        super().__init__([self.search], cfg.limits, samples,
+                         invalid_action_reply=INVALID_ACTION_REPLY)
+
+    def build_prompt(self, sample: Mapping[str, Any]) -> str:
+        """Search-R1 instruction with the question."""
+        if "question" not in sample:
+            raise ValueError(f"QA sample {sample.get('id')!r} has no 'question' field")
+        q = str(sample["question"]).strip()
+        if not q.endswith("?"):
+            q += "?"
+        return self.config.prompt_template.format(question=q)
+
+    def extract_answer(self, action: str) -> str | None:
+        """Content of the last ``<answer>...</answer>`` in the action."""
+        found = ANSWER_PATTERN.findall(action)
+        return found[-1].strip() if found else None
+
+    def score(self, sample: Mapping[str, Any], response: str, answer: str | None,
+              tool_calls: int) -> tuple[float, dict[str, float]]:
+        """EM / substring EM / F1 of ``answer`` against ``sample["golden_answers"]``."""
+        golden = sample.get("golden_answers")
+        if not isinstance(golden, list | tuple):
+            raise ValueError(f"QA sample {sample.get('id')!r}: golden_answers must be a list")
+        if answer is None:
+            comps = {"em": 0.0, "substring_em": 0.0, "f1": 0.0, "has_answer": 0.0}
+        else:
+            comps = {"em": exact_match(answer, golden),
+                     "substring_em": substring_match(answer, golden),
+                     "f1": f1_score(answer, golden), "has_answer": 1.0}
+        return comps[self.config.reward], comps
+
+    def close(self) -> None:
+        """Close the retriever client if the env created it."""
+        if self._own_retriever and hasattr(self.retriever, "close"):
+            self.retriever.close()
