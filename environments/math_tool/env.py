@@ -107,10 +107,15 @@ class MathToolEnv(ToolEnv):
 
     def score(self, sample: Mapping[str, Any], response: str, answer: str | None,
               tool_calls: int) -> tuple[float, dict[str, float]]:
-        """:class:`MathReward` of the model's turns against ``sample["answer"]``."""
+        """:class:`MathReward` of the final (answering) model turn against ``sample["answer"]``.
+
+        Only the turn that ended the episode is scored, so a ``\\boxed{}`` inside earlier
+        code (or any tool output) never counts as the answer.
+        """
         if "answer" not in sample:
             raise ValueError(f"math sample {sample.get('id')!r} has no 'answer' field")
-        return self.reward_fn(response, str(sample["answer"]), tool_calls)
+        final = self._ep.actions[-1] if (answer is not None and self._ep) else ""
+        return self.reward_fn(final, str(sample["answer"]), tool_calls)
 
     def render_limit_reached(self, call: ToolCall) -> str:
         """Interpreter-style reply once ``max_tool_calls`` is used up."""
