@@ -48,14 +48,14 @@ def test_correct_episode_with_two_code_calls(env):
 
 def test_equivalent_latex_answer_is_correct(env):
     env.reset(options={"sample": {"id": "f", "problem": "half", "answer": "\\frac{1}{2}"}})
-    _, r, term, _, info = env.step("The answer is \\boxed{0.5}")
+    _, r, term, _, _ = env.step("The answer is \\boxed{0.5}")
     assert term and r == 1.0
 
 
 def test_wrong_answer(env):
     env.reset(options={"sample": SAMPLE})
     env.step(code("print(17 * 23)"))
-    obs, r, term, trunc, info = env.step("Therefore \\boxed{391}.")
+    _, r, term, trunc, info = env.step("Therefore \\boxed{391}.")
     assert (r, term, trunc, info["final_answer"]) == (0.0, True, False, "391")
 
 
@@ -162,7 +162,7 @@ def test_data_loaders():
     assert first["answer"] == "70"
     assert len(load_math("math500", limit=5)) == 5
     assert len(load_math("aime2024")) == 30 and len(load_math("math_train", limit=3)) == 3
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
         load_math("nope.jsonl")
 
 

@@ -33,7 +33,7 @@ def test_register_make_override_unknown():
     with pytest.raises(ValueError, match="already registered"):
         reg.register("m", "x:y")
     reg.register("bad", "no_colon_here")
-    with pytest.raises(ValueError, match="expected 'package.module:ClassName'"):
+    with pytest.raises(ValueError, match=r"expected 'package\.module:ClassName'"):
         reg.make("bad")
     env.close()
     env2.close()
@@ -43,8 +43,8 @@ def test_default_registry_and_gymnasium_make():
     assert {"math_tool", "search"} <= set(environments.list())
     env = gymnasium.make("copc/MathTool-v0")
     assert isinstance(env.unwrapped, MathToolEnv)
-    obs, _ = env.reset(options={"sample": {"id": "x", "problem": "1+1?", "answer": "2"}})
-    obs, r, term, trunc, info = env.step("\\boxed{2}")
+    _obs, _ = env.reset(options={"sample": {"id": "x", "problem": "1+1?", "answer": "2"}})
+    _, r, term, _, _ = env.step("\\boxed{2}")
     assert (r, term) == (1.0, True)
     env.close()
     s = gymnasium.make("copc/Search-v0", retriever=FixedRetriever())
