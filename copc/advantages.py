@@ -49,12 +49,19 @@ def _td_corrected(rewards: Tensor, values: Tensor, mask: Tensor, rho_bar: Tensor
     """
     starts, ends = action_block_bounds(mask)
     delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward)
-    x = torch.where(mask, delta if rho_bar is None else rho_bar.mul_(delta), 0.0)
+    # Few big temporaries: every fresh (B, T) buffer costs page faults on first touch.
+    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
+    x = torch.where(mask, delta, zero) if rho_bar is None else torch.where(
+        mask, rho_bar.mul_(delta), zero, out=rho_bar)
     c = gamma * lam
-    g, g_next = reverse_action_scan(x, mask, c)
-    # Â_t = δ_t + γλ G_{t+1} (own residual unweighted); v̂_t = V_t + G_t.
-    advantages = torch.where(mask, torch.add(delta, g_next, alpha=c) if c != 1.0 else g_next.add_(delta), 0.0)
-    returns = torch.where(mask, g.add_(values), 0.0)
+    g_next = reverse_action_scan(x, mask, c)
+    # Â_t = δ_t + γλ G_{next}: the token's own residual is not reweighted.
+    advantages = torch.add(delta, g_next, alpha=c)
+    torch.where(mask, advantages, zero, out=advantages)
+    # v̂_t = V_t + G_t = V_t + x_t + γλ G_{next}
+    returns = g_next.mul_(c) if c != 1.0 else g_next
+    returns.add_(x).add_(values)
+    torch.where(mask, returns, zero, out=returns)
     raise_if_not_finite((advantages, returns), inputs, mask, context)
     return advantages, returns
 

@@ -157,14 +157,13 @@ def _block_size(c: float, dtype: torch.dtype, block: int) -> int:
     return max(1, min(block, int(safe / -math.log10(c))))
 
 
-def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAULT_BLOCK
-                        ) -> tuple[Tensor, Tensor]:
+def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAULT_BLOCK) -> Tensor:
     """Discounted reverse cumulative sums over action tokens, observation tokens skipped.
 
     ``G_t = x_t + c · G_{n(t)}`` over action tokens (``n(t)`` the next action token,
-    ``G`` after the last one = 0); spec "Advantage channel", ``G_t``. Returns both
-    ``G`` and ``G_next``, where ``G_next[p]`` is ``G`` at the first action token after
-    position ``p`` (0 if none), so ``G_t = x_t + c · G_next[t]`` at action tokens.
+    ``G`` after the last one = 0); spec "Advantage channel", ``G_t``. Returns
+    ``G_next``, where ``G_next[p]`` is ``G`` at the first action token after position
+    ``p`` (0 if none); ``G_t = x_t + c · G_next[t]`` at action tokens.
 
     Implementation: blocks of ``L`` tokens, chained right to left through their carries
     ``H`` (a loop over ``T / L`` blocks, never over tokens). ``c == 1``: inside block
@@ -182,8 +181,8 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
         block: maximum block length in tokens.
 
     Returns:
-        ``(G, G_next)``, each ``(B, T)`` with the dtype of ``x`` (new tensors). Their
-        values at non-action positions are the pass-through values defined above.
+        ``G_next``, ``(B, T)`` with the dtype of ``x`` (a new tensor, possibly a view of a
+        padded buffer).
 
     Raises:
         ValueError: if ``c`` is outside ``[0, 1]``.
@@ -198,8 +197,7 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
         xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(B, nb, L)
         cs = xb.cumsum(2)
         H = cs[:, :, -1].flip(1).cumsum(1).flip(1)  # G at the start of each block
-        g_next = torch.sub(H.unsqueeze(2), cs).view(B, nb * L)[:, :T]
-        return g_next + x, g_next
+        return torch.sub(H.unsqueeze(2), cs, out=cs).view(B, nb * L)[:, :T]  # in place
     if c == 0.0:
         g = x.clone()
     else:
@@ -219,4 +217,4 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
         g = s.add_((decay * H[:, 1:]).unsqueeze(2)).div_(w).view(B, nb * L)[:, :T]
     g_next = torch.zeros_like(g)
     g_next[:, :-1] = g[:, 1:]
-    return g, g_next
+    return g_next
