@@ -1,0 +1,334 @@
+"""Start and stop an SGLang HTTP server (``python -m sglang.launch_server``) as a subprocess.
+
+The server runs in its own process group (session) so that :meth:`SGLangLauncher.close`
+can end it together with the scheduler/detokenizer processes it forks. Close runs on
+``close()``, on leaving the context manager, when the launcher is garbage-collected and
+at interpreter exit (``weakref.finalize``), so no server is left behind as an orphan.
+
+Flags follow SGLang's ``server_args`` (https://docs.sglang.io/advanced_features/server_arguments.html).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+#: Server environment variables that would change which distribution SGLang reports
+#: log-probs under (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: ``log_softmax(logits)`` at T=1,
+#: ignoring temperature). The launcher removes them; setting them is a config error.
+FORBIDDEN_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
+
+_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_SAMPLING_BACKENDS = ("flashinfer", "pytorch")
+
+
+class SGLangLaunchError(RuntimeError):
+    """The server exited during start-up or did not become healthy in time.
+
+    The message carries the exit status (if any) and the tail of the server log.
+    """
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` a moment ago (OS-assigned)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class SGLangLauncherConfig:
+    """How to launch one SGLang server (validated on construction).
+
+    Attributes:
+        model_path: local checkpoint directory (``save_pretrained`` layout); checked to
+            exist when the server starts (no downloads at run time).
+        host: interface to bind; loopback by default.
+        port: TCP port; ``None`` picks a free one.
+        tp: tensor-parallel size (GPUs), >= 1 (``--tp-size``).
+        mem_fraction_static: fraction of GPU memory for weights + KV cache, in (0, 1).
+        dtype: ``--dtype`` (``auto``, ``half``, ``float16``, ``bfloat16``, ``float``,
+            ``float32``); ``None`` leaves SGLang's default.
+        random_seed: ``--random-seed`` (server RNG), >= 0; ``None`` leaves the default.
+        sampling_backend: ``--sampling-backend`` (``flashinfer`` or ``pytorch``; per-request
+            seeds with top-p/top-k need ``pytorch``); ``None`` leaves the default.
+        attention_backend: ``--attention-backend`` (e.g. ``triton``, ``torch_native``).
+        extra_args: further command-line arguments, appended verbatim.
+        extra_env: environment variables added for the server process.
+        python: interpreter that runs ``-m sglang.launch_server``.
+        health_path: ``/health`` (server up) or ``/health_generate`` (one token generated).
+        startup_timeout_s: seconds to wait for a healthy server.
+        poll_interval_s: seconds between health polls.
+        shutdown_grace_s: seconds between SIGTERM and SIGKILL of the process group.
+        log_path: file receiving the server's stdout+stderr; ``None``: a temporary file.
+        log_tail_lines: lines of the log quoted in :class:`SGLangLaunchError`.
+        show_progress: show a tqdm bar while waiting for the server.
+
+    Raises:
+        ValueError: naming the field and value.
+    """
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int | None = None
+    tp: int = 1
+    mem_fraction_static: float = 0.8
+    dtype: str | None = None
+    random_seed: int | None = None
+    sampling_backend: str | None = None
+    attention_backend: str | None = None
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+    health_path: Literal["/health", "/health_generate"] = "/health"
+    startup_timeout_s: float = 900.0
+    poll_interval_s: float = 1.0
+    shutdown_grace_s: float = 15.0
+    log_path: str | None = None
+    log_tail_lines: int = 60
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        """Validate every field."""
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SGLangLauncherConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise bad("model_path", "must be a non-empty path string")
+        if not isinstance(self.host, str) or not self.host:
+            raise bad("host", "must be a non-empty host name")
+        if self.port is not None and (not isinstance(self.port, int) or not 0 < self.port < 65536):
+            raise bad("port", "must be None or an int in 1..65535")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise bad("tp", "must be an int >= 1")
+        if not 0 < self.mem_fraction_static < 1:
+            raise bad("mem_fraction_static", "must be in (0, 1)")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise bad("dtype", f"must be None or one of {_DTYPES}")
+        if self.random_seed is not None and (not isinstance(self.random_seed, int) or self.random_seed < 0):
+            raise bad("random_seed", "must be None or an int >= 0")
+        if self.sampling_backend is not None and self.sampling_backend not in _SAMPLING_BACKENDS:
+            raise bad("sampling_backend", f"must be None or one of {_SAMPLING_BACKENDS}")
+        if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
+            raise bad("extra_args", "must be a tuple of strings")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.extra_env.items()):
+            raise bad("extra_env", "must map str to str")
+        forbidden = sorted(set(self.extra_env) & set(FORBIDDEN_ENV))
+        if forbidden:
+            raise bad("extra_env", f"must not set {forbidden}: it makes SGLang report log-probs "
+                                   "without temperature, breaking the learner's log-prob convention")
+        if self.health_path not in ("/health", "/health_generate"):
+            raise bad("health_path", "must be '/health' or '/health_generate'")
+        for name in ("startup_timeout_s", "poll_interval_s", "shutdown_grace_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "must be > 0 (seconds)")
+        if not isinstance(self.log_tail_lines, int) or self.log_tail_lines < 1:
+            raise bad("log_tail_lines", "must be an int >= 1")
+
+
+def build_command(cfg: SGLangLauncherConfig, port: int) -> list[str]:
+    """The ``argv`` that starts the server described by ``cfg`` on ``port``.
+
+    Returns:
+        ``[python, "-m", "sglang.launch_server", "--model-path", ..., "--host", ...,
+        "--port", ..., "--tp-size", ..., "--mem-fraction-static", ..., (optional flags),
+        *extra_args]``.
+    """
+    cmd = [cfg.python, "-m", "sglang.launch_server",
+           "--model-path", cfg.model_path,
+           "--host", cfg.host,
+           "--port", str(port),
+           "--tp-size", str(cfg.tp),
+           "--mem-fraction-static", repr(float(cfg.mem_fraction_static))]
+    if cfg.dtype is not None:
+        cmd += ["--dtype", cfg.dtype]
+    if cfg.random_seed is not None:
+        cmd += ["--random-seed", str(cfg.random_seed)]
+    if cfg.sampling_backend is not None:
+        cmd += ["--sampling-backend", cfg.sampling_backend]
+    if cfg.attention_backend is not None:
+        cmd += ["--attention-backend", cfg.attention_backend]
+    return cmd + list(cfg.extra_args)
+
+
+def _wait_group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for every process of ``proc``'s group to end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proc.poll()  # reap the leader so it does not keep the group alive as a zombie
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group led by ``proc``, SIGKILL it after ``grace_s`` seconds.
+
+    Signals the whole group even if the leader already exited (its children may live on).
+    """
+    pgid = proc.pid  # start_new_session=True: the leader's pid is the group id
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        if _wait_group_gone(proc, wait_s):
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL was sent; reap if we can
+        proc.wait(timeout=5)
+
+
+class SGLangLauncher:
+    """Runs one SGLang server subprocess; use as a context manager.
+
+    Example::
+
+        with SGLangLauncher(SGLangLauncherConfig(model_path="/ckpt/qwen3-4b")) as server:
+            engine = SGLangEngine(SGLangEngineConfig(base_url=server.url))
+
+    Raises:
+        SGLangLaunchError: from :meth:`start` if the server dies or times out.
+    """
+
+    def __init__(self, config: SGLangLauncherConfig) -> None:
+        """Keep ``config``; nothing starts until :meth:`start`."""
+        self.config = config
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server, e.g. ``http://127.0.0.1:30000``.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+        """
+        if self.port is None:
+            raise RuntimeError("SGLangLauncher.url: the server has not been started")
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        """The command line of the running (or last started) server."""
+        if self.port is None:
+            raise RuntimeError("SGLangLauncher.command: the server has not been started")
+        return build_command(self.config, self.port)
+
+    def start(self) -> SGLangLauncher:
+        """Start the server and wait until ``health_path`` answers 200.
+
+        Returns:
+            self.
+
+        Raises:
+            ValueError: ``model_path`` is not a directory.
+            RuntimeError: already started.
+            SGLangLaunchError: the process exited, or no healthy answer within
+                ``startup_timeout_s`` (the process group is killed first); the message
+                quotes the last ``log_tail_lines`` lines of the server log.
+        """
+        cfg = self.config
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("SGLangLauncher.start: already running")
+        if not Path(cfg.model_path).is_dir():
+            raise ValueError(f"SGLangLauncherConfig.model_path={cfg.model_path!r}: not a directory")
+        self.port = cfg.port if cfg.port is not None else free_port(cfg.host)
+        if cfg.log_path is not None:
+            self.log_path = Path(cfg.log_path)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        env = {k: v for k, v in os.environ.items() if k not in FORBIDDEN_ENV}
+        env.update(cfg.extra_env)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._finalizer = weakref.finalize(self, _kill_group, self.proc, cfg.shutdown_grace_s)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        """Poll ``health_path`` until 200, the process exits, or the timeout passes."""
+        from tqdm import tqdm
+
+        cfg = self.config
+        assert self.proc is not None
+        url = self.url + cfg.health_path
+        start = time.monotonic()
+        bar = tqdm(total=round(cfg.startup_timeout_s), desc="SGLang server start-up", unit="s",
+                   disable=not cfg.show_progress, leave=False)
+        try:
+            with httpx.Client(timeout=httpx.Timeout(30.0, connect=2.0)) as client:
+                while True:
+                    rc = self.proc.poll()
+                    if rc is not None:
+                        raise SGLangLaunchError(
+                            f"SGLang server exited with status {rc} during start-up "
+                            f"(command: {' '.join(self.command)}); last log lines "
+                            f"({self.log_path}):\n{self.log_tail()}")
+                    try:
+                        if client.get(url).status_code == 200:
+                            return
+                    except httpx.TransportError:
+                        pass
+                    elapsed = time.monotonic() - start
+                    bar.n = min(round(elapsed), bar.total)
+                    bar.refresh()
+                    if elapsed > cfg.startup_timeout_s:
+                        raise SGLangLaunchError(
+                            f"SGLang server not healthy at {url} after {cfg.startup_timeout_s:.0f} s "
+                            f"(command: {' '.join(self.command)}); last log lines "
+                            f"({self.log_path}):\n{self.log_tail()}")
+                    time.sleep(cfg.poll_interval_s)
+        finally:
+            bar.close()
+
+    def log_tail(self, lines: int | None = None) -> str:
+        """The last ``lines`` (default ``log_tail_lines``) lines of the server log."""
+        if self.log_path is None or not self.log_path.exists():
+            return "<no log>"
+        with open(self.log_path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines or self.config.log_tail_lines))
+
+    @property
+    def running(self) -> bool:
+        """Whether the server's leader process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        """Kill the server's whole process group (SIGTERM, then SIGKILL); idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _kill_group once and detaches it from atexit
+
+    def __enter__(self) -> SGLangLauncher:
+        """Start the server (see :meth:`start`)."""
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        """Kill the server."""
+        self.close()
