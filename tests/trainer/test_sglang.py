@@ -464,6 +464,8 @@ def test_live_sglang_logprobs_match_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trainer.logprobs import token_logprobs  # the learner's definition
+
     cfg = SGLangLauncherConfig(model_path=model_path, dtype="float32", mem_fraction_static=0.3,
                                random_seed=0, attention_backend=os.environ.get(
                                    "COPC_SGLANG_TEST_ATTENTION", "torch_native"),
@@ -480,8 +482,7 @@ def test_live_sglang_logprobs_match_transformers(tmp_path):
         ids = torch.tensor([prompt + r.token_ids], device="cuda")
         with torch.no_grad():
             logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-        ref = torch.log_softmax(logits / 0.7, dim=-1).gather(
-            -1, torch.tensor(r.token_ids, device="cuda")[:, None])[:, 0]
+        ref = token_logprobs(logits, torch.tensor(r.token_ids, device="cuda"), temperature=0.7)
         diff = (ref.cpu() - torch.tensor(r.logprobs)).abs().max().item()
         assert diff < 1e-3, f"max |Δ log-prob| = {diff}"
         assert all(math.isfinite(x) for x in r.logprobs)
