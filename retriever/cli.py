@@ -9,6 +9,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEFAULT_CORPUS = "../shared/data/wiki/corpus.jsonl"
@@ -45,7 +46,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--threads", type=int, default=1, help="pyserini: indexing/search threads")
     b.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    b.set_defaults(func=_build)
+    b.set_defaults(func=_guard(_build))
 
     s = sub.add_parser("serve", help="serve an index with the Search-R1 /retrieve API")
     s.add_argument("--index", required=True, help="index directory from 'build'")
@@ -53,6 +54,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument(
+        "--torch-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="dense: CPU threads for query encoding (default: cores - 1)",
+    )
     s.add_argument("--default-topk", type=int, default=3)
     s.add_argument("--max-topk", type=int, default=100)
     s.add_argument("--max-queries", type=int, default=1024, help="queries per request")
@@ -60,7 +67,21 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-batch-queries", type=int, default=256, help="queries merged into one backend call")
     s.add_argument("--max-wait-ms", type=float, default=0.0)
     s.add_argument("--log-level", default="warning")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_guard(_serve))
+
+
+def _guard(fn):
+    """Turn expected user errors (bad corpus, wrong index, missing Java ...) into a one-line
+    ``copc retriever: error: <Type>: <message>`` on stderr and exit code 2, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, FileNotFoundError, ImportError, RuntimeError) as exc:
+            print(f"copc retriever: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -115,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_queries=args.max_batch_queries,
         max_wait_ms=args.max_wait_ms,
     )
-    loaded = load_index(args.index, args.corpus, device=args.device)
+    loaded = load_index(args.index, args.corpus, device=args.device, torch_threads=args.torch_threads)
     print(
         f"serving {loaded.meta.kind} index ({loaded.meta.num_passages} passages) "
         f"on http://{args.host}:{args.port}",

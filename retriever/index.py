@@ -129,13 +129,19 @@ class LoadedIndex:
     meta: IndexMeta
 
 
-def load_index(index_dir: str | Path, corpus: str | Path | None = None, device: str = "auto") -> LoadedIndex:
+def load_index(
+    index_dir: str | Path,
+    corpus: str | Path | None = None,
+    device: str = "auto",
+    torch_threads: int = 0,
+) -> LoadedIndex:
     """Load an index directory and its corpus, refusing a corpus it was not built for.
 
     Args:
         index_dir: directory written by :func:`build_index`.
         corpus: corpus file (default: the path recorded at build time).
         device: (dense) ``cpu`` | ``cuda`` | ``auto`` for the query encoder.
+        torch_threads: (dense) CPU threads for the query encoder, 0 = torch default.
 
     Raises:
         FileNotFoundError: no ``meta.json`` or corpus file.
@@ -159,7 +165,9 @@ def load_index(index_dir: str | Path, corpus: str | Path | None = None, device: 
         from retriever.dense import DenseSearcher
         from retriever.encoder import Encoder
 
-        enc_cfg = EncoderConfig(**{**meta.params["encoder"], "device": device})
+        enc_cfg = EncoderConfig(
+            **{**meta.params["encoder"], "device": device, "torch_threads": torch_threads}
+        )
         searcher = DenseSearcher.load(index_dir, Encoder(enc_cfg), FaissConfig(**meta.params["faiss"]))
     else:
         from retriever.pyserini_backend import PyseriniSearcher

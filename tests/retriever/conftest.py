@@ -25,7 +25,7 @@ HOTPOT = SHARED / "data" / "qa" / "hotpotqa.jsonl"
 # Dense tests use a corpus subset: supporting passages of the first N_DENSE_QUESTIONS
 # (non yes/no) HotpotQA questions plus every DISTRACTOR_STRIDE-th passage as distractors.
 N_DENSE_QUESTIONS = 40
-DISTRACTOR_STRIDE = 35
+DISTRACTOR_STRIDE = 50
 
 
 def free_port() -> int:
