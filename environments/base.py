@@ -141,6 +141,9 @@ class ToolEnv(gymnasium.Env):
     """
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 - gymnasium convention
+    #: Strings that end a model turn (a tool call's or answer's closing tag); a rollout
+    #: engine stops generating right after the token that completes one (EOS also ends a turn).
+    stop_strings: tuple[str, ...] = ()
 
     def __init__(self, tools: Sequence[Tool], limits: EnvLimits | None = None,
                  samples: Sequence[Mapping[str, Any]] | None = None,

@@ -71,6 +71,8 @@ class MathToolEnv(ToolEnv):
         samples: rows ``{"id", "problem", "answer"}`` (instead of ``config.dataset``).
     """
 
+    stop_strings = ("</code>",)
+
     def __init__(self, config: MathToolConfig | None = None, sandbox: Sandbox | None = None,
                  samples: Sequence[Mapping[str, Any]] | None = None, **overrides: Any) -> None:
         cfg = config or MathToolConfig()

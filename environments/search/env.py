@@ -151,6 +151,8 @@ class SearchEnv(ToolEnv):
         samples: rows instead of ``config.dataset``.
     """
 
+    stop_strings = ("</search>", "</answer>")
+
     def __init__(self, config: SearchConfig | None = None, retriever: Retriever | None = None,
                  samples: Sequence[Mapping[str, Any]] | None = None, **overrides: Any) -> None:
         cfg = config or SearchConfig()

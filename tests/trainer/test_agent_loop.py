@@ -1,0 +1,223 @@
+"""Agent loop: multi-turn math_tool episodes with the real sandbox and a scripted tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from scripted import scripted
+
+from environments.math_tool import MathToolEnv
+from environments.sandbox import Sandbox, SandboxConfig
+from trainer.engines.base import EngineError, SamplingParams
+from trainer.engines.embedded import EmbeddedEngine
+from trainer.logprobs import sequence_logprobs
+from trainer.models.loading import load_model_and_tokenizer
+from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.rollout.agent_loop import AgentLoopConfig, run_episode, run_episodes
+from trainer.rollout.batch import to_batch
+
+SAMPLE = {"id": "m1", "problem": "What is 12345 * 6789?", "answer": "83810205"}
+ACTIONS = [
+    "Let me compute it.\n<code>\n```python\nx = 12345 * 6789\nx\n```\n</code>",
+    "Check once more.\n<code>\n```python\nprint(x if 'x' in dir() else 12345 * 6789)\n```\n</code>",
+    "So the answer is \\boxed{83810205}.",
+]
+
+
+def turn_of(prompt_text: str) -> int:
+    """Scripted turn = interpreter replies so far (the prompt itself mentions the tag inline)."""
+    return prompt_text.count("\n</interpreter>")
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = Sandbox(SandboxConfig(workers=2))
+    yield sb
+    sb.close()
+
+
+def recomputed(model, tr, temperature):
+    ids = torch.tensor([tr.prompt_ids + tr.response_ids])
+    return sequence_logprobs(model, ids, torch.ones_like(ids), temperature)[0, len(tr.prompt_ids):]
+
+
+def test_multiturn_math_episode_masks_logprobs_versions(model_tok, sandbox):
+    model, tok = model_tok
+    env = MathToolEnv(sandbox=sandbox)
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of), version=5)
+        tr = await run_episode(eng, env, tok, SAMPLE, SamplingParams(temperature=0.8, top_p=0.9,
+                                                                     max_new_tokens=200))
+        await eng.close()
+        return tr
+
+    tr = asyncio.run(main())
+    assert tr.finish_reason == "terminated" and tr.reward == 1.0 and tr.turns == 3
+    mask = torch.tensor(tr.loss_mask, dtype=torch.bool)
+    ids = torch.tensor(tr.response_ids)
+    # the model's text comes back from exactly the masked-in tokens (EOS ends the last turn)
+    model_text = tok.decode(ids[mask].tolist(), skip_special_tokens=True)
+    assert model_text == "".join(ACTIONS)
+    # every observation token is masked out, and observations are the interpreter replies
+    obs_text = tok.decode(ids[~mask].tolist())
+    assert obs_text.count("<interpreter>") == 2 and "83810205" in obs_text
+    assert "interpreter" not in model_text
+    # each observation run decodes to a whole <interpreter>...</interpreter> reply
+    runs, cur = [], []
+    for t, m in zip(tr.response_ids, tr.loss_mask, strict=True):
+        if not m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    assert len(runs) == 2 and all(r.strip().startswith("<interpreter>") and
+                                  r.strip().endswith("</interpreter>") for r in runs)
+    assert all(v == 5 for v, m in zip(tr.versions, tr.loss_mask, strict=True) if m)
+    assert all(v == -1 for v, m in zip(tr.versions, tr.loss_mask, strict=True) if not m)
+    lp = recomputed(model, tr, 0.8)
+    diff = (lp - torch.tensor(tr.logp_mu))[mask]
+    assert diff.abs().max().item() < 1e-5
+    batch = to_batch([tr], tok.pad_token_id)
+    assert batch.rewards[0].nonzero().flatten().tolist() == [max(i for i, m in enumerate(tr.loss_mask) if m)]
+
+
+def test_weight_update_mid_episode_versions_per_token(model_tok, tiny_ckpt, sandbox, tmp_path):
+    """The update lands between turns: turn 1 has version 0, later turns version 1."""
+    model, tok = model_tok
+    old_model, _ = load_model_and_tokenizer(tiny_ckpt)  # the engine's weights get overwritten
+    new_model, _ = load_model_and_tokenizer(save_tiny_checkpoint(tmp_path / "v1", TinyModelConfig(seed=9)))
+    env = MathToolEnv(sandbox=sandbox)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of), version=0)
+        real_step = env.step
+        fired = threading.Event()
+
+        def step_then_update(action):
+            out = real_step(action)
+            if not fired.is_set():
+                fired.set()
+                asyncio.run_coroutine_threadsafe(eng.update_weights(new_model.state_dict(), 1), loop).result()
+            return out
+
+        env.step = step_then_update
+        tr = await run_episode(eng, env, tok, SAMPLE, SamplingParams(max_new_tokens=200))
+        await eng.close()
+        return tr
+
+    tr = asyncio.run(main())
+    model_versions = [v for v, m in zip(tr.versions, tr.loss_mask, strict=True) if m]
+    first_turn = len(tok.encode(ACTIONS[0], add_special_tokens=False))
+    assert set(model_versions[:first_turn]) == {0} and set(model_versions[first_turn:]) == {1}
+    # each token's behavior log-prob is that of the weights that produced it
+    mask = torch.tensor(tr.loss_mask, dtype=torch.bool)
+    old_lp, new_lp = recomputed(old_model, tr, 1.0)[mask], recomputed(new_model, tr, 1.0)[mask]
+    got = torch.tensor(tr.logp_mu)[mask]
+    assert (old_lp[:first_turn] - got[:first_turn]).abs().max() < 1e-5
+    assert (new_lp[first_turn:] - got[first_turn:]).abs().max() < 1e-5
+
+
+class FlakyEngine:
+    """The real engine behind a fault injector: the first ``fails`` calls raise EngineError."""
+
+    def __init__(self, engine, fails):
+        self.engine, self.fails, self.calls = engine, fails, 0
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, ids, params):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise EngineError("injected failure")
+        return await self.engine.generate(ids, params)
+
+
+def test_engine_errors_are_retried_then_recorded(model_tok, sandbox):
+    model, tok = model_tok
+
+    async def main(fails):
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of))
+        flaky = FlakyEngine(eng, fails)
+        tr = await run_episode(flaky, MathToolEnv(sandbox=sandbox), tok, SAMPLE,
+                               SamplingParams(max_new_tokens=200),
+                               AgentLoopConfig(engine_retries=2, retry_backoff_s=0.01))
+        await eng.close()
+        return tr
+
+    ok = asyncio.run(main(2))
+    assert ok.finish_reason == "terminated" and ok.reward == 1.0
+    failed = asyncio.run(main(3))
+    assert failed.finish_reason.startswith("engine_error") and failed.response_ids == []
+
+
+def test_env_error_ends_episode_with_reason(model_tok, sandbox):
+    model, tok = model_tok
+    env = MathToolEnv(sandbox=sandbox)
+
+    def boom(action):
+        raise RuntimeError("tool exploded")
+
+    env.step = boom
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of))
+        tr = await run_episode(eng, env, tok, SAMPLE, SamplingParams(max_new_tokens=200))
+        await eng.close()
+        return tr
+
+    tr = asyncio.run(main())
+    assert tr.finish_reason == "env_error: RuntimeError: tool exploded"
+    assert tr.num_model_tokens > 0 and tr.reward == 0.0
+
+
+def test_budgets_total_tokens_and_observation_truncation(model_tok, sandbox):
+    model, tok = model_tok
+
+    async def main(cfg):
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of))
+        tr = await run_episode(eng, MathToolEnv(sandbox=sandbox), tok, SAMPLE,
+                               SamplingParams(max_new_tokens=200), cfg)
+        await eng.close()
+        return tr
+
+    short = asyncio.run(main(AgentLoopConfig(max_total_tokens=len(tok.encode(
+        MathToolEnv().build_prompt(SAMPLE), add_special_tokens=False)) + 30)))
+    assert short.finish_reason == "max_total_tokens" and len(short.response_ids) == 30
+    obs_cut = asyncio.run(main(AgentLoopConfig(max_observation_tokens=5)))
+    obs_lens = []
+    run = 0
+    for m in [*obs_cut.loss_mask, 1]:
+        if m == 0:
+            run += 1
+        elif run:
+            obs_lens.append(run)
+            run = 0
+    # (cut replies hide the interpreter tag, so the script repeats turn 1 until max_turns = 8)
+    assert obs_lens == [5] * 7 and obs_cut.finish_reason == "truncated"
+    one_turn = asyncio.run(main(AgentLoopConfig(max_turns=1)))
+    assert one_turn.finish_reason == "max_turns" and one_turn.turns == 1
+
+
+def test_many_episodes_run_concurrently(model_tok, sandbox):
+    model, tok = model_tok
+    samples = [dict(SAMPLE, id=f"m{i}") for i in range(6)]
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of))
+        trs = await run_episodes(eng, lambda: MathToolEnv(sandbox=sandbox), tok, samples,
+                                 SamplingParams(max_new_tokens=200, seed=0), concurrency=6, n_per_sample=2)
+        await eng.close()
+        return trs
+
+    trs = asyncio.run(main())
+    assert [t.sample_id for t in trs] == [f"m{i}" for i in range(6) for _ in range(2)]
+    assert all(t.reward == 1.0 and t.turns == 3 for t in trs)
+    batch = to_batch(trs, tok.pad_token_id)
+    assert batch.group_ids.tolist() == [i for i in range(6) for _ in range(2)]

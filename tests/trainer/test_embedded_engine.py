@@ -1,0 +1,192 @@
+"""Embedded engine: log-probs equal the learner's recomputation, batching, stops, weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from trainer.engines.base import EngineError, SamplingParams
+from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from trainer.logprobs import sequence_logprobs, token_logprobs
+from trainer.models.loading import load_model_and_tokenizer
+from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, save_tiny_checkpoint
+
+
+def recompute(model, prompt, new, temperature):
+    ids = torch.tensor([prompt + new])
+    return sequence_logprobs(model, ids, torch.ones_like(ids), temperature)[0, len(prompt):]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 0.8, 20)])
+def test_logprobs_match_learner_forward_batched(model_tok, temperature, top_p, top_k):
+    model, tok = model_tok
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, EmbeddedEngineConfig(max_batch_size=8))
+        prompts = [tok.encode(s, add_special_tokens=False) for s in
+                   ["Problem: 2+2?", "x", "A much longer prompt than the others, padded left."]]
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=24, seed=3)
+        res = await asyncio.gather(*(eng.generate(p, sp) for p in prompts))
+        await eng.close()
+        return prompts, res
+
+    prompts, res = asyncio.run(main())
+    for p, r in zip(prompts, res, strict=True):
+        assert len(r.token_ids) == len(r.logprobs) == len(r.versions) > 0
+        lp = recompute(model, p, r.token_ids, temperature)
+        assert (lp - torch.tensor(r.logprobs)).abs().max().item() < 1e-5
+
+
+def test_logprobs_are_raw_not_processed(model_tok):
+    """A processor that forces tokens must not change the reported log-probs."""
+    model, tok = model_tok
+    forced = tok.encode("forced!", add_special_tokens=False)
+
+    def proc(prompt, new, logits):
+        out = torch.full_like(logits, -1e9)
+        out[forced[min(len(new), len(forced) - 1)]] = 0
+        return out
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=proc)
+        r = await eng.generate(tok.encode("q", add_special_tokens=False),
+                               SamplingParams(temperature=0.5, max_new_tokens=len(forced)))
+        await eng.close()
+        return r
+
+    r = asyncio.run(main())
+    assert r.token_ids == forced and r.text == "forced!"
+    lp = recompute(model, tok.encode("q", add_special_tokens=False), forced, 0.5)
+    assert (lp - torch.tensor(r.logprobs)).abs().max().item() < 1e-5
+    assert max(r.logprobs) < -1.0  # untrained model: forced tokens are unlikely under raw logits
+
+
+def test_stop_strings_eos_and_length(model_tok):
+    model, tok = model_tok
+    text = "abc</code>zzz"
+    script = tok.encode(text, add_special_tokens=False)
+
+    def proc(prompt, new, logits):
+        out = torch.full_like(logits, -1e9)
+        out[script[len(new)] if len(new) < len(script) else tok.eos_token_id] = 0
+        return out
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=proc)
+        p = tok.encode("p", add_special_tokens=False)
+        stop = await eng.generate(p, SamplingParams(stop=("</code>",), max_new_tokens=50))
+        length = await eng.generate(p, SamplingParams(max_new_tokens=4))
+        eos = await eng.generate(p, SamplingParams(max_new_tokens=50))
+        await eng.close()
+        return stop, length, eos
+
+    stop, length, eos = asyncio.run(main())
+    assert stop.finish_reason == "stop" and stop.text == "abc</code>"
+    assert length.finish_reason == "length" and len(length.token_ids) == 4
+    assert eos.finish_reason == "eos" and eos.token_ids[-1] == tok.eos_token_id
+    assert tok.decode(eos.token_ids, skip_special_tokens=True) == text
+
+
+def test_seed_makes_sampling_reproducible(model_tok):
+    model, tok = model_tok
+
+    async def main():
+        eng = EmbeddedEngine(model, tok)
+        p = tok.encode("seed", add_special_tokens=False)
+        a = await eng.generate(p, SamplingParams(max_new_tokens=16, seed=7))
+        b = await eng.generate(p, SamplingParams(max_new_tokens=16, seed=7))
+        c = await eng.generate(p, SamplingParams(max_new_tokens=16, seed=8))
+        await eng.close()
+        return a, b, c
+
+    a, b, c = asyncio.run(main())
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_update_weights_changes_version_and_distribution(model_tok, tmp_path):
+    model, tok = model_tok
+    other = save_tiny_checkpoint(tmp_path / "other", TinyModelConfig(seed=1))
+    new_model, _ = load_model_and_tokenizer(other)
+
+    async def main():
+        eng = EmbeddedEngine(model, tok)
+        p = tok.encode("v", add_special_tokens=False)
+        r0 = await eng.generate(p, SamplingParams(max_new_tokens=8, seed=0))
+        await eng.update_weights(new_model.state_dict(), version=1)
+        r1 = await eng.generate(p, SamplingParams(max_new_tokens=8, seed=0))
+        await eng.update_weights(str(other), version=2)  # from a checkpoint directory too
+        with pytest.raises(EngineError, match="does not match"):
+            await eng.update_weights({"nope": torch.zeros(1)}, version=3)
+        await eng.close()
+        return p, r0, r1, eng.version
+
+    p, r0, r1, version = asyncio.run(main())
+    assert r0.versions == [0] * len(r0.token_ids) and r1.versions == [1] * len(r1.token_ids)
+    assert version == 2
+    lp1 = recompute(new_model, p, r1.token_ids, 1.0)
+    assert (lp1 - torch.tensor(r1.logprobs)).abs().max().item() < 1e-5
+
+
+def test_pause_blocks_new_rounds_until_resume(model_tok):
+    model, tok = model_tok
+
+    async def main():
+        eng = EmbeddedEngine(model, tok)
+        await eng.pause()
+        task = asyncio.create_task(eng.generate(tok.encode("p", add_special_tokens=False),
+                                                SamplingParams(max_new_tokens=2)))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        await eng.resume()
+        r = await asyncio.wait_for(task, 30)
+        await eng.close()
+        return r
+
+    assert len(asyncio.run(main()).token_ids) == 2
+
+
+def test_requests_are_batched_and_errors_are_clear(model_tok):
+    model, tok = model_tok
+    sizes = []
+    real_decode = EmbeddedEngine._decode
+
+    def spy(self, batch):
+        sizes.append(len(batch))
+        return real_decode(self, batch)
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, EmbeddedEngineConfig(max_batch_size=16, batch_wait_s=0.05))
+        eng._decode = spy.__get__(eng)
+        p = tok.encode("b", add_special_tokens=False)
+        await asyncio.gather(*(eng.generate(p, SamplingParams(max_new_tokens=3)) for _ in range(16)))
+        with pytest.raises(EngineError, match="empty"):
+            await eng.generate([], SamplingParams())
+        with pytest.raises(EngineError, match="does not fit"):
+            await eng.generate([1] * 5000, SamplingParams())
+        await eng.close()
+        with pytest.raises(EngineError, match="closed"):
+            await eng.generate(p, SamplingParams())
+
+    asyncio.run(main())
+    assert max(sizes) > 1 and sum(sizes) == 16
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="</code>")
+
+
+def test_token_logprobs_definition():
+    logits = torch.tensor([[2.0, 0.0, -1.0]])
+    lp = token_logprobs(logits, torch.tensor([0]), temperature=2.0)
+    expected = 1.0 - torch.logsumexp(torch.tensor([1.0, 0.0, -0.5]), 0)
+    assert lp.item() == pytest.approx(expected.item(), abs=1e-7)
+    assert len(build_byte_tokenizer()) == 258

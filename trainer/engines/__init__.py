@@ -1,0 +1,1 @@
+"""Inference engines: the async protocol, the embedded CPU engine and the SGLang client."""

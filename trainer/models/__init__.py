@@ -1,0 +1,1 @@
+"""Model construction and loading (tiny offline models, local checkpoints)."""

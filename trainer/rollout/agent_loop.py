@@ -1,0 +1,169 @@
+"""The agent loop: engine × environment × tokenizer × sample → :class:`Trajectory`.
+
+Token-in/token-out: the context sent to the engine is always ``prompt_ids +
+response_ids`` as accumulated so far; earlier turns are never re-tokenised. Each
+observation is tokenised once, on its own, and appended with ``loss_mask = 0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..engines.base import EngineError, InferenceEngine, SamplingParams
+from .trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """Budgets of one episode (validated).
+
+    Attributes:
+        max_total_tokens: prompt + response tokens; generation stops when reached.
+        max_turns: most model turns (the environment may end the episode earlier).
+        max_observation_tokens: longer observations are cut to this many tokens (head kept).
+        engine_retries: retries of a failed ``generate`` call (then the episode ends
+            with ``finish_reason = "engine_error: ..."``).
+        retry_backoff_s: first retry delay in seconds (doubles each retry).
+        use_chat_template: wrap the prompt with the tokenizer's chat template (real
+            instruct models); tiny byte-level models have none.
+    """
+
+    max_total_tokens: int = 4096
+    max_turns: int = 8
+    max_observation_tokens: int = 1024
+    engine_retries: int = 3
+    retry_backoff_s: float = 0.05
+    use_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate."""
+        for k in ("max_total_tokens", "max_turns", "max_observation_tokens"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"AgentLoopConfig.{k}={getattr(self, k)!r}: must be >= 1")
+        if self.engine_retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError("AgentLoopConfig.engine_retries and retry_backoff_s must be >= 0")
+
+
+def encode_prompt(tokenizer: Any, text: str, use_chat_template: bool) -> list[int]:
+    """Token ids of the prompt (optionally through the chat template, generation prompt added)."""
+    if use_chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True))
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def _generate_with_retries(engine: InferenceEngine, ctx: list[int], params: SamplingParams,
+                                 cfg: AgentLoopConfig):
+    delay = cfg.retry_backoff_s
+    for attempt in range(cfg.engine_retries + 1):
+        try:
+            return await engine.generate(ctx, params)
+        except EngineError as e:
+            if attempt == cfg.engine_retries:
+                raise
+            log.warning("generate failed (%s); retry %d/%d in %.2fs", e, attempt + 1,
+                        cfg.engine_retries, delay)
+            await asyncio.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample: Mapping[str, Any],
+                      sampling: SamplingParams, cfg: AgentLoopConfig | None = None,
+                      group_id: Any = None) -> Trajectory:
+    """Play one episode of ``env`` on ``sample`` with ``engine`` and return its trajectory.
+
+    Each model turn generates until one of ``env.stop_strings``, EOS, the turn's token
+    budget or the total budget. The decoded text of the turn's tokens is the action; the
+    environment's reply is tokenised and appended as observation tokens. Environment
+    steps run in a worker thread (tools may block).
+
+    Args:
+        engine: an :class:`~trainer.engines.base.InferenceEngine`.
+        env: a text tool environment (``reset(options={"sample": ...})`` / ``step(text)``).
+        tokenizer: the policy's tokenizer.
+        sample: the data row.
+        sampling: sampling parameters (``stop`` is extended with the env's stop strings).
+        cfg: :class:`AgentLoopConfig`.
+        group_id: prompt-group id (GRPO); default ``sample["id"]``.
+
+    Returns:
+        The trajectory. It is never dropped silently: an environment exception or engine
+        failure after retries ends the episode with ``finish_reason`` saying so (and reward 0).
+        A turn cut by ``max_total_tokens`` is not passed to the environment (it is incomplete):
+        ``finish_reason = "max_total_tokens"``, reward 0.
+    """
+    cfg = cfg or AgentLoopConfig()
+    prompt_text, _ = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
+    sid = sample.get("id")
+    traj = Trajectory(prompt_ids=encode_prompt(tokenizer, prompt_text, cfg.use_chat_template),
+                      sample_id=sid, group_id=sid if group_id is None else group_id)
+    stop = tuple(dict.fromkeys((*sampling.stop, *getattr(env, "stop_strings", ()))))
+    for _ in range(cfg.max_turns):
+        budget = cfg.max_total_tokens - len(traj.prompt_ids) - len(traj.response_ids)
+        if budget < 1:
+            traj.finish_reason = "max_total_tokens"
+            break
+        params = replace(sampling, stop=stop, max_new_tokens=min(sampling.max_new_tokens, budget))
+        try:
+            res = await _generate_with_retries(engine, traj.prompt_ids + traj.response_ids, params, cfg)
+        except EngineError as e:
+            traj.finish_reason = f"engine_error: {e}"
+            break
+        traj.append_model_tokens(res.token_ids, res.logprobs, res.versions)
+        if res.finish_reason == "length" and len(res.token_ids) >= budget:
+            # cut by the episode's token budget mid-turn: the action is incomplete, so the
+            # environment is not stepped; reward stays 0 (an overlong response)
+            traj.finish_reason = "max_total_tokens"
+            break
+        action = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        try:
+            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, action)
+        except Exception as e:  # recorded on the trajectory, never dropped
+            traj.finish_reason = f"env_error: {type(e).__name__}: {e}"
+            traj.reward = 0.0
+            break
+        traj.info = dict(info)
+        if terminated or truncated:
+            traj.reward = float(reward)
+            traj.finish_reason = "terminated" if terminated else "truncated"
+            break
+        obs_ids = list(tokenizer.encode(obs, add_special_tokens=False))[: cfg.max_observation_tokens]
+        traj.append_observation_tokens(obs_ids)
+    else:
+        traj.finish_reason = traj.finish_reason or "max_turns"
+    return traj
+
+
+async def run_episodes(engine: InferenceEngine, make_env: Callable[[], Any], tokenizer: Any,
+                       samples: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+                       cfg: AgentLoopConfig | None = None, concurrency: int = 32,
+                       n_per_sample: int = 1) -> list[Trajectory]:
+    """Run ``n_per_sample`` episodes per sample concurrently (at most ``concurrency`` at once).
+
+    Each concurrent episode gets its own environment from ``make_env`` (environments are
+    stateful); environments are closed afterwards.
+
+    Returns:
+        Trajectories in the order ``(sample 0, copy 0), (sample 0, copy 1), ...``.
+    """
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(sample: Mapping[str, Any], k: int) -> Trajectory:
+        async with sem:
+            env = make_env()
+            try:
+                sp = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + k)
+                return await run_episode(engine, env, tokenizer, sample, sp, cfg, group_id=sample.get("id"))
+            finally:
+                close = getattr(env, "close", None)
+                if close is not None:
+                    await asyncio.to_thread(close)
+
+    return list(await asyncio.gather(*(one(s, k) for s in samples for k in range(n_per_sample))))
