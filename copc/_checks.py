@@ -79,9 +79,20 @@ def check_1d(name: str, x: Tensor, batch: int, *, floating: bool = True) -> None
         raise ValueError(f"{name} must have shape ({batch},), got {tuple(x.shape)}")
 
 
-def check_unit_interval(name: str, value: float) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
-    if not (0.0 <= float(value) <= 1.0):
+def check_number(name: str, value: object) -> float:
+    """Return ``value`` as a float if it is a real number (not a bool or a string).
+
+    Raises:
+        ValueError: naming ``name`` and the value otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_unit_interval(name: str, value: object) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a number with ``0 <= value <= 1``."""
+    if not (0.0 <= check_number(name, value) <= 1.0):
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
@@ -100,8 +111,8 @@ def first_bad(name: str, x: Tensor, where: Tensor) -> str | None:
     return f"{name}[{b}, {t}] = {x[b, t].item()!r}"
 
 
-def raise_if_not_finite(outputs: tuple[Tensor, ...], inputs: dict[str, Tensor], where: Tensor,
-                        context: str) -> None:
+def raise_if_not_finite(outputs: tuple[Tensor, ...], inputs: dict[str, Tensor | tuple[Tensor, Tensor]],
+                        where: Tensor, context: str) -> None:
     """Raise ``ValueError`` when any output is non-finite, naming the input that caused it.
 
     The fast path is one ``sum`` per output. Only on failure are the inputs
@@ -109,7 +120,9 @@ def raise_if_not_finite(outputs: tuple[Tensor, ...], inputs: dict[str, Tensor], 
 
     Args:
         outputs: tensors that must be finite.
-        inputs: name → ``(B, T)`` input tensor, scanned in order on failure.
+        inputs: name → ``(B, T)`` input tensor (scanned at ``where``), or ``(tensor, region)``
+            with its own bool region (e.g. all positions for rewards, which are folded);
+            1-D tensors (e.g. bootstrap values) are scanned whole.
         where: ``(B, T)`` bool tensor of positions whose inputs matter.
         context: the calling function's name, for the message.
 
@@ -118,6 +131,15 @@ def raise_if_not_finite(outputs: tuple[Tensor, ...], inputs: dict[str, Tensor], 
     """
     if all(bool(torch.isfinite(o.sum())) for o in outputs):
         return
-    reasons = [r for n, x in inputs.items() if (r := first_bad(n, x, where)) is not None]
+    reasons = []
+    for n, x in inputs.items():
+        t, region = x if isinstance(x, tuple) else (x, where)
+        if t.dim() == 1:
+            bad = (~torch.isfinite(t)).nonzero()
+            if bad.numel():
+                reasons.append(f"{n}[{int(bad[0])}] = {t[int(bad[0])].item()!r}")
+            continue
+        if (r := first_bad(n, t, region)) is not None:
+            reasons.append(r)
     detail = "; ".join(reasons) if reasons else "inputs are finite but the result overflowed"
     raise ValueError(f"{context}: non-finite result; offending input(s): {detail}")

@@ -11,22 +11,41 @@ action token is 0 unless a bootstrap value is given (spec, "Setting").
 Values at mask-0 positions of ``values``, ``logp_old`` and ``logp_mu`` are never
 read: any garbage there leaves every output bit-identical. ``rewards`` at mask-0
 positions *are* read (they are folded), so padding must carry zero reward.
+
+Dtypes: float32 and float64 are computed in their own precision; float16/bfloat16
+inputs are computed in float32 and the outputs are float32. Inputs are detached:
+outputs never carry gradient history. ``T = 0`` gives empty outputs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import as_bool_mask, check_1d, check_2d_float, check_unit_interval, raise_if_not_finite
+from ._checks import (
+    as_bool_mask,
+    check_1d,
+    check_2d_float,
+    check_number,
+    check_unit_interval,
+    raise_if_not_finite,
+)
 from .margins import EPS_HIGH, EPS_LOW, margins
 from .scan import action_block_bounds, reverse_action_scan, td_residuals
 
 Tensor = torch.Tensor
 
 
-def _check_inputs(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
-                  bootstrap_values: Tensor | None, extra: dict[str, Tensor]) -> Tensor:
-    """Validate shapes/dtypes/hyper-parameters; return the bool mask."""
+OBS_DISCOUNT_MODES = ("skip", "per_token")
+
+
+def _prepare(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
+             bootstrap_values: Tensor | None, obs_discount: str, **extra: Tensor
+             ) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """Validate shapes/dtypes/hyper-parameters; return the bool mask and detached inputs.
+
+    Half-precision inputs are upcast to float32 (the scans rescale by ``(γλ)^{−L}``,
+    which float16 cannot hold).
+    """
     mask = as_bool_mask(loss_mask)
     check_2d_float("values", values, mask.shape)
     check_2d_float("rewards", rewards, mask.shape)
@@ -34,27 +53,34 @@ def _check_inputs(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: flo
         check_2d_float(name, t, mask.shape)
     check_unit_interval("gamma", gamma)
     check_unit_interval("lam", lam)
+    if obs_discount not in OBS_DISCOUNT_MODES:
+        raise ValueError(f"obs_discount must be one of {OBS_DISCOUNT_MODES}, got {obs_discount!r}")
     if bootstrap_values is not None:
         check_1d("bootstrap_values", bootstrap_values, values.shape[0])
-    return mask
+    dtype = torch.float32 if values.dtype in (torch.float16, torch.bfloat16) else values.dtype
+    out = {"rewards": rewards, "values": values, "bootstrap_values": bootstrap_values, **extra}
+    return mask, {k: None if v is None else v.detach().to(dtype) for k, v in out.items()}
 
 
 def _td_corrected(rewards: Tensor, values: Tensor, mask: Tensor, rho_bar: Tensor | None,
                   gamma: float, lam: float, bootstrap_values: Tensor | None, obs_reward: str,
-                  inputs: dict[str, Tensor], context: str) -> tuple[Tensor, Tensor]:
+                  obs_discount: str, inputs: dict[str, Tensor], context: str) -> tuple[Tensor, Tensor]:
     """Shared core of GAE and COPC: ``G_t = ρ̄_t δ_t + γλ G_{t+1}`` over action tokens.
 
     ``rho_bar is None`` means ρ̄ ≡ 1 (plain GAE) and multiplies nothing, so
     GAE and COPC with η_A = 0 are bit-identical.
     """
+    if mask.shape[1] == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
     starts, ends = action_block_bounds(mask)
-    delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward)
+    delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward,
+                         obs_discount)
     # Few big temporaries: every fresh (B, T) buffer costs page faults on first touch.
     zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
     x = torch.where(mask, delta, zero) if rho_bar is None else torch.where(
         mask, rho_bar.mul_(delta), zero, out=rho_bar)
     c = gamma * lam
-    g_next = reverse_action_scan(x, mask, c)
+    g_next = reverse_action_scan(x, mask if obs_discount == "skip" else torch.ones_like(mask), c)
     # Â_t = δ_t + γλ G_{next}: the token's own residual is not reweighted.
     advantages = torch.add(delta, g_next, alpha=c)
     torch.where(mask, advantages, zero, out=advantages)
@@ -62,13 +88,17 @@ def _td_corrected(rewards: Tensor, values: Tensor, mask: Tensor, rho_bar: Tensor
     returns = g_next.mul_(c) if c != 1.0 else g_next
     returns.add_(x).add_(values)
     torch.where(mask, returns, zero, out=returns)
-    raise_if_not_finite((advantages, returns), inputs, mask, context)
+    everywhere = torch.ones_like(mask)
+    scan = {**inputs, "rewards": (rewards, everywhere)}
+    if bootstrap_values is not None:
+        scan["bootstrap_values"] = bootstrap_values
+    raise_if_not_finite((advantages, returns), scan, mask, context)
     return advantages, returns
 
 
 def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, gamma: float = 1.0,
                          lam: float = 1.0, bootstrap_values: Tensor | None = None,
-                         obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
+                         obs_reward: str = "fold", obs_discount: str = "skip") -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over action tokens (Schulman et al. 2016, eq. 16).
 
     ``δ_t = r_t + γ V_{t+1} − V_t``, ``Â_t = Σ_{j≥t} (γλ)^{j−t} δ_j`` and returns
@@ -86,6 +116,8 @@ def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, 
             default 0 (terminated).
         obs_reward: ``"fold"`` reward on observation tokens onto the preceding action token,
             or ``"error"`` to refuse it (spec "Setting", (choice)).
+        obs_discount: ``"skip"`` (default): observation tokens are skipped, not discounted;
+            ``"per_token"``: γ and λ apply per token position (spec "Setting", (choice)).
 
     Returns:
         ``(advantages, returns)``, each ``(B, T)`` with ``values.dtype``, 0 at mask-0 positions.
@@ -97,9 +129,10 @@ def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, 
             the inputs at action tokens (the message names the input and position).
         TypeError: on non-tensor or non-floating inputs.
     """
-    mask = _check_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, {})
-    return _td_corrected(rewards, values, mask, None, gamma, lam, bootstrap_values, obs_reward,
-                         {"rewards": rewards, "values": values}, "gae_advantage_return")
+    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount)
+    return _td_corrected(x["rewards"], x["values"], mask, None, gamma, lam, x["bootstrap_values"],
+                         obs_reward, obs_discount, {"rewards": x["rewards"], "values": x["values"]},
+                         "gae_advantage_return")
 
 
 def clipped_ratio(logp_old: Tensor, logp_mu: Tensor, low: float, high: float) -> Tensor:
@@ -115,7 +148,14 @@ def clipped_ratio(logp_old: Tensor, logp_mu: Tensor, low: float, high: float) ->
 
     Returns:
         ``(B, T)`` float tensor, detached.
+
+    Raises:
+        ValueError: if the shapes differ or ``low > high``.
     """
+    if logp_old.shape != logp_mu.shape:
+        raise ValueError(f"logp_old {tuple(logp_old.shape)} and logp_mu {tuple(logp_mu.shape)} differ")
+    if not low <= high:
+        raise ValueError(f"clip interval must have low <= high, got ({low!r}, {high!r})")
     with torch.no_grad():
         return torch.sub(logp_old, logp_mu).exp_().clamp_(low, high)
 
@@ -125,7 +165,8 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
                              eta_a: float = 0.5, eps_low: float = EPS_LOW,
                              eps_high: float = EPS_HIGH,
                              bootstrap_values: Tensor | None = None,
-                             obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
+                             obs_reward: str = "fold", obs_discount: str = "skip"
+                             ) -> tuple[Tensor, Tensor]:
     """COPC advantage channel: clipped-ratio TD weighting (spec, "Advantage channel").
 
     Over action tokens t (observation tokens skipped)::
@@ -150,7 +191,7 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
         eta_a: advantage-channel strength η_A ∈ [0, 1].
         eps_low, eps_high: base margins ε_ℓ, ε_h.
         bootstrap_values: optional ``(B,)`` V after the last action token (truncated rows).
-        obs_reward: ``"fold"`` or ``"error"``, see :func:`gae_advantage_return`.
+        obs_reward, obs_discount: see :func:`gae_advantage_return`.
 
     Returns:
         ``(advantages, returns)``, each ``(B, T)``, ``values.dtype``, 0 at mask-0 positions;
@@ -162,15 +203,15 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
             (e.g. ``logp_old = logp_mu = −inf``). ``logp_mu = −inf`` alone is defined: ρ̄ = u_A.
         TypeError: on non-tensor or non-floating inputs.
     """
-    mask = _check_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values,
-                         {"logp_old": logp_old, "logp_mu": logp_mu})
+    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount,
+                       logp_old=logp_old, logp_mu=logp_mu)
     low, high = margins(eta_a, eps_low, eps_high)
     rho_bar = None
     if not (low == 1.0 and high == 1.0):
-        rho_bar = clipped_ratio(logp_old, logp_mu, low, high).to(values.dtype)
-    inputs = {"rewards": rewards, "values": values, "logp_old": logp_old, "logp_mu": logp_mu}
-    return _td_corrected(rewards, values, mask, rho_bar, gamma, lam, bootstrap_values, obs_reward,
-                         inputs, "coupled_advantage_return")
+        rho_bar = clipped_ratio(x["logp_old"], x["logp_mu"], low, high)
+    inputs = {k: x[k] for k in ("rewards", "values", "logp_old", "logp_mu")}
+    return _td_corrected(x["rewards"], x["values"], mask, rho_bar, gamma, lam, x["bootstrap_values"],
+                         obs_reward, obs_discount, inputs, "coupled_advantage_return")
 
 
 def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, logp_mu: Tensor,
@@ -204,13 +245,17 @@ def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, l
     Raises:
         ValueError: as :func:`coupled_advantage_return`, plus non-positive ``rho_clip``/``c_clip``.
     """
-    mask = _check_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values,
-                         {"logp_old": logp_old, "logp_mu": logp_mu})
+    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, "skip",
+                       logp_old=logp_old, logp_mu=logp_mu)
+    rewards, values, logp_old, logp_mu = (x[k] for k in ("rewards", "values", "logp_old", "logp_mu"))
+    bootstrap_values = x["bootstrap_values"]
     for name, v in (("rho_clip", rho_clip), ("c_clip", c_clip)):
-        if not float(v) > 0.0:
+        if not check_number(name, v) > 0.0:
             raise ValueError(f"{name} must be > 0, got {v!r}")
     B, T = values.shape
     dtype = values.dtype
+    if T == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
     starts, ends = action_block_bounds(mask)
     delta = td_residuals(rewards, values, mask, gamma, bootstrap_values, starts, ends, obs_reward)
     delta = torch.where(mask, delta, 0.0)
@@ -228,6 +273,9 @@ def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, l
     # action token is 0 (v there is the bootstrap value itself).
     returns = torch.where(mask, values + diff[:, :T], 0.0)
     advantages = torch.where(mask, rho * (delta + gamma * diff[:, 1:]), 0.0)
-    inputs = {"rewards": rewards, "values": values, "logp_old": logp_old, "logp_mu": logp_mu}
+    inputs = {"rewards": (rewards, torch.ones_like(mask)), "values": values, "logp_old": logp_old,
+              "logp_mu": logp_mu}
+    if bootstrap_values is not None:
+        inputs["bootstrap_values"] = bootstrap_values
     raise_if_not_finite((advantages, returns), inputs, mask, "vtrace_advantage_return")
     return advantages, returns

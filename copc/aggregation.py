@@ -66,7 +66,8 @@ def batch_denominators(loss_mask: Tensor) -> Denominators:
 
 def aggregate_loss(token_losses: Tensor, loss_mask: Tensor, loss_agg_mode: str = "seq-mean-token-mean",
                    denominators: Denominators | None = None) -> Tensor:
-    """Reduce per-token losses to a scalar over action tokens.
+    """Reduce per-token losses to a scalar over action tokens (modes: see module docstring;
+    ``seq-mean-token-mean`` is the COPC paper's ``mean_seq (1/|y|) Σ_t``, spec "Policy channel").
 
     Args:
         token_losses: ``(B, T)`` float per-token loss; positions with ``loss_mask == 0`` are

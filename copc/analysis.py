@@ -58,7 +58,7 @@ def _dirichlet(S: int, A: int, g: torch.Generator) -> Tensor:
 
 
 def target_policy(mu: Tensor, pi: Tensor, low: float, high: float) -> Tensor:
-    """π̃(a|s) ∝ µ(a|s) · clip(π(a|s)/µ(a|s), low, high) (Proposition 1).
+    """π̃(a|s) ∝ µ(a|s) · clip(π(a|s)/µ(a|s), low, high) (COPC paper, Proposition 1).
 
     Args:
         mu, pi: ``(S, A)`` float64 policies (rows sum to 1, ``mu > 0``).
@@ -72,7 +72,7 @@ def target_policy(mu: Tensor, pi: Tensor, low: float, high: float) -> Tensor:
 
 
 def solve_value(mdp: TabularMDP, policy: Tensor) -> Tensor:
-    """V^policy by a linear solve: ``V = (I − γ P_π)^{-1} r_π``.
+    """V^policy by a linear solve: ``V = (I − γ P_π)^{-1} r_π`` (Bellman equation; Sutton & Barto eq. 4.4).
 
     Args:
         mdp: the MDP.

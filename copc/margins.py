@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._checks import check_unit_interval
+from ._checks import check_number, check_unit_interval
 
 #: Paper defaults (spec, "Margins"): ε_ℓ = 0.4, ε_h = 0.56, η_P = η_A = 0.5.
 EPS_LOW = 0.4
@@ -25,10 +25,11 @@ def margins(eta: float, eps_low: float = EPS_LOW, eps_high: float = EPS_HIGH) ->
         ``(low, high)`` as Python floats, ``0 ≤ low ≤ 1 ≤ high``.
 
     Raises:
-        ValueError: if ``eta`` or ``eps_low`` is outside [0, 1] or ``eps_high < 0``.
+        ValueError: if ``eta`` or ``eps_low`` is outside [0, 1], ``eps_high < 0``, or any is
+            not a number.
     """
     check_unit_interval("eta", eta)
     check_unit_interval("eps_low", eps_low)
-    if not float(eps_high) >= 0.0:
+    if not check_number("eps_high", eps_high) >= 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high!r}")
     return 1.0 - eta * eps_low, 1.0 + eta * eps_high

@@ -29,6 +29,9 @@ def ratio_statistics(log_ratio: Tensor, loss_mask: Tensor, prefix: str) -> dict[
     Returns:
         ``{prefix}/ratio_mean, ratio_max, ratio_min, ratio_ess, ratio_nonfinite_frac``
         (all 0.0 when there is no action token).
+
+    Raises:
+        ValueError/TypeError: if ``log_ratio`` is not a 2-D float tensor or the mask does not match.
     """
     check_2d_float("log_ratio", log_ratio)
     m = as_bool_mask(loss_mask, log_ratio.shape)
@@ -67,6 +70,9 @@ def interval_fractions(ratio: Tensor, loss_mask: Tensor, low: float, high: float
 
     Returns:
         ``{prefix}/{name}_frac``, ``{prefix}/{name}_low_frac``, ``{prefix}/{name}_high_frac``.
+
+    Raises:
+        ValueError: if the mask is not 0/1 or does not match ``ratio``'s shape.
     """
     m = as_bool_mask(loss_mask, ratio.shape)
     n = max(int(m.sum()), 1)
@@ -94,6 +100,9 @@ def advantage_channel_metrics(logp_old: Tensor, logp_mu: Tensor, loss_mask: Tens
     Returns:
         ``advantage/clipped_frac`` (+ ``_low_frac``/``_high_frac``: ρ < ℓ_A or ρ > u_A) and
         ``advantage/ratio_*`` statistics of π_old/µ.
+
+    Raises:
+        ValueError: if the mask is not 0/1 or does not match the log-probs' shape.
     """
     m = as_bool_mask(loss_mask, logp_old.shape)
     log_ratio = torch.where(m, logp_old - logp_mu, 0.0)

@@ -51,12 +51,13 @@ def group_relative_advantages(scores: Tensor, group_ids: Tensor, *, std_normaliz
         raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
     _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n = counts.to(scores.dtype)
-    sums = torch.zeros(counts.shape, dtype=scores.dtype).index_add_(0, inv, scores)
+    sums = torch.zeros(counts.shape, dtype=scores.dtype, device=scores.device).index_add_(0, inv, scores)
     mean = sums / n
     centered = scores - mean[inv]
     if not std_normalize:
         return centered
-    sq = torch.zeros(counts.shape, dtype=scores.dtype).index_add_(0, inv, centered.square())
+    sq = torch.zeros(counts.shape, dtype=scores.dtype, device=scores.device).index_add_(
+        0, inv, centered.square())
     std = torch.where(counts > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
     return centered / (std[inv] + eps)
 
@@ -78,7 +79,8 @@ def batch_normalized_advantages(scores: Tensor, *, eps: float = 1e-6) -> Tensor:
         ValueError: on a non-1-D input or NaN/inf scores.
     """
     _check_scores(scores)
-    return group_relative_advantages(scores, torch.zeros(scores.shape[0], dtype=torch.long), eps=eps)
+    return group_relative_advantages(
+        scores, torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device), eps=eps)
 
 
 def broadcast_to_tokens(seq_advantages: Tensor, loss_mask: Tensor) -> Tensor:
@@ -112,6 +114,9 @@ def masked_whiten(values: Tensor, loss_mask: Tensor, *, eps: float = 1e-8) -> Te
 
     Returns:
         ``(B, T)`` tensor.
+
+    Raises:
+        ValueError: if ``loss_mask`` is not a 0/1 tensor of the same shape.
     """
     m = as_bool_mask(loss_mask, values.shape)
     sel = values[m]

@@ -3,7 +3,10 @@
 Every loss takes ``(B, T)`` tensors plus ``loss_mask`` and returns ``(loss, metrics)``.
 Inputs at mask-0 positions are replaced by neutral values *before* any
 differentiable operation, so garbage there (NaN, ±inf) changes neither the loss
-nor any gradient. Advantages are treated as constants (detached).
+nor any gradient. Advantages are treated as constants (detached). NaN in any input
+at an action token raises ``ValueError`` naming it. PPO-style log-ratios are clamped
+to ``±LOG_RATIO_CLAMP`` before ``exp`` (as verl does) so an overflowing ratio never
+turns into a NaN gradient.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from .metrics import interval_fractions, ratio_statistics
 
 Tensor = torch.Tensor
 
+#: |log-ratio| bound applied before ``exp`` in the PPO-style losses (e^20 ≈ 4.9e8).
+LOG_RATIO_CLAMP = 20.0
+
 
 def _prepare(loss_mask: Tensor, loss_agg_mode: str, **tensors: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Validate ``(B, T)`` inputs; return the bool mask and the inputs zeroed at mask-0."""
@@ -28,6 +34,10 @@ def _prepare(loss_mask: Tensor, loss_agg_mode: str, **tensors: Tensor) -> tuple[
     for name, t in tensors.items():
         check_2d_float(name, t, m.shape)
         out[name] = torch.where(m, t, 0.0)
+        nan = torch.isnan(out[name].detach())
+        if bool(nan.any()):
+            b, i = (int(v) for v in nan.nonzero()[0])
+            raise ValueError(f"{name}[{b}, {i}] = nan at an action token")
     return m, out
 
 
@@ -46,7 +56,7 @@ def ppo_token_loss(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip_
     (Ye et al. 2020, eq. 5) ``ℓ = min(ℓ, −c·A)`` where ``A < 0``.
 
     Args:
-        log_ratio: ``(B, T)`` ``log r`` with grad.
+        log_ratio: ``(B, T)`` ``log r`` with grad (clamped to ``±LOG_RATIO_CLAMP`` before ``exp``).
         advantages: ``(B, T)`` advantages (treated as constants).
         clip_low, clip_high: ε_low, ε_high > 0.
         dual_clip_c: c > 1, or None to disable.
@@ -54,7 +64,7 @@ def ppo_token_loss(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip_
     Returns:
         ``(token_loss, clipped, dual_clipped)``: ``(B, T)`` float and two bool masks.
     """
-    ratio = log_ratio.exp()
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     adv = advantages.detach()
     l1 = -adv * ratio
     l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -187,7 +197,8 @@ def _ppo_metrics(loss: Tensor, log_ratio: Tensor, clipped: Tensor, dual: Tensor,
         "actor/pg_loss": float(loss.detach()),
         "actor/pg_clipfrac": int((clipped & m).sum()) / n,
         "actor/pg_dual_clipfrac": int((dual & m).sum()) / n,
-        "actor/approx_kl": float(-(log_ratio.detach() * m).sum()) / n,
+        "actor/approx_kl": float(-(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+                                     * m).sum()) / n,
     }
     out.update(ratio_statistics(log_ratio, m, "actor"))
     return out
@@ -324,7 +335,7 @@ def icepop_policy_loss(logp: Tensor, logp_old: Tensor, logp_mu: Tensor, advantag
     log_k = (old - t["logp_mu"]).detach()
     k = log_k.exp()
     keep = (k >= icepop_low) & (k <= icepop_high) & m
-    tok = torch.where(keep, k * tok, 0.0)
+    tok = torch.where(keep, k, 0.0) * tok  # k = inf outside the window must not reach the gradient
     loss = aggregate_loss(tok, m, loss_agg_mode, denominators)
     raise_if_not_finite((loss,), {"logp": logp, "logp_old": logp_old, "logp_mu": logp_mu,
                                   "advantages": advantages}, m, "icepop_policy_loss")

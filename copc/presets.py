@@ -8,9 +8,10 @@ of the spec is a field here.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ._checks import check_number
 from .aggregation import LOSS_AGG_MODES
 from .margins import EPS_HIGH, EPS_LOW, ETA
 
@@ -19,17 +20,18 @@ CRITIC_ESTIMATORS = ("copc", "gae", "vtrace")
 OUTCOME_ESTIMATORS = ("grpo", "batch_norm")
 POLICY_LOSS_NAMES = ("dis", "ppo", "decoupled_ppo", "tis", "icepop")
 OBS_REWARD_MODES = ("fold", "error")
+OBS_DISCOUNT_MODES = ("skip", "per_token")
 
 
-def _unit(name: str, v: float) -> None:
-    if not 0.0 <= float(v) <= 1.0:
+def _unit(name: str, v: object) -> None:
+    if not 0.0 <= check_number(name, v) <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {v!r}")
 
 
-def _positive(name: str, v: float | None, *, allow_none: bool = False) -> None:
+def _positive(name: str, v: object, *, allow_none: bool = False) -> None:
     if v is None and allow_none:
         return
-    if v is None or not float(v) > 0.0:
+    if v is None or not check_number(name, v) > 0.0:
         raise ValueError(f"{name} must be > 0{' or None' if allow_none else ''}, got {v!r}")
 
 
@@ -60,6 +62,8 @@ class AlgorithmConfig:
         value_loss_agg_mode: critic aggregation ["Critic loss": mean over action tokens].
         obs_reward: reward on observation tokens: ``fold`` onto the preceding action token
             or ``error`` ["Setting", (choice)].
+        obs_discount: ``skip`` observation tokens in the recursion (default) or discount
+            ``per_token`` ["Setting", (choice)]; ``vtrace`` supports ``skip`` only.
         max_staleness: forced max staleness (``ppo`` = 0, synchronous), None = trainer's.
 
     Raises:
@@ -93,8 +97,8 @@ class AlgorithmConfig:
     value_clip_eps: float | None = 0.5
     value_loss_agg_mode: str = "token-mean"
     obs_reward: str = "fold"
+    obs_discount: str = "skip"
     max_staleness: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         """Validate every field (see class docstring)."""
@@ -103,21 +107,31 @@ class AlgorithmConfig:
             raise ValueError(f"advantage_estimator must be one of {est}, got {self.advantage_estimator!r}")
         if self.policy_loss not in POLICY_LOSS_NAMES:
             raise ValueError(f"policy_loss must be one of {POLICY_LOSS_NAMES}, got {self.policy_loss!r}")
+        for n in ("use_critic", "std_normalize", "normalize_advantages"):
+            if not isinstance(getattr(self, n), bool):
+                raise ValueError(f"{n} must be a bool, got {getattr(self, n)!r}")
+        for n in ("name", "advantage_estimator", "policy_loss", "loss_agg_mode", "value_loss_agg_mode",
+                  "behav_cap_mode", "obs_reward", "obs_discount"):
+            if not isinstance(getattr(self, n), str):
+                raise ValueError(f"{n} must be a string, got {getattr(self, n)!r}")
+        if self.advantage_estimator in OUTCOME_ESTIMATORS and self.use_critic:
+            raise ValueError(f"use_critic=True with advantage_estimator={self.advantage_estimator!r}: "
+                             "that estimator never reads values, the critic would train for nothing")
         if self.advantage_estimator in CRITIC_ESTIMATORS and not self.use_critic:
             raise ValueError(
                 f"use_critic=False is incompatible with advantage_estimator={self.advantage_estimator!r}"
                 " (it needs values)")
         for n in ("gamma", "lam", "eps_low", "eta_p", "eta_a"):
             _unit(n, getattr(self, n))
-        if not float(self.eps_high) >= 0.0:
+        if not check_number("eps_high", self.eps_high) >= 0.0:
             raise ValueError(f"eps_high must be >= 0, got {self.eps_high!r}")
         for n in ("clip_high", "tis_cap", "icepop_low", "icepop_high", "rho_clip", "c_clip"):
             _positive(n, getattr(self, n))
         for n in ("dis_ppo_clip_eps", "behav_weight_cap", "value_clip_eps"):
             _positive(n, getattr(self, n), allow_none=True)
-        if not 0.0 < float(self.clip_low) < 1.0:
+        if not 0.0 < check_number("clip_low", self.clip_low) < 1.0:
             raise ValueError(f"clip_low must be in (0, 1), got {self.clip_low!r}")
-        if self.dual_clip_c is not None and not float(self.dual_clip_c) > 1.0:
+        if self.dual_clip_c is not None and not check_number("dual_clip_c", self.dual_clip_c) > 1.0:
             raise ValueError(f"dual_clip_c must be > 1 or None, got {self.dual_clip_c!r}")
         if self.behav_cap_mode not in ("mask", "truncate"):
             raise ValueError(f"behav_cap_mode must be 'mask' or 'truncate', got {self.behav_cap_mode!r}")
@@ -129,6 +143,10 @@ class AlgorithmConfig:
                 raise ValueError(f"{n} must be one of {LOSS_AGG_MODES}, got {getattr(self, n)!r}")
         if self.obs_reward not in OBS_REWARD_MODES:
             raise ValueError(f"obs_reward must be one of {OBS_REWARD_MODES}, got {self.obs_reward!r}")
+        if self.obs_discount not in OBS_DISCOUNT_MODES:
+            raise ValueError(f"obs_discount must be one of {OBS_DISCOUNT_MODES}, got {self.obs_discount!r}")
+        if self.obs_discount != "skip" and self.advantage_estimator == "vtrace":
+            raise ValueError("obs_discount='per_token' is not supported by advantage_estimator='vtrace'")
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool)
                                                or not isinstance(self.max_staleness, int)
                                                or self.max_staleness < 0):
@@ -164,7 +182,7 @@ PRESET_NAMES = tuple(_PRESETS)
 
 
 def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
-    """Build the named preset, optionally with field overrides.
+    """Build the named preset, optionally with field overrides (spec, "Baselines" table).
 
     Args:
         name: one of :data:`PRESET_NAMES` (``ppo``, ``ppo_async``, ``areal``, ``sao``, ``vtrace``,
@@ -175,8 +193,12 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
         A frozen, validated :class:`AlgorithmConfig`.
 
     Raises:
-        ValueError: for an unknown preset, unknown field or invalid value.
+        ValueError: for an unknown preset, unknown field or invalid value, or a non-zero
+            ``max_staleness`` for the synchronous ``ppo`` preset.
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {list(PRESET_NAMES)}")
+    if name == "ppo" and overrides.get("max_staleness", 0) != 0:
+        raise ValueError("preset 'ppo' is synchronous (max_staleness=0); for stale rollouts use "
+                         f"'ppo_async' (got max_staleness={overrides['max_staleness']!r})")
     return AlgorithmConfig(name=name, **_PRESETS[name]).replace(**overrides)

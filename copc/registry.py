@@ -132,14 +132,16 @@ def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
                                     gamma=cfg.gamma, lam=cfg.lam, eta_a=cfg.eta_a,
                                     eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                    bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward)
+                                    bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward,
+                                    obs_discount=cfg.obs_discount)
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
 def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", who="advantage estimator 'gae'")
     return gae_advantage_return(x.rewards, x.values, x.loss_mask, gamma=cfg.gamma, lam=cfg.lam,
-                                bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward)
+                                bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward,
+                                obs_discount=cfg.obs_discount)
 
 
 @ADVANTAGE_ESTIMATORS.register("vtrace")

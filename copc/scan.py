@@ -105,7 +105,7 @@ def fold_observation_rewards(rewards: Tensor, mask: Tensor, ends: Tensor,
 
 def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
                  bootstrap: Tensor | None, starts: Tensor, ends: Tensor,
-                 obs_reward: str = "fold") -> Tensor:
+                 obs_reward: str = "fold", obs_discount: str = "skip") -> Tensor:
     """TD residuals ``δ_t = r_t + γ V_{n(t)} − V_t`` at action tokens (spec "Setting").
 
     ``n(t)`` is the next action token of the row (observation tokens skipped, not
@@ -121,16 +121,19 @@ def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
         bootstrap: optional ``(B,)`` value after the last action token.
         starts, ends: from :func:`action_block_bounds`.
         obs_reward: see :func:`fold_observation_rewards`.
+        obs_discount: ``"skip"`` (default): observation tokens between two action tokens are
+            not discounted; ``"per_token"``: ``γ`` applies per token, so the next action
+            token ``d`` tokens later is discounted by ``γ^d`` (spec "Setting", (choice)).
 
     Returns:
-        ``(B, T)`` tensor with ``values.dtype``.
+        ``(B, T)`` contiguous tensor with ``values.dtype``.
 
     Raises:
         ValueError: as :func:`fold_observation_rewards`.
     """
     T = values.shape[1]
     r = rewards if rewards.dtype == values.dtype else rewards.to(values.dtype)
-    delta = torch.sub(r, values)
+    delta = torch.sub(r, values).contiguous()
     # interior action tokens: the next token is the next action token
     delta[:, :-1].add_(values[:, 1:], alpha=gamma)
     if ends.numel() == 0:
@@ -144,7 +147,11 @@ def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     after = torch.zeros_like(flat_v[ends]) if bootstrap is None else bootstrap.to(values.dtype)[row]
     v_next = torch.where(has_next, flat_v[nxt], after)
     r_end = fold_observation_rewards(r, mask, ends, obs_reward)
-    delta.view(-1)[ends] = r_end + gamma * v_next - flat_v[ends]
+    disc = gamma
+    if obs_discount == "per_token":
+        dist = torch.where(has_next, nxt - ends, torch.ones_like(ends)).to(values.dtype)
+        disc = torch.pow(torch.tensor(gamma, dtype=values.dtype), dist)
+    delta.view(-1)[ends] = r_end + disc * v_next - flat_v[ends]
     return delta
 
 
@@ -176,7 +183,8 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
 
     Args:
         x: ``(B, T)`` float; must be 0 at non-action positions.
-        mask: ``(B, T)`` bool action-token mask (only read when ``0 < c < 1``).
+        mask: ``(B, T)`` bool action-token mask (only read when ``0 < c < 1``); pass all-True
+            to discount per token position instead (``obs_discount="per_token"``).
         c: discount per action token, ``γλ``, in ``[0, 1]``.
         block: maximum block length in tokens.
 

@@ -30,18 +30,23 @@ def _rows(rewards, values, mask, logp_old=None, logp_mu=None, bootstrap=None):
 
 
 def coupled_reference(rewards, values, logp_old, logp_mu, mask, gamma, lam, low, high,
-                      bootstrap=None):
-    """G_t = clip(ρ_t) δ_t + γλ G_{t+1} over action tokens; returns (adv, ret) float64."""
+                      bootstrap=None, per_token=False):
+    """G_t = clip(ρ_t) δ_t + γλ G_{t+1} over action tokens; returns (adv, ret) float64.
+
+    ``per_token``: the step from action token t to the next one, d tokens later, is
+    discounted by γ^d (and the trace by (γλ)^d) instead of γ (γλ).
+    """
     adv = torch.zeros(mask.shape, dtype=torch.float64)
     ret = torch.zeros(mask.shape, dtype=torch.float64)
     for b, acts, r, v, v_after, ratio in _rows(rewards, values, mask, logp_old, logp_mu, bootstrap):
         G_next = 0.0
         for k in range(len(acts) - 1, -1, -1):
             v_next = v[k + 1] if k + 1 < len(acts) else v_after
-            delta = r[k] + gamma * v_next - v[k]
+            d = acts[k + 1] - acts[k] if (per_token and k + 1 < len(acts)) else 1
+            delta = r[k] + gamma**d * v_next - v[k]
             rho_bar = 1.0 if ratio is None else min(max(ratio[k], low), high)
-            adv[b, acts[k]] = delta + gamma * lam * G_next
-            G = rho_bar * delta + gamma * lam * G_next
+            adv[b, acts[k]] = delta + (gamma * lam) ** d * G_next
+            G = rho_bar * delta + (gamma * lam) ** d * G_next
             ret[b, acts[k]] = v[k] + G
             G_next = G
     return adv, ret
