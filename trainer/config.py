@@ -1,0 +1,397 @@
+"""Typed experiment configuration: OmegaConf structured configs validated at load.
+
+A run is described by :class:`ExperimentConfig`. YAML files in ``configs/`` are
+merged onto the schema (unknown keys and wrong types raise an error naming the
+key), may compose other files through a ``defaults:`` list (paths relative to
+the file, merged in order, then the file itself), and accept dotted command-line
+overrides (``train.total_steps=3``). After the merge every section's
+``validate()`` checks ranges and names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import copc
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message names the key (e.g. ``train.total_steps``)."""
+
+
+def _require(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+@dataclass
+class TinyModelSpec:
+    """Tiny offline model built from scratch when ``model.path`` is empty (see trainer.models.tiny)."""
+
+    arch: str = "qwen2"
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """Policy (actor) and critic models.
+
+    Attributes:
+        path: local checkpoint directory (``save_pretrained`` layout, e.g. Qwen3-4B); empty:
+            build the tiny model described by ``tiny``.
+        critic_path: critic initialisation; empty: the actor's weights plus a fresh value head.
+        dtype: ``float32`` | ``bfloat16`` (parameters).
+        attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2``.
+        gradient_checkpointing: trade compute for memory in the learner.
+    """
+
+    path: str = ""
+    critic_path: str = ""
+    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    gradient_checkpointing: bool = False
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+                 "must be float32, bfloat16 or float16")
+        if self.path:
+            _require(Path(self.path).is_dir(), "model.path", self.path,
+                     "not a directory (fill in a local checkpoint path, or leave it empty for the tiny model)")
+
+
+@dataclass
+class TaskConfig:
+    """Environment and data.
+
+    Attributes:
+        env: registered environment id (``math_tool``, ``search`` or a user's).
+        env_kwargs: keyword overrides for ``environments.make`` (e.g. ``prompt_template``).
+        train_data: dataset names/paths the env understands (e.g. ``[math_train]`` or
+            ``[nq, hotpotqa]``), read from ``data_dir``; empty: generated problems.
+        eval_data: held-out dataset(s) for evaluation.
+        data_dir: directory of the shared data (relative paths: from the repository root).
+        max_train_samples / max_eval_samples: caps (0 = all).
+        retriever_url: search tasks: an existing server; empty: start one (BM25 index built
+            on first use in ``retriever_index_dir``, reused after).
+        retriever_index_dir / retriever_corpus: where the auto-started server's index lives
+            and which corpus it indexes.
+    """
+
+    env: str = "math_tool"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)
+    data_dir: str = "../shared/data"
+    max_train_samples: int = 0
+    max_eval_samples: int = 0
+    retriever_url: str = ""
+    retriever_index_dir: str = "runs/retriever_index/bm25"
+    retriever_corpus: str = "../shared/data/wiki/corpus.jsonl"
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(bool(self.env), "task.env", self.env, "must name a registered environment")
+        _require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
+        _require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engine, sampling and per-episode budgets.
+
+    Attributes:
+        engine: ``embedded`` (in-process, CPU default) | ``sglang`` (GPU server).
+        temperature, top_p, top_k: sampling (the learner uses the same temperature).
+        max_new_tokens: tokens per model turn.
+        n_samples_per_prompt: episodes per prompt (GRPO/DAPO groups; 1 for SAO).
+        concurrency: episodes in flight at once.
+        max_total_tokens, max_turns, max_observation_tokens: episode budgets (tokens / turns).
+        engine_max_batch_size: embedded engine batch size (sequences).
+        sglang_port / sglang_tp / sglang_mem_fraction: SGLang server settings.
+    """
+
+    engine: str = "embedded"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    n_samples_per_prompt: int = 1
+    concurrency: int = 32
+    max_total_tokens: int = 4096
+    max_turns: int = 8
+    max_observation_tokens: int = 1024
+    engine_max_batch_size: int = 32
+    sglang_port: int = 30000
+    sglang_tp: int = 1
+    sglang_mem_fraction: float = 0.8
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.engine in ("embedded", "sglang"), "rollout.engine", self.engine,
+                 "must be 'embedded' or 'sglang'")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
+                  "max_turns", "max_observation_tokens", "engine_max_batch_size"):
+            _require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """Learner settings.
+
+    Attributes:
+        total_steps: optimizer steps of RL (policy versions produced).
+        prompts_per_step: prompts per training batch (× ``rollout.n_samples_per_prompt`` episodes).
+        num_mini_batches: optimizer updates per step (PPO mini-batches, one epoch).
+        micro_batch_size: sequences per forward/backward (gradient accumulation; exact loss).
+        actor_lr, critic_lr: learning rates. weight_decay: AdamW decay.
+        warmup_steps: linear LR warm-up (optimizer updates).
+        grad_clip: max global gradient norm (0 = off).
+        critic_warmup_steps: first steps update only the critic.
+        max_staleness: bound on policy versions between behavior and learner (0 = synchronous);
+            a preset's own bound (``ppo``: 0) wins.
+        seed: everything random (data order, sampling, init).
+    """
+
+    total_steps: int = 100
+    prompts_per_step: int = 8
+    num_mini_batches: int = 1
+    micro_batch_size: int = 8
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    critic_warmup_steps: int = 0
+    max_staleness: int = 8
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        for k in ("total_steps", "prompts_per_step", "num_mini_batches", "micro_batch_size"):
+            _require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
+        for k in ("actor_lr", "critic_lr"):
+            _require(getattr(self, k) > 0, f"train.{k}", getattr(self, k), "must be > 0")
+        for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "max_staleness"):
+            _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm-start on generated traces before RL (ReTool's cold-start idea).
+
+    Attributes:
+        enabled: run it (skipped when ``model.path`` is a real, already fine-tuned model).
+        kind: ``retool_arithmetic`` | ``search_r1``.
+        num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
+        lr: learning rate. seed: generator seed.
+    """
+
+    enabled: bool = False
+    kind: str = "retool_arithmetic"
+    num_examples: int = 2000
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.kind in ("retool_arithmetic", "search_r1"), "warm_start.kind", self.kind,
+                 "must be 'retool_arithmetic' or 'search_r1'")
+        for k in ("num_examples", "steps", "batch_size"):
+            _require(getattr(self, k) >= 1, f"warm_start.{k}", getattr(self, k), "must be >= 1")
+        _require(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (greedy by default) before and after RL.
+
+    Attributes:
+        enabled: run it. num_samples: held-out problems. temperature: 0 = greedy.
+        k: samples per problem for avg@k (1 with greedy).
+    """
+
+    enabled: bool = True
+    num_samples: int = 64
+    temperature: float = 0.0
+    k: int = 1
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.num_samples >= 1, "eval.num_samples", self.num_samples, "must be >= 1")
+        _require(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
+        _require(self.k >= 1, "eval.k", self.k, "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: every ``every_steps`` steps into ``<output_dir>/checkpoints``, keep ``keep_last``."""
+
+    every_steps: int = 10
+    keep_last: int = 2
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics JSONL (always), TensorBoard, end-of-run PNG plots, live progress bar."""
+
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class LauncherConfig:
+    """``local`` (one process, threads/asyncio) or ``ray`` (rollout workers + learner as Ray actors).
+
+    Attributes:
+        kind: ``local`` | ``ray``. ray_address: existing cluster (empty: start a local one).
+        num_rollout_workers: Ray rollout actors. ray_num_cpus: CPUs of a local Ray cluster.
+    """
+
+    kind: str = "local"
+    ray_address: str = ""
+    num_rollout_workers: int = 1
+    ray_num_cpus: int = 2
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.kind in ("local", "ray"), "launcher.kind", self.kind, "must be 'local' or 'ray'")
+        _require(self.num_rollout_workers >= 1, "launcher.num_rollout_workers",
+                 self.num_rollout_workers, "must be >= 1")
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole run. ``preset`` names a :func:`copc.get_preset`; ``algorithm`` overrides its fields.
+
+    Attributes:
+        name: run name. output_dir: where checkpoints, metrics, plots and summary go.
+        preset: ``copc`` | ``copc_wo_rc`` | ``ppo`` | ``ppo_async`` | ``areal`` | ``sao`` | ``vtrace`` | ``dapo``.
+        algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{eta_a: 0.25}``).
+    """
+
+    name: str = "copc"
+    output_dir: str = "runs/copc"
+    preset: str = "copc"
+    algorithm: dict[str, Any] = field(default_factory=dict)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def algorithm_config(self) -> copc.AlgorithmConfig:
+        """The validated :class:`copc.AlgorithmConfig` (preset + overrides).
+
+        Raises:
+            ConfigError: naming ``preset`` or ``algorithm.<field>``.
+        """
+        try:
+            return copc.get_preset(self.preset, **dict(self.algorithm))
+        except ValueError as e:
+            key = "preset" if "unknown preset" in str(e) else "algorithm"
+            raise ConfigError(f"{key}: {e}") from None
+
+    @property
+    def max_staleness(self) -> int:
+        """Effective bound: the preset's own (``ppo``: 0) or ``train.max_staleness``."""
+        own = self.algorithm_config().max_staleness
+        return self.train.max_staleness if own is None else own
+
+    def validate(self) -> ExperimentConfig:
+        """Validate every section; return ``self``.
+
+        Raises:
+            ConfigError: naming the first bad key.
+        """
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if hasattr(v, "validate"):
+                v.validate()
+        algo = self.algorithm_config()
+        if algo.advantage_estimator == "grpo":
+            _require(self.rollout.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
+                     self.rollout.n_samples_per_prompt, f"preset {self.preset!r} (group-relative) needs >= 2")
+        return self
+
+
+def _compose(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """Load a YAML file, resolving its ``defaults:`` list (relative paths) depth-first."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"config composition cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    raw = OmegaConf.load(path)
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    defaults = raw.pop("defaults", [])
+    merged = OmegaConf.create({})
+    for d in defaults:
+        merged = OmegaConf.merge(merged, _compose(path.parent / str(d), (*seen, path)))
+    return OmegaConf.merge(merged, raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load ``path`` (composed), apply dotted ``overrides``, validate, return the typed config.
+
+    Args:
+        path: YAML file (None: schema defaults only).
+        overrides: ``["train.total_steps=3", "preset=ppo", ...]`` (OmegaConf dotlist syntax).
+
+    Returns:
+        A validated :class:`ExperimentConfig`.
+
+    Raises:
+        ConfigError: for a missing file, an unknown key, a wrong type or a bad value; the
+            message names the key.
+    """
+    schema = OmegaConf.structured(ExperimentConfig)
+    try:
+        cfg = schema
+        if path is not None:
+            cfg = OmegaConf.merge(cfg, _compose(Path(path)))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"override {bad[0]!r} must look like key=value")
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).split("\n")[0]
+        raise ConfigError(f"{key}: {msg}" if key else msg) from None
+    assert isinstance(obj, ExperimentConfig)
+    return obj.validate()
+
+
+def to_yaml(cfg: ExperimentConfig) -> str:
+    """The fully-resolved config as YAML (saved next to every run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
