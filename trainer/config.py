@@ -70,7 +70,8 @@ class ModelConfig:
                  "must be float32, bfloat16 or float16")
         if self.path:
             _require(Path(self.path).is_dir(), "model.path", self.path,
-                     "not a directory (fill in a local checkpoint path, or leave it empty for the tiny model)")
+                     "not a directory (fill in a local checkpoint path, or leave it empty for the "
+                     "tiny model)")
 
 
 @dataclass
@@ -289,7 +290,8 @@ class ExperimentConfig:
 
     Attributes:
         name: run name. output_dir: where checkpoints, metrics, plots and summary go.
-        preset: ``copc`` | ``copc_wo_rc`` | ``ppo`` | ``ppo_async`` | ``areal`` | ``sao`` | ``vtrace`` | ``dapo``.
+        preset: ``copc`` | ``copc_wo_rc`` | ``ppo`` | ``ppo_async`` | ``areal`` | ``sao`` |
+            ``vtrace`` | ``dapo``.
         algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{eta_a: 0.25}``).
     """
 
@@ -338,7 +340,8 @@ class ExperimentConfig:
         algo = self.algorithm_config()
         if algo.advantage_estimator == "grpo":
             _require(self.rollout.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
-                     self.rollout.n_samples_per_prompt, f"preset {self.preset!r} (group-relative) needs >= 2")
+                     self.rollout.n_samples_per_prompt,
+                     f"preset {self.preset!r} (group-relative) needs >= 2")
         return self
 
 
