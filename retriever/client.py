@@ -8,6 +8,7 @@ retried: it raises :class:`RetrieverRequestError` with the server's message.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,6 +83,39 @@ def _error_message(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
+def _classify(resp: httpx.Response) -> tuple[bool, str]:
+    """``(True, "")`` on 2xx, ``(False, reason)`` on 5xx (retry); raises on 4xx."""
+    if resp.status_code >= 500:
+        return False, f"HTTP {resp.status_code}: {_error_message(resp)}"
+    if resp.status_code >= 400:
+        raise RetrieverRequestError(resp.status_code, _error_message(resp))
+    return True, ""
+
+
+def _unavailable(cfg: ClientConfig, path: str, last: str) -> RetrieverUnavailableError:
+    return RetrieverUnavailableError(
+        f"retriever at {cfg.url}{path} failed after {cfg.max_retries + 1} attempts "
+        f"(timeout {cfg.timeout_s} s each); last error: {last}"
+    )
+
+
+def _batches(cfg: ClientConfig, queries: Sequence[str], topk: int | None, scores: bool):
+    if isinstance(queries, str):
+        raise TypeError("queries must be a sequence of strings, not a single string")
+    k = cfg.topk if topk is None else topk
+    for start in range(0, len(queries), cfg.batch_size):
+        chunk = list(queries[start : start + cfg.batch_size])
+        yield chunk, {"queries": chunk, "topk": k, "return_scores": scores}
+
+
+def _check_result(body: Any, n: int) -> list[list[dict[str, Any]]]:
+    result = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(result, list) or len(result) != n:
+        got = len(result) if isinstance(result, list) else type(result).__name__
+        raise RetrieverError(f"server returned {got} result lists for {n} queries")
+    return result
+
+
 class RetrieverClient:
     """Synchronous client; one ``httpx.Client`` (connection pool) per instance.
 
@@ -108,8 +142,7 @@ class RetrieverClient:
 
     def _request(self, method: str, path: str, json: Any = None) -> Any:
         last = ""
-        total = self.cfg.max_retries + 1
-        for attempt in range(total):
+        for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 time.sleep(self.cfg.backoff(attempt - 1))
             self.attempts += 1
@@ -118,16 +151,10 @@ class RetrieverClient:
             except httpx.TransportError as exc:  # connect/read errors and timeouts
                 last = f"{type(exc).__name__}: {exc}"
                 continue
-            if resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}: {_error_message(resp)}"
-                continue
-            if resp.status_code >= 400:
-                raise RetrieverRequestError(resp.status_code, _error_message(resp))
-            return resp.json()
-        raise RetrieverUnavailableError(
-            f"retriever at {self.cfg.url}{path} failed after {total} attempts "
-            f"(timeout {self.cfg.timeout_s} s each); last error: {last}"
-        )
+            done, last = _classify(resp)
+            if done:
+                return resp.json()
+        raise _unavailable(self.cfg, path, last)
 
     def health(self) -> dict[str, Any]:
         """``GET /health`` (retried like searches)."""
@@ -151,19 +178,65 @@ class RetrieverClient:
             RetrieverRequestError: the server answered 4xx (bad query, topk too large ...).
             RetrieverUnavailableError: all attempts failed (connection, timeout, 5xx).
         """
-        if isinstance(queries, str):
-            raise TypeError("queries must be a sequence of strings, not a single string")
-        k = self.cfg.topk if topk is None else topk
         out: list[list[dict[str, Any]]] = []
-        for start in range(0, len(queries), self.cfg.batch_size):
-            chunk = list(queries[start : start + self.cfg.batch_size])
-            body = {"queries": chunk, "topk": k, "return_scores": return_scores}
-            result = self._request("POST", "/retrieve", json=body)["result"]
-            if len(result) != len(chunk):
-                raise RetrieverError(f"server returned {len(result)} result lists for {len(chunk)} queries")
-            out.extend(result)
+        for chunk, body in _batches(self.cfg, queries, topk, return_scores):
+            out.extend(_check_result(self._request("POST", "/retrieve", json=body), len(chunk)))
         return out
 
     def search(self, query: str, topk: int | None = None) -> list[dict[str, Any]]:
         """Hits for a single query (see :meth:`retrieve`)."""
         return self.retrieve([query], topk=topk)[0]
+
+
+class AsyncRetrieverClient:
+    """``asyncio`` twin of :class:`RetrieverClient` (``httpx.AsyncClient``), for rollout
+    loops that run many episodes concurrently. Same config, errors and retry policy;
+    backoff uses ``asyncio.sleep`` so other tasks keep running. Use ``async with``."""
+
+    def __init__(self, cfg: ClientConfig | None = None, **overrides: Any) -> None:
+        cfg = cfg or ClientConfig()
+        if overrides:
+            cfg = ClientConfig(**{**cfg.__dict__, **overrides})
+        self.cfg = cfg
+        self._http = httpx.AsyncClient(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s)
+        self.attempts = 0
+
+    async def __aenter__(self) -> AsyncRetrieverClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, json: Any = None) -> Any:
+        last = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.cfg.backoff(attempt - 1))
+            self.attempts += 1
+            try:
+                resp = await self._http.request(method, path, json=json)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            done, last = _classify(resp)
+            if done:
+                return resp.json()
+        raise _unavailable(self.cfg, path, last)
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /health`` (retried like searches)."""
+        return await self._request("GET", "/health")
+
+    async def retrieve(
+        self, queries: Sequence[str], topk: int | None = None, return_scores: bool = True
+    ) -> list[list[dict[str, Any]]]:
+        """As :meth:`RetrieverClient.retrieve` (same shapes and errors)."""
+        out: list[list[dict[str, Any]]] = []
+        for chunk, body in _batches(self.cfg, queries, topk, return_scores):
+            res = await self._request("POST", "/retrieve", json=body)
+            out.extend(_check_result(res, len(chunk)))
+        return out

@@ -99,3 +99,28 @@ def test_client_connection_refused_after_backoff():
             client.retrieve(["q"])
         assert time.monotonic() - t0 >= 0.1 + 0.2
         assert client.attempts == 3
+
+
+@pytest.mark.parametrize("flaky", [(1, 0)], indirect=True)
+def test_async_client_retries_and_matches_sync(flaky, bm25_server):
+    import asyncio
+
+    from retriever.client import AsyncRetrieverClient
+
+    async def run():
+        async with AsyncRetrieverClient(url=flaky, max_retries=2, backoff_s=0.05) as c:
+            res = await c.retrieve(["a", "b", "c"], topk=1)
+            assert c.attempts == 2  # one 503, then success
+        async with AsyncRetrieverClient(url=bm25_server, batch_size=2) as c:
+            many = await asyncio.gather(
+                *(c.retrieve(["Animorphs", "Shirley Temple"], topk=2) for _ in range(16))
+            )
+            with pytest.raises(RetrieverRequestError, match=r"queries\.0"):
+                await c.retrieve([""])
+        return res, many
+
+    res, many = asyncio.run(run())
+    assert [r[0]["document"]["contents"] for r in res] == ["a", "b", "c"]
+    with RetrieverClient(url=bm25_server) as sync:
+        expected = sync.retrieve(["Animorphs", "Shirley Temple"], topk=2)
+    assert all(m == expected for m in many)

@@ -94,3 +94,30 @@ def test_dense_server_recall_and_shapes(dense_server, dense_subset):
     assert health["encoder"] == "sentence-transformers/all-MiniLM-L6-v2"
     bad = httpx.post(f"{dense_server}/retrieve", json={"queries": [""]})
     assert bad.status_code == 422 and bad.json()["message"].startswith("queries.0")
+
+
+@pytest.mark.slow
+def test_event_loop_not_blocked_by_long_search(dense_server, dense_subset):
+    """While a 256-query dense request is being encoded (seconds on CPU), /health and a
+    small request are still answered: the encoder runs off the event loop."""
+    import threading
+    import time
+
+    questions = [q["question"] for q in dense_subset["questions"]] * 7
+    big: dict = {}
+
+    def send_big():
+        t0 = time.monotonic()
+        r = httpx.post(f"{dense_server}/retrieve", json={"queries": questions[:256], "topk": 2}, timeout=300)
+        big.update(status=r.status_code, seconds=time.monotonic() - t0)
+
+    th = threading.Thread(target=send_big)
+    th.start()
+    time.sleep(0.3)  # the big request is now being encoded
+    t0 = time.monotonic()
+    health = httpx.get(f"{dense_server}/health", timeout=30)
+    health_s = time.monotonic() - t0
+    th.join()
+    assert health.status_code == 200 and big["status"] == 200
+    assert big["seconds"] > 1.0, big  # the big request really was long
+    assert health_s < 0.25 * big["seconds"], (health_s, big)
