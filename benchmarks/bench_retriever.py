@@ -163,24 +163,42 @@ async def _load(url: str, questions: list[str], clients: int, per_client: int) -
     t0 = time.perf_counter()
     await asyncio.gather(*(one(c, per_client, True) for c in range(clients)))
     wall = time.perf_counter() - t0
-    a = np.array(lat) * 1000
-    return {
-        "p50_ms": float(np.percentile(a, 50)),
-        "p99_ms": float(np.percentile(a, 99)),
-        "qps": len(lat) / wall,
-        "errors": errors,
-        "n": len(lat),
-    }
+    return {"lat_ms": np.array(lat) * 1000, "qps": len(lat) / wall, "errors": errors}
 
 
-def run_variant(index_dir: Path, naive: bool, questions: list[str], total: dict[int, int]):
-    """Latency/throughput at each concurrency for one server variant."""
-    proc, url = start_server(index_dir, naive)
+def run_both(index_dir: Path, questions: list[str], total: dict[int, int], rounds: int):
+    """Latency/throughput of both variants at each concurrency.
+
+    Both servers run at once (an idle one costs nothing) and the variants are measured
+    alternately, ``rounds`` times per level, so background load on a shared machine hits
+    both alike. Per level: median throughput over rounds, latency percentiles over all
+    requests, errors summed.
+
+    Returns:
+        ``{variant: {clients: {"p50_ms", "p99_ms", "qps", "errors", "n"}}}``.
+    """
+    servers = {v: start_server(index_dir, v == "naive") for v in ("batched", "naive")}
+    out: dict[str, dict[int, dict]] = {v: {} for v in servers}
     try:
-        return {c: asyncio.run(_load(url, questions, c, max(1, total[c] // c))) for c in CONCURRENCY}
+        for c in CONCURRENCY:
+            runs: dict[str, list[dict]] = {v: [] for v in servers}
+            for _ in range(rounds):
+                for v, (_proc, url) in servers.items():
+                    runs[v].append(asyncio.run(_load(url, questions, c, max(1, total[c] // c))))
+            for v, rs in runs.items():
+                lat = np.concatenate([r["lat_ms"] for r in rs])
+                out[v][c] = {
+                    "p50_ms": float(np.percentile(lat, 50)),
+                    "p99_ms": float(np.percentile(lat, 99)),
+                    "qps": float(np.median([r["qps"] for r in rs])),
+                    "errors": sum(r["errors"] for r in rs),
+                    "n": len(lat),
+                }
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc, _url in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    return out
 
 
 def build(kind: str, corpus: Path, out: Path) -> float:
@@ -206,9 +224,10 @@ def main() -> int:
     ap.add_argument("--serve-naive", metavar="INDEX", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--dense-passages", type=int, default=1000)
-    ap.add_argument("--requests", type=int, default=800, help="BM25 requests per level")
-    ap.add_argument("--dense-requests", type=int, default=192, help="dense requests per level")
+    ap.add_argument("--requests", type=int, default=480, help="BM25 requests per level and round")
+    ap.add_argument("--dense-requests", type=int, default=128, help="dense requests per level and round")
     ap.add_argument("--only", choices=("bm25", "dense"), default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per level")
     args = ap.parse_args()
     if args.serve_naive:
         import uvicorn
@@ -225,6 +244,7 @@ def main() -> int:
         print(f"shared corpus not found at {CORPUS}; skipping")
         return 0
     questions = [json.loads(line)["question"] for line in QA.read_text().splitlines()]
+    load_before = os.getloadavg()[0]
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -239,7 +259,7 @@ def main() -> int:
             per_1k = build(kind, corpus, tmp / kind)
             print(f"[{kind}] build: {per_1k:.2f} s per 1k passages", flush=True)
             total = {c: n if c > 1 else max(n // 4, 50) for c in CONCURRENCY}
-            res = {v: run_variant(tmp / kind, v == "naive", questions, total) for v in ("batched", "naive")}
+            res = run_both(tmp / kind, questions, total, args.rounds)
             for c in CONCURRENCY:
                 b, nv = res["batched"][c], res["naive"][c]
                 failed |= bool(b["errors"] or nv["errors"])
@@ -255,6 +275,10 @@ def main() -> int:
             f"{nv['p50_ms']:.1f} | {nv['p99_ms']:.1f} | {nv['qps']:.0f} | "
             f"{b['qps'] / nv['qps']:.2f}x | {b['errors'] + nv['errors']} |"
         )
+    print(
+        f"1-min load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+        f"({os.cpu_count()} cores; other processes' load skews absolute numbers)"
+    )
     for kind, c, b, nv, per_1k in rows:
         if c == 32:
             print(
