@@ -1,0 +1,1 @@
+"""Learners: the torch actor-critic learner (CPU / single GPU)."""

@@ -1,0 +1,1 @@
+"""Asynchronous orchestration: staleness-bounded rollout admission and the training loop."""

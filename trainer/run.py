@@ -1,0 +1,308 @@
+"""The main job: ``copc train`` — warm-start, evaluate, asynchronous RL, evaluate, report.
+
+``run_experiment(cfg, resume)`` does, in order: build or load the model (tiny
+offline models go through the same ``model.path`` code as real checkpoints), the
+task (environment factory, data, sandbox / retriever services), an optional
+supervised warm-start on generated traces, a held-out evaluation, asynchronous
+RL with the configured preset (checkpointed, resumable), a second evaluation,
+then plots, ``summary.json`` and a printed before/after table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointManager, rng_state, set_rng_state
+from .config import ExperimentConfig, to_yaml
+from .engines.base import SamplingParams
+from .learner.torch_learner import LearnerConfig, TorchLearner
+from .metrics_log import MetricsLogger, write_summary
+from .models.loading import load_model_and_tokenizer
+from .models.tiny import TinyModelConfig, save_tiny_checkpoint
+from .orchestration.loop import AsyncTrainingLoop, make_loop_config
+from .orchestration.prompts import PromptStream
+from .progress import TrainProgress
+from .rollout.agent_loop import AgentLoopConfig
+from .tasks import Task, build_task
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def initial_model_dir(cfg: ExperimentConfig, out: Path) -> Path:
+    """``model.path``, or a tiny model built once into ``<output_dir>/init_model``."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    d = out / "init_model"
+    if not (d / "config.json").exists():
+        save_tiny_checkpoint(d, TinyModelConfig(**vars(cfg.model.tiny)))
+    return d
+
+
+def agent_config(cfg: ExperimentConfig) -> AgentLoopConfig:
+    """Episode budgets from the rollout section."""
+    r = cfg.rollout
+    return AgentLoopConfig(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
+                           max_observation_tokens=r.max_observation_tokens,
+                           use_chat_template=bool(cfg.model.path) and cfg.task.env_kwargs.get(
+                               "use_chat_template", False))
+
+
+def build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: Any, version: int = 0):
+    """The rollout engine of ``rollout.engine`` (embedded: owns a copy of the actor)."""
+    if cfg.rollout.engine == "embedded":
+        from .engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+        return EmbeddedEngine(model, tokenizer, EmbeddedEngineConfig(
+            max_batch_size=cfg.rollout.engine_max_batch_size), version=version)
+    raise NotImplementedError("use build_engine_async for rollout.engine='sglang'")
+
+
+async def open_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: Any, out: Path,
+                      version: int = 0) -> tuple[Any, Any, Any]:
+    """Start the rollout engine; return ``(engine, sync_weights, close)``.
+
+    ``sync_weights(actor, version)`` pushes the learner's weights: the embedded engine copies
+    the state dict in memory; SGLang (GPU) gets a ``save_pretrained`` directory through
+    ``/update_weights_from_disk``.
+    """
+    if cfg.rollout.engine == "embedded":
+        engine = build_engine(cfg, model, tokenizer, version)
+
+        async def sync(actor: torch.nn.Module, v: int) -> None:
+            await engine.update_weights(actor.state_dict(), v)
+
+        return engine, sync, engine.close
+    from .engines.sglang import SGLangEngine, SGLangEngineConfig
+    from .engines.sglang_launcher import SGLangLauncher, SGLangLauncherConfig
+
+    model_dir = out / "sglang_weights" / f"v{version}"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    launcher = SGLangLauncher(SGLangLauncherConfig(model_path=str(model_dir), port=cfg.rollout.sglang_port,
+                                                   tp=cfg.rollout.sglang_tp,
+                                                   mem_fraction_static=cfg.rollout.sglang_mem_fraction))
+    await asyncio.to_thread(launcher.start)
+    engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=version))
+
+    async def sync_disk(actor: torch.nn.Module, v: int) -> None:
+        d = out / "sglang_weights" / f"v{v}"
+        await asyncio.to_thread(actor.save_pretrained, d)
+        await engine.update_weights(str(d), v)
+
+    async def close() -> None:
+        await engine.close()
+        await asyncio.to_thread(launcher.close)
+
+    return engine, sync_disk, close
+
+
+def _warm_start(cfg: ExperimentConfig, task: Task, actor, tok, out: Path) -> dict:
+    """Supervised warm-start (skipped if its result already exists: resume after a crash)."""
+    from .warmstart import build_traces, sft_warm_start
+
+    ws_dir = out / "warm_start_model"
+    if (ws_dir / "config.json").exists():
+        actor.load_state_dict(load_model_and_tokenizer(ws_dir)[0].state_dict())
+        return json.loads((ws_dir / "sft_metrics.json").read_text())
+    w = cfg.warm_start
+    traces = build_traces(w.kind, task, w.num_examples, seed=w.seed)
+    metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                             seed=w.seed, progress=cfg.logging.progress)
+    actor.save_pretrained(ws_dir)
+    tok.save_pretrained(ws_dir)
+    (ws_dir / "sft_metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
+async def _evaluate(cfg: ExperimentConfig, engine, task: Task, tok) -> dict:
+    from .evaluation import evaluate
+
+    return await evaluate(engine, task.make_env, tok, task.eval_samples, k=cfg.eval.k,
+                          temperature=cfg.eval.temperature, agent_cfg=agent_config(cfg),
+                          max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
+    """Run (or resume) the experiment described by ``cfg``; return the summary dict.
+
+    Resume: the newest complete checkpoint in ``<output_dir>/checkpoints`` restores models,
+    optimizers, schedulers, RNG states, the prompt cursor (admitted-but-untrained prompts are
+    re-queued) and the step count; metrics logged after it are dropped and re-done.
+    """
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    t_start = time.time()
+    algo = cfg.algorithm_config()
+    seed_everything(cfg.train.seed)
+    ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
+    state = ckpt.load() if resume else None
+    if resume and state is None:
+        log.warning("--resume: no checkpoint in %s; starting from scratch", out / "checkpoints")
+    task = build_task(cfg)
+    logger = MetricsLogger(out, tensorboard=cfg.logging.tensorboard, resume=state is not None)
+    summary: dict[str, Any] = {"name": cfg.name, "preset": cfg.preset, "task": cfg.task.env,
+                               "max_staleness": cfg.max_staleness, "output_dir": str(out)}
+    try:
+        actor, tok = load_model_and_tokenizer(initial_model_dir(cfg, out), attn_implementation=
+                                              cfg.model.attn_implementation)
+        if cfg.warm_start.enabled and state is None:
+            t0 = time.time()
+            summary["warm_start"] = _warm_start(cfg, task, actor, tok, out)
+            summary["warm_start"]["wall_s"] = time.time() - t0
+        elif state is not None:
+            summary.update(state.get("summary", {}))
+        learner = TorchLearner(actor, algo, LearnerConfig(
+            actor_lr=cfg.train.actor_lr, critic_lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay,
+            warmup_steps=cfg.train.warmup_steps, grad_clip=cfg.train.grad_clip,
+            critic_warmup_steps=cfg.train.critic_warmup_steps, num_mini_batches=cfg.train.num_mini_batches,
+            micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+            seed=cfg.train.seed))
+        prompts = PromptStream(task.train_samples, cfg.train.seed)
+        start_step = 0
+        trained_uids: list[int] = []
+        if state is not None:
+            learner.load_state_dict(state["learner"])
+            prompts.load_state_dict(state["loop"]["prompts"])
+            start_step = int(state["loop"]["step"])
+            trained_uids = list(state["trained_uids"])
+            set_rng_state(state["rng"])
+            logger.truncate_after(start_step)
+        asyncio.run(_eval_rl_eval(cfg, algo, learner, copy.deepcopy(actor).eval(), tok, task, prompts,
+                                  start_step, trained_uids, logger, ckpt, summary, out))
+        summary["wall_s"] = time.time() - t_start + float(summary.get("wall_s_before_resume", 0.0))
+        rows = logger.read()
+        if cfg.logging.plots:
+            from .plots import make_plots
+            summary["plots"] = [str(p) for p in make_plots(rows, out)]
+        write_summary(out, summary)
+        print_report(summary)
+        return summary
+    finally:
+        logger.close()
+        task.close()
+
+
+async def _eval_rl_eval(cfg, algo, learner, engine_model, tok, task, prompts, start_step, trained_uids,
+                        logger, ckpt, summary, out) -> None:
+    """Evaluation before RL, the RL phase, evaluation after, on one event loop and one engine."""
+    engine, sync, close = await open_engine(cfg, engine_model, tok, out, version=start_step)
+    try:
+        if start_step:
+            await sync(learner.actor, start_step)
+        if cfg.eval.enabled and "eval_before" not in summary:
+            summary["eval_before"] = await _evaluate(cfg, engine, task, tok)
+            logger.log(start_step, {f"eval/{k}": v for k, v in summary["eval_before"].items()
+                                    if isinstance(v, int | float)})
+        summary.update(await _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step,
+                                 trained_uids, logger, ckpt, summary))
+        if cfg.eval.enabled:
+            summary["eval_after"] = await _evaluate(cfg, engine, task, tok)
+            logger.log(cfg.train.total_steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
+                                               if isinstance(v, int | float)})
+    finally:
+        await close()
+
+
+async def _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step, trained_uids, logger, ckpt,
+              summary) -> dict:
+    """The asynchronous RL phase; returns RL summary fields."""
+    loop_cfg = make_loop_config(cfg, algo)
+    r = cfg.rollout
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, seed=cfg.train.seed)
+    progress = TrainProgress(cfg.train.total_steps, start_step, enabled=cfg.logging.progress)
+    t0 = time.time()
+
+    def on_step(step: int, metrics: dict, uids: list[int]) -> None:
+        trained_uids.extend(uids)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        hist = metrics.get("staleness/hist")
+        if hist:
+            scalars["staleness/token_mean"] = float(np.mean(hist))
+        logger.log(step, {**scalars, "staleness/hist": hist} if hist else scalars)
+        progress.update(step, scalars, time.time() - t0)
+
+    def on_checkpoint(step: int, loop_state: dict) -> None:
+        ckpt.save(step, {"learner": learner.state_dict(), "loop": loop_state, "rng": rng_state(),
+                         "trained_uids": list(trained_uids),
+                         "summary": {k: v for k, v in summary.items()
+                                     if k in ("eval_before", "warm_start")}})
+
+    loop = AsyncTrainingLoop(learner, engine, task.make_env, tok, prompts, sampling, agent_config(cfg),
+                             loop_cfg, on_step=on_step, on_checkpoint=on_checkpoint, start_step=start_step,
+                             sync_weights=sync)
+    with progress:
+        await loop.run()
+    return {"rl_wall_s": time.time() - t0, "steps": loop.step, "dropped_stale": loop.dropped_stale,
+            "episodes": loop.episodes_done, "trained_uids": len(trained_uids),
+            "duplicate_trained_uids": len(trained_uids) - len(set(trained_uids))}
+
+
+def print_report(summary: dict) -> None:
+    """Print the before/after table (rich) and where the outputs are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    table = Table(title=f"{summary.get('name')} — {summary.get('preset')} on {summary.get('task')}")
+    table.add_column("metric")
+    table.add_column("after warm-start (before RL)", justify="right")
+    table.add_column("after RL", justify="right")
+    before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
+    for k in sorted(set(before) | set(after)):
+        if isinstance(before.get(k, after.get(k)), int | float):
+            table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
+    con.print(table)
+    con.print(f"RL steps: {summary.get('steps')}, episodes: {summary.get('episodes')}, dropped as stale: "
+              f"{summary.get('dropped_stale')}, wall time: {summary.get('wall_s', 0):.0f} s; "
+              f"outputs in {summary.get('output_dir')}")
+
+
+def _fmt(v: Any) -> str:
+    return "—" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict:
+    """Standalone evaluation (``copc eval``): a model directory or the run's latest checkpoint."""
+    out = Path(cfg.output_dir)
+    task = build_task(cfg)
+    try:
+        path = Path(checkpoint) if checkpoint else initial_model_dir(cfg, out)
+        if (path / "config.json").exists():
+            model, tok = load_model_and_tokenizer(path)
+        else:  # a training checkpoint directory
+            model, tok = load_model_and_tokenizer(initial_model_dir(cfg, out))
+            state = CheckpointManager(path.parent, 1).load(path)
+            if state is None:
+                raise FileNotFoundError(f"no model or checkpoint at {path}")
+            model.load_state_dict(state["learner"]["actor"])
+        res = asyncio.run(_standalone_eval(cfg, model.eval(), tok, task, out))
+        print(json.dumps(res, indent=2))
+        return res
+    finally:
+        task.close()
+
+
+async def _standalone_eval(cfg: ExperimentConfig, model, tok, task: Task, out: Path) -> dict:
+    engine, _, close = await open_engine(cfg, model, tok, out)
+    try:
+        return await _evaluate(cfg, engine, task, tok)
+    finally:
+        await close()

@@ -1,0 +1,190 @@
+"""Build what a task needs: an environment factory, train/eval samples, managed services.
+
+``math_tool``: one shared bwrap :class:`~environments.sandbox.Sandbox` pool for all
+episodes; data from ``task.train_data`` (``math_train``, ...) or, when empty,
+generated arithmetic problems (the CPU main job). ``search``: a retriever server is
+started (BM25 index built on first use, reused after) unless ``task.retriever_url``
+is set; it is health-checked before use and stopped at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import environments
+
+from .config import ConfigError, ExperimentConfig
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Task:
+    """A ready task.
+
+    Attributes:
+        make_env: zero-argument environment factory (one env per episode).
+        train_samples / eval_samples: data rows (disjoint).
+        closers: cleanup callbacks (sandbox pool, retriever server), run by :meth:`close`.
+    """
+
+    make_env: Callable[[], Any]
+    train_samples: list[dict]
+    eval_samples: list[dict]
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Release the task's services (idempotent)."""
+        while self.closers:
+            with contextlib.suppress(Exception):
+                self.closers.pop()()
+
+
+def _resolve(p: str) -> Path:
+    path = Path(p)
+    return path if path.is_absolute() else REPO / path
+
+
+def _cap(rows: list[dict], n: int) -> list[dict]:
+    return rows[:n] if n else rows
+
+
+def build_task(cfg: ExperimentConfig) -> Task:
+    """Construct the task of ``cfg`` (starting services as needed).
+
+    Raises:
+        ConfigError: unknown environment / dataset (message names the key).
+    """
+    t = cfg.task
+    if t.env not in environments.list():
+        raise ConfigError(f"task.env={t.env!r}: not registered; known: {environments.list()}")
+    if t.env == "math_tool":
+        return _math_task(cfg)
+    if t.env == "search":
+        return _search_task(cfg)
+    kwargs = dict(t.env_kwargs)
+    return Task(make_env=lambda: environments.make(t.env, **kwargs), train_samples=[], eval_samples=[])
+
+
+def _math_task(cfg: ExperimentConfig) -> Task:
+    from environments.math_tool import load_math
+    from environments.sandbox import Sandbox, SandboxConfig
+
+    t = cfg.task
+    data_dir = str(_resolve(t.data_dir))
+    if t.train_data:
+        train = [r for name in t.train_data for r in load_math(name, data_dir)]
+        evals = [r for name in (t.eval_data or ["math500"]) for r in load_math(name, data_dir)]
+    else:
+        from .warmstart import retool_arithmetic_splits
+        n_train = t.max_train_samples or 2000
+        n_eval = t.max_eval_samples or cfg.eval.num_samples
+        train, evals = retool_arithmetic_splits(n_train, n_eval, seed=cfg.train.seed)
+    sandbox = Sandbox(SandboxConfig(workers=2))
+    kwargs = dict(t.env_kwargs)
+
+    def make_env() -> Any:
+        return environments.make("math_tool", sandbox=sandbox, **kwargs)
+
+    return Task(make_env=make_env, train_samples=_cap(train, t.max_train_samples),
+                eval_samples=_cap(evals, t.max_eval_samples or cfg.eval.num_samples),
+                closers=[sandbox.close], info={"sandbox": sandbox.enforced()})
+
+
+def _search_task(cfg: ExperimentConfig) -> Task:
+    from environments.search.env import load_qa
+
+    t = cfg.task
+    data_dir = str(_resolve(t.data_dir))
+    names = t.train_data or ["nq", "hotpotqa"]
+    rows = [dict(r, id=f"{n}:{r['id']}") for n in names for r in load_qa(n, data_dir)]
+    if t.eval_data:
+        evals = [dict(r, id=f"{n}:{r['id']}") for n in t.eval_data for r in load_qa(n, data_dir)]
+        held = {r["id"] for r in evals}
+        train = [r for r in rows if r["id"] not in held]
+    else:  # hold out every 5th row (deterministic, disjoint)
+        train = [r for i, r in enumerate(rows) if i % 5]
+        evals = [r for i, r in enumerate(rows) if i % 5 == 0]
+    closers: list[Callable[[], None]] = []
+    url = t.retriever_url
+    if not url:
+        url, stop = start_retriever(_resolve(t.retriever_corpus), _resolve(t.retriever_index_dir))
+        closers.append(stop)
+    kwargs = dict(t.env_kwargs)
+
+    def make_env() -> Any:
+        return environments.make("search", retriever_url=url, **kwargs)
+
+    return Task(make_env=make_env, train_samples=_cap(train, t.max_train_samples),
+                eval_samples=_cap(evals, t.max_eval_samples or cfg.eval.num_samples),
+                closers=closers, info={"retriever_url": url})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0
+                    ) -> tuple[str, Callable[[], None]]:
+    """Start a BM25 retriever server on 127.0.0.1 (building the index on first use).
+
+    Args:
+        corpus: JSONL corpus path.
+        index_dir: index directory (built if it has no ``meta.json``; reused otherwise).
+        timeout_s: how long to wait for ``/health`` (seconds).
+
+    Returns:
+        ``(url, stop)``: the base URL and a function that stops the server.
+
+    Raises:
+        RuntimeError: if the build fails or the server exits / is not healthy in time
+            (the message includes the server's output).
+    """
+    if not (index_dir / "meta.json").exists():
+        from retriever.index import BuildConfig, build_index
+        log.info("building BM25 index of %s in %s (first use)", corpus, index_dir)
+        index_dir.parent.mkdir(parents=True, exist_ok=True)
+        build_index(BuildConfig(kind="bm25", corpus=str(corpus), out=str(index_dir), show_progress=True))
+    port = _free_port()
+    logf = (index_dir.parent / f"server-{port}.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "retriever.cli", "serve", "--index", str(index_dir),
+                             "--port", str(port)], cwd=REPO, stdout=logf, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        logf.close()
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            stop()
+            raise RuntimeError(f"retriever server exited ({proc.returncode}): "
+                               f"{Path(logf.name).read_text()[-2000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return url, stop
+        if time.monotonic() > deadline:
+            stop()
+            raise RuntimeError(f"retriever server not healthy after {timeout_s:.0f} s")
+        time.sleep(0.2)
