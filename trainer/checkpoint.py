@@ -1,0 +1,288 @@
+"""Atomic, crash-safe training checkpoints and RNG-state capture.
+
+Layout of a checkpoint directory (``CheckpointManager.directory``)::
+
+    step_00000012/           a complete checkpoint (step 12)
+        model.pt             one ``torch.save`` file per top-level key of the state
+        optimizer.pt
+        data_cursor.pt
+        ...
+        COMPLETE             the marker, written last: JSON {"step": 12, "keys": {...}, "time": unix_s}
+    .tmp-step_00000013-...   a save in progress, or left by a crash (ignored, removed by the next save)
+
+Why one file per key: a multi-GB model state and a 100-byte data cursor do not share
+one pickle, a key can be loaded on its own (``load(keys=...)``), and the marker lists
+every file so a directory with a missing file is detected.
+
+Atomicity (the classic write-then-rename protocol): every file is written into a
+temporary sibling directory and ``fsync``-ed, the ``COMPLETE`` marker is written and
+``fsync``-ed last, the temporary directory is ``fsync``-ed, then ``os.rename``-d to
+``step_XXXXXXXX`` (atomic within one POSIX filesystem) and the parent directory is
+``fsync``-ed. A process killed at any point (SIGKILL, power loss) therefore leaves
+either the complete new checkpoint or only a ``.tmp-*`` directory; ``latest()``
+only ever returns directories that carry the marker.
+
+Loading uses ``torch.load(..., weights_only=False)`` because the states hold plain
+python objects (data cursor, prompt-id lists, metrics history, RNG tuples). That
+unpickles arbitrary objects, which is safe here only because we load files that this
+class wrote itself: never point ``load`` at a checkpoint from an untrusted source.
+Tensors are loaded onto the CPU (``map_location="cpu"``); ``Optimizer.load_state_dict``
+and ``Module.load_state_dict`` move them to the parameters' device.
+
+Single-writer assumption: one process saves into a given directory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+_PREFIX = "step_"
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames/creations inside it are durable (POSIX)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves, finds and loads ``step_XXXXXXXX`` checkpoints in one directory.
+
+    Args:
+        directory: where checkpoints live; created if missing.
+        keep_last: how many complete checkpoints to keep (>= 1); older ones are deleted
+            after each successful save.
+
+    Raises:
+        ValueError: if ``keep_last`` is not a positive int.
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int = 2) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    # ----------------------------------------------------------------- queries
+    @staticmethod
+    def step_of(path: str | Path) -> int:
+        """The step number encoded in a checkpoint directory name ``step_XXXXXXXX``.
+
+        Raises:
+            ValueError: if the name does not match.
+        """
+        m = _STEP_RE.match(Path(path).name)
+        if m is None:
+            raise ValueError(f"not a checkpoint directory name (expected step_XXXXXXXX): {str(path)!r}")
+        return int(m.group(1))
+
+    @staticmethod
+    def is_complete(path: str | Path) -> bool:
+        """True iff ``path`` is a directory holding the ``COMPLETE`` marker and every file it lists."""
+        path = Path(path)
+        marker = path / MARKER
+        if not marker.is_file():
+            return False
+        try:
+            meta = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return False
+        files = meta.get("keys", {}) if isinstance(meta, dict) else {}
+        return isinstance(files, dict) and all((path / name).is_file() for name in files.values())
+
+    def checkpoints(self) -> list[Path]:
+        """All complete checkpoints, oldest first (incomplete and temporary directories are ignored)."""
+        found = []
+        for p in self.directory.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m is not None and p.is_dir() and self.is_complete(p):
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint directory, or ``None`` if there is none."""
+        ckpts = self.checkpoints()
+        return ckpts[-1] if ckpts else None
+
+    # -------------------------------------------------------------------- save
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` atomically as checkpoint ``step``, then prune to ``keep_last``.
+
+        Args:
+            step: the training step (int >= 0); names the directory ``step_{step:08d}``.
+                Saving a step that already exists replaces it (atomically for readers
+                of ``latest()``: the old one stays visible until the new one is complete).
+            state: top-level keys become file names ``<key>.pt`` (letters, digits,
+                ``_ . -``; not starting with ``.``/``-``); values are anything
+                ``torch.save`` can pickle: state dicts, tensors, plain python objects.
+
+        Returns:
+            The path of the new complete checkpoint directory.
+
+        Raises:
+            ValueError: bad ``step`` or key. TypeError: ``state`` is not a dict.
+            OSError / pickling errors from ``torch.save`` propagate; the partial
+            temporary directory is then removed and earlier checkpoints are untouched.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict[str, Any], got {type(state).__name__}")
+        for key in state:
+            if not isinstance(key, str) or not _KEY_RE.match(key) or key == MARKER:
+                raise ValueError(
+                    f"state key {key!r} is not a valid checkpoint key "
+                    f"(letters, digits, '_', '.', '-'; not {MARKER!r})"
+                )
+
+        name = f"{_PREFIX}{step:08d}"
+        final = self.directory / name
+        tmp = self.directory / f"{_TMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        trash = None
+        try:
+            files = {}
+            for key, value in state.items():
+                fname = f"{key}.pt"
+                torch.save(value, tmp / fname)
+                _fsync_file(tmp / fname)
+                files[key] = fname
+            marker = {"step": step, "keys": files, "time": time.time()}
+            with open(tmp / MARKER, "w") as f:
+                json.dump(marker, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():
+                trash = self.directory / f"{_TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, trash)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if trash is not None and not final.exists():
+                os.rename(trash, final)  # put back the checkpoint we were replacing
+            raise
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        self._cleanup(keep=final)
+        return final
+
+    def _cleanup(self, keep: Path) -> None:
+        """Prune complete checkpoints beyond ``keep_last``; remove leftovers of crashed saves."""
+        for p in self.directory.iterdir():
+            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and p.is_dir():
+                log.info("removing leftover of an interrupted checkpoint save: %s", p)
+                shutil.rmtree(p, ignore_errors=True)
+        ckpts = self.checkpoints()
+        for p in ckpts[: max(0, len(ckpts) - self.keep_last)]:
+            if p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -------------------------------------------------------------------- load
+    def load(self, path: str | Path | None = None, keys: list[str] | None = None) -> dict[str, Any] | None:
+        """Load a checkpoint's state (the dict given to ``save``), tensors on the CPU.
+
+        Args:
+            path: a checkpoint directory; ``None`` means ``latest()``.
+            keys: load only these keys (default: all).
+
+        Returns:
+            The state dict, or ``None`` if ``path`` is None and there is no complete checkpoint.
+
+        Raises:
+            FileNotFoundError: ``path`` is not a complete checkpoint (missing, or no marker).
+            KeyError: a requested key is not in the checkpoint.
+        """
+        if path is None:
+            path = self.latest()
+            if path is None:
+                return None
+        path = Path(path)
+        if not self.is_complete(path):
+            raise FileNotFoundError(
+                f"{str(path)!r} is not a complete checkpoint (no {MARKER} marker or a listed file is missing)"
+            )
+        files = json.loads((path / MARKER).read_text())["keys"]
+        wanted = list(files) if keys is None else list(keys)
+        missing = [k for k in wanted if k not in files]
+        if missing:
+            raise KeyError(f"keys {missing} not in checkpoint {str(path)!r} (has {sorted(files)})")
+        # weights_only=False: our own files hold plain python objects too (see module docstring).
+        return {k: torch.load(path / files[k], map_location="cpu", weights_only=False) for k in wanted}
+
+
+# ------------------------------------------------------------------------ RNG
+def rng_state() -> dict[str, Any]:
+    """Capture the global RNG states: python ``random``, numpy's legacy global RNG, torch CPU and CUDA.
+
+    Returns:
+        ``{"python": tuple, "numpy": tuple, "torch": uint8 tensor, "torch_cuda": list of
+        uint8 tensors (one per visible device) or None without CUDA}``. Picklable.
+        Generators owned by objects (``np.random.Generator``, ``torch.Generator``) are
+        not global: save their ``.bit_generator.state`` / ``.get_state()`` yourself.
+    """
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(d: dict[str, Any]) -> None:
+    """Restore the states captured by ``rng_state()``.
+
+    CUDA states are restored for ``min(saved, visible)`` devices; a mismatch (e.g. a
+    GPU checkpoint resumed on a CPU-only machine) is logged as a warning, since the
+    CUDA streams then cannot be reproduced.
+
+    Raises:
+        KeyError: if one of ``python``, ``numpy``, ``torch`` is missing from ``d``.
+    """
+    missing = [k for k in ("python", "numpy", "torch") if k not in d]
+    if missing:
+        raise KeyError(f"RNG state lacks {missing} (has {sorted(d)})")
+    random.setstate(d["python"])
+    np.random.set_state(d["numpy"])
+    torch.set_rng_state(d["torch"])
+    cuda = d.get("torch_cuda")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    saved = len(cuda) if cuda else 0
+    if saved != visible:
+        log.warning(
+            "RNG state has %d CUDA device state(s) but %d device(s) are visible; restoring %d",
+            saved,
+            visible,
+            min(saved, visible),
+        )
+    for i in range(min(saved, visible)):
+        torch.cuda.set_rng_state(cuda[i], device=i)

@@ -1,0 +1,220 @@
+"""End-of-run PNG plots from the per-step metrics records (``metrics.jsonl``).
+
+``make_plots`` writes, when their metrics are present (a plot whose keys are all
+absent is skipped):
+
+===================== ===================================================================
+file                  content
+===================== ===================================================================
+reward_accuracy.png   reward (``.../reward_mean``, ``.../reward``) and accuracy (``.../accuracy``,
+                      ``.../em``, ``.../avg@k``) vs step, one line per key
+staleness.png         histogram of rollout staleness (policy versions behind) over the run:
+                      summed per-step counts from ``staleness/hist`` (list, index = staleness)
+                      or ``staleness/hist_<k>`` keys; else the distribution of the per-step
+                      ``staleness/mean`` and ``staleness/max`` values
+masked_fraction.png   fraction of tokens masked by each channel vs step: ``actor/dis_masked_frac``,
+                      ``advantage/clipped_frac`` and any other ``*masked_frac`` / ``*clipped_frac``
+ratio.png             importance-ratio statistics vs step: ``actor/ratio_mean``, ``_max``, ``_min``
+value_loss.png        ``critic/value_loss`` vs step
+===================== ===================================================================
+
+Uses matplotlib's object API with the Agg canvas (no pyplot, so no global figure
+state and no display needed). Non-finite values are drawn as gaps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+_REWARD_RE = re.compile(r"(^|/)reward(_mean)?$")
+_ACC_RE = re.compile(r"(^|/)(accuracy|em|avg@\d+)$")
+_MASK_RE = re.compile(r"(masked_frac|clipped_frac)$")
+_HIST_KEY_RE = re.compile(r"^staleness/hist_(\d+)$")
+MASK_KEYS = ("actor/dis_masked_frac", "advantage/clipped_frac")
+RATIO_KEYS = ("actor/ratio_mean", "actor/ratio_max", "actor/ratio_min")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _keys(metrics: list[dict], pred: Callable[[str], bool]) -> list[str]:
+    """Keys (first-seen order) that satisfy ``pred`` and hold a number in at least one record."""
+    seen: dict[str, None] = {}
+    for rec in metrics:
+        for k, v in rec.items():
+            if k not in seen and k not in ("step", "time") and pred(k) and _is_number(v):
+                seen[k] = None
+    return list(seen)
+
+
+def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that have a number under ``key``; non-finite -> NaN (a gap)."""
+    xs, ys = [], []
+    for rec in metrics:
+        v = rec.get(key)
+        if _is_number(v):
+            xs.append(rec["step"])
+            ys.append(float(v) if math.isfinite(v) else math.nan)
+    return xs, ys
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+    return path
+
+
+def _line_plot(ax, metrics: list[dict], keys: list[str], ylabel: str) -> None:
+    for k in keys:
+        xs, ys = _series(metrics, k)
+        sparse = len(xs) < len(metrics) / 2  # e.g. eval metrics logged every N steps
+        ax.plot(xs, ys, marker="o" if sparse or len(xs) < 30 else None, markersize=3, label=k)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_reward_accuracy(metrics: list[dict], path: Path) -> Path | None:
+    rew = _keys(metrics, lambda k: bool(_REWARD_RE.search(k)))
+    acc = _keys(metrics, lambda k: bool(_ACC_RE.search(k)))
+    panels = [(keys, label) for keys, label in ((rew, "reward"), (acc, "accuracy")) if keys]
+    if not panels:
+        return None
+    fig = Figure(figsize=(7, 3.2 * len(panels)))
+    for i, (keys, label) in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, i + 1)
+        _line_plot(ax, metrics, keys, label)
+    fig.axes[0].set_title("reward and accuracy vs step")
+    return _save(fig, path)
+
+
+def _staleness_counts(metrics: list[dict]) -> list[float] | None:
+    """Summed per-staleness counts from ``staleness/hist`` lists or ``staleness/hist_<k>`` keys."""
+    counts: list[float] = []
+
+    def add(k: int, c: Any) -> None:
+        if _is_number(c) and math.isfinite(c):
+            counts.extend([0.0] * (k + 1 - len(counts)))
+            counts[k] += float(c)
+
+    found = False
+    for rec in metrics:
+        hist = rec.get("staleness/hist")
+        if isinstance(hist, list):
+            found = True
+            for k, c in enumerate(hist):
+                add(k, c)
+        for key, c in rec.items():
+            m = _HIST_KEY_RE.match(key)
+            if m:
+                found = True
+                add(int(m.group(1)), c)
+    return counts if found else None
+
+
+def _plot_staleness(metrics: list[dict], path: Path) -> Path | None:
+    counts = _staleness_counts(metrics)
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot(1, 1, 1)
+    if counts is not None:
+        ax.bar(range(len(counts)), counts, color="tab:blue")
+        ax.set_xlabel("staleness (policy versions behind the learner)")
+        ax.set_ylabel("count (summed over steps)")
+        ax.set_xticks(range(len(counts)))
+        ax.set_title("staleness histogram")
+    else:
+        keys = [k for k in ("staleness/mean", "staleness/max") if _keys(metrics, lambda q, k=k: q == k)]
+        if not keys:
+            return None
+        for k in keys:
+            vals = [v for v in _series(metrics, k)[1] if math.isfinite(v)]
+            top = max(vals, default=0.0)
+            bins = [b - 0.5 for b in range(math.floor(top) + 2)]  # unit-wide bins centred on ints
+            ax.hist(vals, bins=bins, alpha=0.6, label=k)
+        ax.set_xlabel("staleness (policy versions behind the learner)")
+        ax.set_ylabel("number of steps")
+        ax.set_title("per-step staleness distribution")
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def _simple(
+    metrics: list[dict], path: Path, keys: list[str], ylabel: str, title: str, log_if_positive: bool = False
+) -> Path | None:
+    if not keys:
+        return None
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot(1, 1, 1)
+    _line_plot(ax, metrics, keys, ylabel)
+    if log_if_positive:
+        vals = [v for k in keys for v in _series(metrics, k)[1] if math.isfinite(v)]
+        if vals and min(vals) > 0 and max(vals) / min(vals) > 100:
+            ax.set_yscale("log")
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
+    """Write the PNG plots of a run (see the module docstring) into ``output_dir``.
+
+    Args:
+        metrics: per-step records as written by ``MetricsLogger`` (each with an int
+            ``"step"``; other values numbers or lists of numbers). Records lacking a key
+            simply contribute no point for it.
+        output_dir: directory for the PNGs (created if missing).
+
+    Returns:
+        Paths of the PNGs written, in the order of the table above; plots whose keys are
+        all absent are skipped (``[]`` for an empty history).
+
+    Raises:
+        ValueError: a record is not a dict with an int ``step``.
+    """
+    for i, rec in enumerate(metrics):
+        if (
+            not isinstance(rec, dict)
+            or isinstance(rec.get("step"), bool)
+            or not isinstance(rec.get("step"), int)
+        ):
+            raise ValueError(f"metrics[{i}] must be a dict with an int 'step', got {rec!r:.100}")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    masks = [k for k in MASK_KEYS if _keys(metrics, lambda q, k=k: q == k)]
+    masks += [k for k in _keys(metrics, lambda q: bool(_MASK_RE.search(q))) if k not in masks]
+    ratio = [k for k in RATIO_KEYS if _keys(metrics, lambda q, k=k: q == k)]
+    value = _keys(metrics, lambda q: q == "critic/value_loss")
+    written = [
+        _plot_reward_accuracy(metrics, out / "reward_accuracy.png"),
+        _plot_staleness(metrics, out / "staleness.png"),
+        _simple(
+            metrics,
+            out / "masked_fraction.png",
+            masks,
+            "fraction of tokens masked",
+            "fraction masked by each channel",
+        ),
+        _simple(
+            metrics,
+            out / "ratio.png",
+            ratio,
+            "importance ratio π_θ / π_behavior",
+            "importance-ratio statistics",
+            log_if_positive=True,
+        ),
+        _simple(metrics, out / "value_loss.png", value, "value loss", "critic value loss"),
+    ]
+    return [p for p in written if p is not None]
