@@ -223,14 +223,16 @@ class EmbeddedEngine:
         cur = pos[:, -1]
         active = torch.ones(n, dtype=torch.bool)
         max_steps = min(max(p.max_new_tokens for p in params), self.max_len - lp)
+        pad_col = torch.full((n,), self.pad_id, dtype=torch.long, device=dev)
         for _ in range(max_steps):
             tok, logp = sample_next(logits, params, gens, self._processed(batch, logits))
+            toks, logps = tok.tolist(), logp.tolist()  # one device->host copy per step
             for i, r in enumerate(batch):
-                if not active[i]:
+                if r.finish:
                     continue
-                t = int(tok[i])
+                t = toks[i]
                 r.new_ids.append(t)
-                r.logprobs.append(float(logp[i]))
+                r.logprobs.append(logps[i])
                 if t == self.eos_id and not r.params.ignore_eos:
                     r.finish = "eos"
                 elif stops[i] and any(s in self.tokenizer.decode(r.new_ids[-window[i]:]) for s in stops[i]):
@@ -241,8 +243,9 @@ class EmbeddedEngine:
                     active[i] = False
             if not active.any():
                 break
-            step_ids = torch.where(active, tok.cpu(), torch.full_like(tok.cpu(), self.pad_id)).to(dev)
-            attn = torch.cat([attn, active.to(dev).long()[:, None]], dim=1)
+            active_dev = active.to(dev)
+            step_ids = torch.where(active_dev, tok, pad_col)
+            attn = torch.cat([attn, active_dev.long()[:, None]], dim=1)
             cur = cur + 1
             out = self.model(input_ids=step_ids[:, None], attention_mask=attn, position_ids=cur[:, None],
                              cache=past, use_cache=True)
