@@ -92,6 +92,10 @@ def bwrap_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
             argv += ["--ro-bind", top, top]
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime", "/etc/nsswitch.conf"):
         argv += ["--ro-bind-try", f, f]
+    # The private /tmp first: an interpreter prefix under /tmp (e.g. a virtualenv in a
+    # checkout under /tmp) is then bound on top of it instead of being hidden by it.
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(cfg.tmp_size_mb * 1024 * 1024), "--perms", "1777", "--tmpfs", "/tmp"]
     made: set[str] = {"/", "/usr", "/etc", "/tmp", "/proc", "/dev"}
     binds = [p for p in (*python_prefixes(cfg.python), *cfg.extra_ro_paths)
              if not p.startswith("/usr/")]
@@ -102,10 +106,7 @@ def bwrap_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
                 made.add(anc)
         argv += ["--ro-bind", path, path]
         made.add(path)
-    argv += ["--ro-bind", str(WORKER_SRC), WORKER_IN_SANDBOX,
-             "--proc", "/proc", "--dev", "/dev",
-             "--size", str(cfg.tmp_size_mb * 1024 * 1024), "--perms", "1777", "--tmpfs", "/tmp",
-             "--chdir", "/tmp", "--clearenv"]
+    argv += ["--ro-bind", str(WORKER_SRC), WORKER_IN_SANDBOX, "--chdir", "/tmp", "--clearenv"]
     for k, v in cfg.env.items():
         argv += ["--setenv", k, v]
     argv += [cfg.python, "-I", "-B", WORKER_IN_SANDBOX, *worker_args]
