@@ -31,6 +31,10 @@ from .prompts import PromptStream
 log = logging.getLogger(__name__)
 
 
+#: ``async f(uid, sample, n) -> trajectories`` — plays the episodes of one prompt group.
+GroupRunner = Callable[[int, Mapping[str, Any], int], Awaitable[list[Trajectory]]]
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     """Loop settings (from :class:`trainer.config.ExperimentConfig`).
@@ -75,6 +79,14 @@ class AsyncTrainingLoop:
         start_step: steps already done (resume).
         sync_weights: ``async f(actor, version)`` pushing new weights to the engine (default:
             ``engine.update_weights(actor.state_dict(), version)``).
+        run_group: ``async f(uid, sample, n) -> list[Trajectory]`` playing ``n`` episodes of one
+            prompt (default: :func:`run_episode` on ``engine`` in this process). The Ray launcher
+            passes one that calls remote rollout workers.
+        learner_step: ``async f(batch, version) -> metrics`` (default: ``learner.step`` in a
+            worker thread, so rollouts keep running while the learner trains).
+
+    Both launchers share this class, so they have the same admission, staleness and
+    consumption semantics.
     """
 
     def __init__(self, learner: TorchLearner, engine: InferenceEngine, make_env: Callable[[], Any],
@@ -82,11 +94,15 @@ class AsyncTrainingLoop:
                  agent_cfg: AgentLoopConfig, cfg: LoopConfig,
                  on_step: Callable[[int, dict, list[int]], None] | None = None,
                  on_checkpoint: Callable[[int, dict], None] | None = None, start_step: int = 0,
-                 sync_weights: Callable[[Any, int], Awaitable[None]] | None = None) -> None:
+                 sync_weights: Callable[[Any, int], Awaitable[None]] | None = None,
+                 run_group: GroupRunner | None = None,
+                 learner_step: Callable[[Any, int], Awaitable[dict]] | None = None) -> None:
         self.learner, self.engine, self.make_env, self.tok = learner, engine, make_env, tokenizer
         self.prompts, self.sampling, self.agent_cfg, self.cfg = prompts, sampling, agent_cfg, cfg
         self.on_step, self.on_checkpoint = on_step, on_checkpoint
         self.sync_weights = sync_weights or self._sync_state_dict
+        self.run_group = run_group or self._local_group
+        self.learner_step = learner_step or self._local_step
         self.step = start_step
         self.version = start_step  # policy version = number of updates done
         self.in_flight: set[int] = set()  # admitted, not yet trained (running or ready)
@@ -119,8 +135,16 @@ class AsyncTrainingLoop:
                 if close is not None:
                     await asyncio.to_thread(close)
 
+    async def _local_group(self, uid: int, sample: Mapping[str, Any], n: int) -> list[Trajectory]:
+        return list(await asyncio.gather(*(self._episode(uid, k) for k in range(n))))
+
+    async def _local_step(self, batch: Any, version: int) -> dict:
+        return await asyncio.to_thread(self.learner.step, batch, version)
+
     async def _run_group(self, uid: int) -> None:
-        trajs = await asyncio.gather(*(self._episode(uid, k) for k in range(self.cfg.n_samples_per_prompt)))
+        trajs = await self.run_group(uid, self.prompts.row(uid), self.cfg.n_samples_per_prompt)
+        for t in trajs:
+            t.info["uid"] = uid
         async with self._cond:
             self.ready.append(_Group(uid, list(trajs)))
             self.episodes_done += len(trajs)
@@ -184,7 +208,7 @@ class AsyncTrainingLoop:
                 wait_s = time.perf_counter() - t_wait
                 trajs = [t for g in groups for t in g.trajs]
                 batch = to_batch(trajs, self.tok.pad_token_id)
-                metrics = await asyncio.to_thread(self.learner.step, batch, self.version)
+                metrics = await self.learner_step(batch, self.version)
                 self.version += 1
                 self.step += 1
                 t_sync = time.perf_counter()
