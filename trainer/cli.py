@@ -27,7 +27,8 @@ class Group:
         name: the group's word on the command line (e.g. ``"retriever"``).
         help: one-line help shown by ``copc --help``.
         module: dotted module path exposing ``add_subcommands(subparsers)``, imported
-            only when this group is invoked.
+            only when this group is invoked; a group without sub-subcommands (``copc train
+            --config ...``) exposes ``add_arguments(parser, name)`` instead.
     """
 
     name: str
@@ -38,6 +39,10 @@ class Group:
 # Add new groups here (``train``, ``eval`` ...): one line each.
 GROUPS: tuple[Group, ...] = (
     Group("retriever", "build retrieval indexes and serve them (Search-R1 API)", "retriever.cli"),
+    Group("train", "train an agent: copc train --config PATH [key=value ...] [--resume]",
+          "trainer.cli_train"),
+    Group("eval", "evaluate a run: copc eval --config PATH [key=value ...] [--checkpoint DIR]",
+          "trainer.cli_train"),
 )
 
 
@@ -57,8 +62,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         gp = sub.add_parser(group.name, help=group.help, description=group.help)
         if group.name == chosen:
             mod = importlib.import_module(group.module)
-            gsub = gp.add_subparsers(dest="command", metavar="COMMAND", required=True)
-            mod.add_subcommands(gsub)
+            if hasattr(mod, "add_subcommands"):
+                gsub = gp.add_subparsers(dest="command", metavar="COMMAND", required=True)
+                mod.add_subcommands(gsub)
+            else:
+                mod.add_arguments(gp, group.name)
     return parser
 
 

@@ -1,0 +1,273 @@
+"""The YAML configs in configs/, config composition, dotted overrides, errors, and the CLI error path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from copc.presets import PRESET_NAMES
+from environments.math_tool.data import load_math
+from environments.math_tool.env import MathToolConfig
+from environments.search.env import SearchConfig, load_qa
+from trainer.cli import build_parser
+from trainer.cli import main as cli_main
+from trainer.cli_train import eval_command, train_command
+from trainer.config import ConfigError, ExperimentConfig, load_config, to_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+ALL_YAML = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml"))
+TASK_STALENESS = {"math_tool": 8, "search": 14}
+PLACEHOLDER = {"math_tool": "/path/to/Qwen3-4B-Instruct-ReTool-SFT",
+               "search": "/path/to/Llama-3.2-3B-Instruct-SFT"}
+
+
+def _is_paper(rel: str) -> bool:
+    """Paper-scale configs carry a model.path placeholder the user fills in."""
+    task, _, name = rel.partition("/")
+    return task in TASK_STALENESS and name != "cpu_tiny.yaml"
+
+
+def _load(rel: str, tmp_path: Path, *overrides: str) -> ExperimentConfig:
+    extra = [f"model.path={tmp_path}"] if _is_paper(rel) else []
+    return load_config(CONFIGS / rel, [*extra, *overrides])
+
+
+def test_config_files_present():
+    """One config per (task, preset), a CPU-tiny config per task, the shared pieces."""
+    for task in TASK_STALENESS:
+        names = {p.stem for p in (CONFIGS / task).glob("*.yaml")}
+        assert names == {*PRESET_NAMES, "cpu_tiny", "_paper"}, task
+    assert len(PRESET_NAMES) == 8
+    for rel in ("base.yaml", "tasks/math_tool.yaml", "tasks/search.yaml", "scale/paper.yaml",
+                "scale/cpu_tiny.yaml"):
+        assert rel in ALL_YAML
+
+
+@pytest.mark.parametrize("rel", ALL_YAML)
+def test_every_config_loads_and_round_trips(rel, tmp_path):
+    cfg = _load(rel, tmp_path)
+    cfg.algorithm_config()  # the preset and its overrides validate too
+    # the resolved YAML written next to a run loads back to the same config
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize("task", sorted(TASK_STALENESS))
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_paper_preset_configs(task, preset, tmp_path):
+    cfg = _load(f"{task}/{preset}.yaml", tmp_path)
+    algo = cfg.algorithm_config()
+    assert (cfg.preset, algo.name, cfg.task.env) == (preset, preset, task)
+    assert cfg.name == f"{task}_{preset}"
+    assert cfg.output_dir == f"runs/{task}_{preset}"  # base.yaml's runs/${name}
+    assert cfg.max_staleness == (0 if preset == "ppo" else TASK_STALENESS[task])
+    # paper settings: gamma = lambda = 1, eps_l = 0.4, eps_h = 0.56, eta_P = eta_A = 0.5 (w/o RC: eta_A = 0)
+    assert (algo.gamma, algo.lam, algo.eps_low, algo.eps_high) == (1.0, 1.0, 0.4, 0.56)
+    assert algo.eta_p == 0.5
+    assert algo.eta_a == (0.0 if preset == "copc_wo_rc" else 0.5)
+    assert cfg.train.actor_lr == 1e-6
+    assert cfg.rollout.engine == "sglang"
+    assert cfg.rollout.max_new_tokens == 16384
+    assert cfg.rollout.max_total_tokens >= 16384
+    assert cfg.model.dtype == "bfloat16"
+    assert not cfg.warm_start.enabled
+    assert cfg.model.path == str(tmp_path)
+    n = cfg.rollout.n_samples_per_prompt
+    assert n >= 2 if preset == "dapo" else n == 1
+    assert algo.use_critic == (preset not in ("sao", "dapo"))
+
+
+@pytest.mark.parametrize("task", sorted(TASK_STALENESS))
+def test_paper_configs_ask_for_the_model_path(task):
+    """Without a real model.path the error names the key, the placeholder, and says to fill it in."""
+    with pytest.raises(ConfigError) as ei:
+        load_config(CONFIGS / task / "copc.yaml")
+    msg = str(ei.value)
+    assert msg.startswith("model.path=")
+    assert PLACEHOLDER[task] in msg and "fill in" in msg
+
+
+def test_paper_data_names_resolve():
+    cfg = load_config(CONFIGS / "math_tool" / "_paper.yaml", ["model.path=."])
+    assert cfg.task.train_data == ["math_train"] and cfg.task.eval_data == ["aime2025"]
+    assert (cfg.eval.k, cfg.eval.num_samples) == (32, 30)  # avg@32 on AIME 2025's 30 problems
+    assert len(load_math("aime2025", data_dir=ROOT / cfg.task.data_dir)) == 30
+    assert load_math("math_train", data_dir=ROOT / cfg.task.data_dir, limit=2)
+    cfg = load_config(CONFIGS / "search" / "_paper.yaml", ["model.path=."])
+    assert cfg.task.train_data == ["nq", "hotpotqa"]
+    assert cfg.eval.temperature == 0.0 and cfg.eval.k == 1  # greedy exact match
+    for name in cfg.task.eval_data:
+        assert load_qa(name, data_dir=str(ROOT / cfg.task.data_dir), limit=1), name
+
+
+def test_cpu_tiny_math_is_the_main_job():
+    cfg = load_config(CONFIGS / "math_tool" / "cpu_tiny.yaml")
+    assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 8, "math_tool")
+    assert cfg.model.path == "" and cfg.rollout.engine == "embedded"
+    assert cfg.warm_start.enabled and cfg.warm_start.kind == "retool_arithmetic"
+    assert (cfg.train.prompts_per_step, cfg.train.total_steps, cfg.train.micro_batch_size) == (8, 30, 8)
+    assert (cfg.rollout.max_new_tokens, cfg.rollout.max_turns) == (64, 3)
+    assert (cfg.train.actor_lr, cfg.train.critic_lr) == (1e-4, 1e-3)
+    # the prompt template is accepted by the real env config and renders the ReTool format
+    env_cfg = MathToolConfig(**cfg.task.env_kwargs)
+    text = env_cfg.prompt_template.format(problem="1234*5678")
+    assert text.endswith("Problem: 1234*5678\n")
+    assert "\\boxed{}" in text and "<code>```python" in text
+    assert len(text.encode()) < len(MathToolConfig().prompt_template.encode()) // 2
+
+
+def test_cpu_tiny_search():
+    cfg = load_config(CONFIGS / "search" / "cpu_tiny.yaml")
+    assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 14, "search")
+    assert cfg.task.train_data == ["nq", "hotpotqa"]
+    assert cfg.task.retriever_url == ""  # copc train starts the retriever itself
+    assert (ROOT / cfg.task.retriever_corpus).is_file()
+    assert cfg.warm_start.enabled and cfg.warm_start.kind == "search_r1"
+    env_cfg = SearchConfig(**cfg.task.env_kwargs)
+    assert env_cfg.topk == 1
+    assert env_cfg.prompt_template.format(question="who?").endswith("Question: who?\n")
+    for name in cfg.task.train_data + cfg.task.eval_data:
+        assert load_qa(name, data_dir=str(ROOT / cfg.task.data_dir), limit=1), name
+
+
+def test_composition_of_the_repo_configs(tmp_path):
+    """Values flow base -> task -> scale -> preset file; later files win."""
+    tiny = load_config(CONFIGS / "math_tool" / "cpu_tiny.yaml")
+    paper = _load("math_tool/copc.yaml", tmp_path)
+    assert tiny.checkpoint.every_steps == 10 and paper.checkpoint.every_steps == 20  # scale overrides base
+    assert tiny.train.max_staleness == paper.train.max_staleness == 8  # from tasks/math_tool.yaml
+    assert tiny.train.actor_lr == 1e-4 and paper.train.actor_lr == 1e-6  # scale files
+    dapo = _load("math_tool/dapo.yaml", tmp_path)
+    assert (dapo.train.prompts_per_step, dapo.rollout.n_samples_per_prompt) == (32, 8)  # preset file wins
+    assert dapo.train.actor_lr == 1e-6  # still inherited
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_composition_order(tmp_path):
+    _write(tmp_path / "shared/base.yaml", "train:\n  total_steps: 7\n  seed: 3\n  max_staleness: 2\n")
+    _write(tmp_path / "shared/more.yaml", "train:\n  total_steps: 11\n  warmup_steps: 5\n")
+    child = _write(tmp_path / "exp/child.yaml",
+                   "defaults: [../shared/base.yaml, ../shared/more.yaml]\ntrain:\n  warmup_steps: 6\n")
+    cfg = load_config(child)
+    assert cfg.train.seed == 3  # only in the first default
+    assert cfg.train.total_steps == 11  # second default overrides the first
+    assert cfg.train.warmup_steps == 6  # the file's own keys override its defaults
+    assert cfg.train.max_staleness == 2
+    assert cfg.train.micro_batch_size == ExperimentConfig().train.micro_batch_size  # schema default
+    cfg = load_config(child, ["train.total_steps=4"])
+    assert cfg.train.total_steps == 4  # overrides come last
+
+
+def test_composition_cycle(tmp_path):
+    _write(tmp_path / "a.yaml", "defaults: [b.yaml]\n")
+    _write(tmp_path / "b.yaml", "defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_dotted_overrides():
+    path = CONFIGS / "math_tool" / "cpu_tiny.yaml"
+    cfg = load_config(path, ["train.total_steps=3", "algorithm.eta_a=0.25", "model.tiny.hidden_size=64",
+                             "task.train_data=[nq,hotpotqa]", "name=smoke"])
+    assert cfg.train.total_steps == 3
+    assert cfg.algorithm_config().eta_a == 0.25 and cfg.algorithm_config().eta_p == 0.5
+    assert cfg.model.tiny.hidden_size == 64
+    assert cfg.task.train_data == ["nq", "hotpotqa"]
+    assert cfg.output_dir == "runs/smoke"  # base.yaml's interpolation follows the name
+    cfg = load_config(path, ["preset=ppo"])
+    assert cfg.max_staleness == 0 and cfg.train.max_staleness == 8  # the preset's own bound wins
+    cfg = load_config(path, ["preset=dapo", "rollout.n_samples_per_prompt=4"])
+    assert cfg.algorithm_config().loss_agg_mode == "token-mean"
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["train.bogus=1"], "train.bogus"),                    # unknown key
+    (["model.tiny.bogus=1"], "model.tiny.bogus"),          # unknown nested key
+    (["train.total_steps=abc"], "train.total_steps"),      # wrong type
+    (["rollout.temperature=hot"], "rollout.temperature"),  # wrong type
+    (["preset=nope"], "preset"),                           # unknown preset
+    (["train.total_steps=0"], "train.total_steps=0"),      # bad range
+    (["train.max_staleness=-1"], "train.max_staleness=-1"),
+    (["rollout.engine=vllm"], "rollout.engine='vllm'"),
+    (["eval.temperature=-0.5"], "eval.temperature"),
+    (["algorithm.eta_a=2"], "eta_a"),
+    (["algorithm.bogus=1"], "bogus"),
+    (["preset=ppo", "algorithm.max_staleness=3"], "max_staleness"),
+    (["preset=dapo"], "rollout.n_samples_per_prompt"),     # groups needed
+    (["train.total_steps"], "key=value"),                  # malformed override
+])
+def test_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as ei:
+        load_config(CONFIGS / "math_tool" / "cpu_tiny.yaml", overrides)
+    assert needle in str(ei.value)
+    if overrides == ["preset=nope"]:
+        assert "'nope'" in str(ei.value) and "copc" in str(ei.value)  # lists what is available
+
+
+def test_errors_in_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.bogus"):
+        load_config(_write(tmp_path / "a.yaml", f"defaults: [{CONFIGS / 'base.yaml'}]\ntrain:\n  bogus: 1\n"))
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns"):
+        load_config(_write(tmp_path / "b.yaml", "rollout:\n  max_turns: [1, 2]\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(_write(tmp_path / "c.yaml", "defaults: [missing.yaml]\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cli_parses_train_and_eval():
+    argv = ["train", "--config", "configs/math_tool/cpu_tiny.yaml", "train.total_steps=3", "preset=ppo",
+            "--resume"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.config, args.overrides, args.resume) == (argv[2], argv[3:5], True)
+    assert args.func is train_command
+    argv = ["train", "--config", "x.yaml"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.overrides, args.resume) == ([], False)
+    argv = ["eval", "--config", "x.yaml", "--checkpoint", "runs/x/checkpoints/step_3", "eval.k=4"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.checkpoint, args.overrides, args.func) == (argv[4], ["eval.k=4"], eval_command)
+
+
+def _copc(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _assert_one_line_error(rc: int, stderr: str, group: str, needle: str) -> None:
+    assert rc == 2, stderr
+    assert needle in stderr
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1  # one clear line
+    assert stderr.startswith(f"copc {group}: config error: ")
+
+
+def test_cli_config_error_exits_2_subprocess():
+    """The real console entry point: exit status 2, the key on stderr, no traceback."""
+    res = _copc("train", "--config", "configs/math_tool/cpu_tiny.yaml", "train.bogus=1", "--resume")
+    _assert_one_line_error(res.returncode, res.stderr, "train", "train.bogus")
+    res = _copc("eval", "--config", "configs/search/copc.yaml")
+    _assert_one_line_error(res.returncode, res.stderr, "eval", "model.path")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["train", "--config", "configs/search/copc.yaml", "model.path=.", "train.actor_lr=0"], "train.actor_lr"),
+    (["eval", "--config", "configs/math_tool/cpu_tiny.yaml", "preset=nope"], "preset"),
+    (["train", "--config", "configs/no_such.yaml"], "not found"),
+])
+def test_cli_config_errors_in_process(args, needle, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rc = cli_main(args)
+    _assert_one_line_error(rc, capsys.readouterr().err, args[0], needle)

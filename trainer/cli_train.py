@@ -1,0 +1,119 @@
+"""``copc train`` and ``copc eval``: run an experiment or evaluate one from a YAML config.
+
+Usage::
+
+    copc train --config configs/math_tool/cpu_tiny.yaml [key=value ...] [--resume]
+    copc eval  --config configs/math_tool/cpu_tiny.yaml [key=value ...] [--checkpoint DIR]
+
+``key=value`` are dotted overrides of :class:`trainer.config.ExperimentConfig`
+(``train.total_steps=3 preset=ppo``). A bad config (missing file, unknown key,
+wrong type, value out of range) prints one line naming the key to stderr and
+exits with status 2, before anything heavy is imported. The training and
+evaluation code (:mod:`trainer.run`) is imported only once the config is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.config import ConfigError, ExperimentConfig, load_config
+
+#: Exit status for a bad configuration (argparse uses the same for bad arguments).
+EXIT_CONFIG_ERROR = 2
+#: Exit status after Ctrl-C (128 + SIGINT), the shell convention.
+EXIT_INTERRUPTED = 130
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """Add the options of the ``train`` or ``eval`` group to ``parser`` and set ``func``.
+
+    Args:
+        parser: the group's sub-parser (from :func:`trainer.cli.build_parser`).
+        name: ``"train"`` or ``"eval"``.
+
+    Raises:
+        ValueError: for another ``name``.
+    """
+    if name not in ("train", "eval"):
+        raise ValueError(f"trainer.cli_train serves the 'train' and 'eval' groups, not {name!r}")
+    parser.add_argument("--config", required=True, metavar="PATH",
+                        help="YAML config (e.g. configs/math_tool/cpu_tiny.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted config overrides, e.g. train.total_steps=3 model.path=/ckpt")
+    if name == "train":
+        parser.add_argument("--resume", action="store_true",
+                            help="continue the run in output_dir from its latest checkpoint")
+        parser.set_defaults(func=train_command)
+    else:
+        parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                            help="checkpoint directory to evaluate (default: the run's latest; "
+                                 "none: the initial model)")
+        parser.set_defaults(func=eval_command)
+
+
+def _load(args: argparse.Namespace, command: str) -> ExperimentConfig | None:
+    """The validated config, or None after printing ``copc <command>: config error: ...``."""
+    try:
+        return load_config(args.config, list(args.overrides))
+    except ConfigError as e:
+        print(f"copc {command}: config error: {e}", file=sys.stderr)
+        return None
+
+
+def _report(cfg: ExperimentConfig) -> None:
+    """Print where the results are (the run itself prints its tables and progress)."""
+    print(f"results in {cfg.output_dir}", file=sys.stderr)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """``copc train``: load the config and call :func:`trainer.run.run_experiment`.
+
+    Args:
+        args: ``config`` (path), ``overrides`` (list of ``key=value``), ``resume`` (bool).
+
+    Returns:
+        0 on success, 2 for a bad config, 130 after Ctrl-C.
+    """
+    cfg = _load(args, "train")
+    if cfg is None:
+        return EXIT_CONFIG_ERROR
+    from trainer.run import run_experiment  # heavy (torch, engines): only once the config is valid
+
+    try:
+        run_experiment(cfg, resume=args.resume)
+    except ConfigError as e:  # raised by the run for settings only checkable at start-up
+        print(f"copc train: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        print(f"copc train: interrupted; continue with: copc train --config {args.config} "
+              f"{' '.join(args.overrides)} --resume".replace("  ", " "), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    _report(cfg)
+    return 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """``copc eval``: load the config and call :func:`trainer.run.run_evaluation`.
+
+    Args:
+        args: ``config`` (path), ``overrides`` (list of ``key=value``), ``checkpoint`` (dir or None).
+
+    Returns:
+        0 on success, 2 for a bad config, 130 after Ctrl-C.
+    """
+    cfg = _load(args, "eval")
+    if cfg is None:
+        return EXIT_CONFIG_ERROR
+    from trainer.run import run_evaluation  # heavy: only once the config is valid
+
+    try:
+        run_evaluation(cfg, checkpoint=args.checkpoint)
+    except ConfigError as e:
+        print(f"copc eval: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        print("copc eval: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    _report(cfg)
+    return 0
