@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 main: setup
-	$(PY) benchmarks/bench_advantages.py
+	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml
 
 test: setup
 	$(PY) -m ruff check .

@@ -123,6 +123,8 @@ class RolloutConfig:
         max_total_tokens, max_turns, max_observation_tokens: episode budgets (tokens / turns).
         engine_max_batch_size: embedded engine batch size (sequences).
         sglang_port / sglang_tp / sglang_mem_fraction: SGLang server settings.
+        use_chat_template: wrap prompts with the tokenizer's chat template (real instruct
+            models; the tiny byte-level models have none).
     """
 
     engine: str = "embedded"
@@ -139,6 +141,7 @@ class RolloutConfig:
     sglang_port: int = 30000
     sglang_tp: int = 1
     sglang_mem_fraction: float = 0.8
+    use_chat_template: bool = False
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""

@@ -60,8 +60,7 @@ def agent_config(cfg: ExperimentConfig) -> AgentLoopConfig:
     r = cfg.rollout
     return AgentLoopConfig(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
                            max_observation_tokens=r.max_observation_tokens,
-                           use_chat_template=bool(cfg.model.path) and cfg.task.env_kwargs.get(
-                               "use_chat_template", False))
+                           use_chat_template=r.use_chat_template)
 
 
 def build_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: Any, version: int = 0):
@@ -160,8 +159,11 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     summary: dict[str, Any] = {"name": cfg.name, "preset": cfg.preset, "task": cfg.task.env,
                                "max_staleness": cfg.max_staleness, "output_dir": str(out)}
     try:
-        actor, tok = load_model_and_tokenizer(initial_model_dir(cfg, out), attn_implementation=
-                                              cfg.model.attn_implementation)
+        actor, tok = load_model_and_tokenizer(initial_model_dir(cfg, out),
+                                              dtype=getattr(torch, cfg.model.dtype),
+                                              attn_implementation=cfg.model.attn_implementation)
+        if cfg.model.gradient_checkpointing:
+            actor.gradient_checkpointing_enable()
         if cfg.warm_start.enabled and state is None:
             t0 = time.time()
             summary["warm_start"] = _warm_start(cfg, task, actor, tok, out)
@@ -214,8 +216,9 @@ async def _eval_rl_eval(cfg, algo, learner, engine_model, tok, task, prompts, st
                                  trained_uids, logger, ckpt, summary))
         if cfg.eval.enabled:
             summary["eval_after"] = await _evaluate(cfg, engine, task, tok)
-            logger.log(cfg.train.total_steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()
-                                               if isinstance(v, int | float)})
+            # one metrics line per step: the after-RL evaluation is its own row after the last step
+            logger.log(cfg.train.total_steps + 1, {f"eval/{k}": v for k, v in summary["eval_after"].items()
+                                                   if isinstance(v, int | float)})
     finally:
         await close()
 
@@ -280,11 +283,18 @@ def _fmt(v: Any) -> str:
 
 
 def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict:
-    """Standalone evaluation (``copc eval``): a model directory or the run's latest checkpoint."""
+    """Standalone evaluation (``copc eval``).
+
+    ``checkpoint``: a model directory (``save_pretrained``) or a training checkpoint directory;
+    None: the run's latest checkpoint, else its initial model (``model.path`` / tiny / warm-start).
+    """
     out = Path(cfg.output_dir)
     task = build_task(cfg)
     try:
-        path = Path(checkpoint) if checkpoint else initial_model_dir(cfg, out)
+        latest = CheckpointManager(out / "checkpoints").latest()
+        ws = out / "warm_start_model"
+        default = latest or (ws if (ws / "config.json").exists() else initial_model_dir(cfg, out))
+        path = Path(checkpoint) if checkpoint else default
         if (path / "config.json").exists():
             model, tok = load_model_and_tokenizer(path)
         else:  # a training checkpoint directory

@@ -101,7 +101,7 @@ def _math_task(cfg: ExperimentConfig) -> Task:
 
     return Task(make_env=make_env, train_samples=_cap(train, t.max_train_samples),
                 eval_samples=_cap(evals, t.max_eval_samples or cfg.eval.num_samples),
-                closers=[sandbox.close], info={"sandbox": sandbox.enforced()})
+                closers=[sandbox.close], info={"sandbox": sandbox.enforced})
 
 
 def _search_task(cfg: ExperimentConfig) -> Task:
@@ -110,14 +110,17 @@ def _search_task(cfg: ExperimentConfig) -> Task:
     t = cfg.task
     data_dir = str(_resolve(t.data_dir))
     names = t.train_data or ["nq", "hotpotqa"]
-    rows = [dict(r, id=f"{n}:{r['id']}") for n in names for r in load_qa(n, data_dir)]
-    if t.eval_data:
-        evals = [dict(r, id=f"{n}:{r['id']}") for n in t.eval_data for r in load_qa(n, data_dir)]
+    rows = [dict(r, id=f"{n}:{r['id']}", dataset=n) for n in names for r in load_qa(n, data_dir)]
+    eval_names = t.eval_data or names
+    if set(eval_names) <= set(names):
+        # evaluate on held-out rows of the training sets: every 5th row (deterministic, disjoint)
+        evals = [r for i, r in enumerate(rows) if i % 5 == 0 and r["dataset"] in eval_names]
+        held = {r["id"] for r in evals}
+        train = [r for r in rows if r["id"] not in held and rows.index(r) % 5]
+    else:
+        evals = [dict(r, id=f"{n}:{r['id']}", dataset=n) for n in eval_names for r in load_qa(n, data_dir)]
         held = {r["id"] for r in evals}
         train = [r for r in rows if r["id"] not in held]
-    else:  # hold out every 5th row (deterministic, disjoint)
-        train = [r for i, r in enumerate(rows) if i % 5]
-        evals = [r for i, r in enumerate(rows) if i % 5 == 0]
     closers: list[Callable[[], None]] = []
     url = t.retriever_url
     if not url:

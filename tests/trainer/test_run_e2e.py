@@ -1,0 +1,97 @@
+"""End-to-end ``run_experiment``: few-step runs per preset, checkpoint + resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.checkpoint import CheckpointManager
+from trainer.config import load_config
+from trainer.run import run_experiment
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def overrides(out: Path, preset: str, steps: int = 3, **extra: str) -> list[str]:
+    base = {
+        "preset": preset, "output_dir": str(out),
+        "model.tiny.hidden_size": "32", "model.tiny.intermediate_size": "64", "model.tiny.num_layers": "1",
+        "task.env": "math_tool", "task.train_data": "[math_train]", "task.max_train_samples": "40",
+        "task.env_kwargs": "{prompt_template: 'Q: {problem}\n'}",
+        "train.total_steps": str(steps), "train.prompts_per_step": "2", "train.micro_batch_size": "4",
+        "train.actor_lr": "1e-4", "train.critic_lr": "1e-3", "train.max_staleness": "2",
+        "rollout.max_new_tokens": "12", "rollout.max_turns": "2", "rollout.max_total_tokens": "1024",
+        "rollout.concurrency": "4", "rollout.n_samples_per_prompt": "2" if preset == "dapo" else "1",
+        "eval.enabled": "false", "warm_start.enabled": "false", "logging.progress": "false",
+        "checkpoint.every_steps": "1", "checkpoint.keep_last": "2",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.mark.parametrize("preset,bound", [("copc", 2), ("ppo", 0), ("dapo", 2)])
+def test_few_step_run_per_preset(tmp_path, preset, bound):
+    cfg = load_config(None, overrides(tmp_path / preset, preset))
+    summary = run_experiment(cfg)
+    assert summary["steps"] == 3 and summary["duplicate_trained_uids"] == 0
+    assert summary["trained_uids"] == 6
+    rows = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["staleness/max"] <= bound and max(r["staleness/hist"]) <= bound
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+    ckpt = CheckpointManager(tmp_path / preset / "checkpoints")
+    assert CheckpointManager.step_of(ckpt.latest()) == 3
+    assert (tmp_path / preset / "summary.json").exists()
+    assert any(p.endswith(".png") for p in summary.get("plots", []))
+
+
+KILL_SCRIPT = """
+import sys
+from trainer.config import load_config
+from trainer.run import run_experiment
+run_experiment(load_config(None, sys.argv[2:]), resume=sys.argv[1] == "resume")
+"""
+
+
+def test_resume_after_sigkill_same_steps_no_duplicate_prompts(tmp_path):
+    out = tmp_path / "run"
+    args = overrides(out, "copc", steps=6)
+    script = tmp_path / "job.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(script), "fresh", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpts = CheckpointManager(out / "checkpoints")
+    deadline = time.monotonic() + 300
+    while True:  # kill it once it has checkpointed step >= 2, in the middle of later work
+        latest = ckpts.latest()
+        if latest is not None and CheckpointManager.step_of(latest) >= 2:
+            break
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = CheckpointManager.step_of(ckpts.latest())
+    assert killed_at < 6, "the run finished before it could be killed; make it longer"
+    res = subprocess.run([sys.executable, str(script), "resume", *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert summary["trained_uids"] == 12 and summary["duplicate_trained_uids"] == 0
+    state = ckpts.load()
+    uids = state["trained_uids"]
+    assert len(uids) == len(set(uids)) == 12
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3, 4, 5, 6]
