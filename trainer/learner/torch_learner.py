@@ -124,10 +124,11 @@ class TorchLearner:
         t0 = time.perf_counter()
         algo, mask = self.algo, batch.loss_mask
         logp_old, values_old = self._recompute(batch)
+        t_adv = time.perf_counter()
         adv, returns = copc.compute_advantages(copc.AdvantageInputs(
             rewards=batch.rewards, loss_mask=mask, values=values_old, logp_old=logp_old,
             logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), algo)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"perf/advantage_s": time.perf_counter() - t_adv}
         low_a, high_a = copc.margins(algo.eta_a, algo.eps_low, algo.eps_high)
         metrics.update(copc.advantage_channel_metrics(logp_old, batch.logp_mu, mask, low_a, high_a))
         metrics.update(copc.staleness_metrics(batch.versions, version, mask))
