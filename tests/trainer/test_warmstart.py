@@ -1,0 +1,232 @@
+"""Warm start: arithmetic problems, traces from the real MathToolEnv / SearchEnv, SFT."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import operator
+import re
+
+import pytest
+import torch
+from scripted import scripted
+from search_server import QA_DIR, retriever_url  # noqa: F401 - pytest fixture
+
+from environments.math_tool import MathToolEnv
+from environments.math_tool.reward import MathRewardConfig
+from environments.sandbox import Sandbox, SandboxConfig
+from environments.search.env import SearchEnv
+from trainer.engines.base import SamplingParams
+from trainer.engines.embedded import EmbeddedEngine
+from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model
+from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
+from trainer.warmstart import (
+    SHORT_MATH_PROMPT,
+    SHORT_SEARCH_PROMPT,
+    TraceError,
+    arithmetic_splits,
+    retool_arithmetic_samples,
+    retool_traces,
+    search_r1_samples,
+    search_r1_traces,
+    sft_warm_start,
+    tokenize_trace,
+)
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _value(node: ast.AST) -> int:
+    """Reference evaluator of +, -, * integer expressions (independent of the generator)."""
+    if isinstance(node, ast.Expression):
+        return _value(node.body)
+    if isinstance(node, ast.BinOp):
+        return _OPS[type(node.op)](_value(node.left), _value(node.right))
+    assert isinstance(node, ast.Constant) and isinstance(node.value, int)
+    return node.value
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box (sandbox workers,
+    retriever server, other tests) OpenMP spin-waiting makes them ~15x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = Sandbox(SandboxConfig(workers=2))
+    yield sb
+    sb.close()
+
+
+@pytest.fixture(scope="module")
+def math_env_factory(sandbox):
+    return lambda: MathToolEnv(sandbox=sandbox, prompt_template=SHORT_MATH_PROMPT,
+                               reward=MathRewardConfig(mode="dapo_strict"))
+
+
+def test_arithmetic_samples_exact_deterministic_disjoint():
+    rows = retool_arithmetic_samples(300, seed=7)
+    assert rows == retool_arithmetic_samples(300, seed=7)
+    assert rows != retool_arithmetic_samples(300, seed=8)
+    assert len({r["problem"] for r in rows}) == 300 and len({r["id"] for r in rows}) == 300
+    for r in rows:
+        expr = r["problem"].removeprefix("What is ").removesuffix("?")
+        assert r["problem"] == f"What is {expr}?"
+        assert r["answer"] == str(_value(ast.parse(expr, mode="eval")))
+        # too hard for the head: at least one product with a >= 3-digit factor, >= 4-digit result
+        assert "*" in expr and max(len(t) for t in expr.split()) >= 3 and abs(int(r["answer"])) >= 1000
+    # offsets index one stream: rows [100, 150) of the stream are rows 100..149 of a longer read
+    assert retool_arithmetic_samples(50, seed=7, offset=100) == rows[100:150]
+    train, held = arithmetic_splits(200, 100, seed=7)
+    assert train == rows[:200] and held == rows[200:300]
+    assert not {r["problem"] for r in train} & {r["problem"] for r in held}
+    with pytest.raises(ValueError, match="offset=-1"):
+        retool_arithmetic_samples(3, seed=0, offset=-1)
+
+
+def test_retool_traces_from_real_sandbox(math_env_factory):
+    rows = retool_arithmetic_samples(20, seed=1)
+    traces = retool_traces(rows, math_env_factory)
+    assert len(traces) == 20
+    for row, (prompt, pieces) in zip(rows, traces, strict=True):
+        assert prompt == SHORT_MATH_PROMPT.format(problem=row["problem"])
+        assert [k for k, _ in pieces] == ["action", "observation", "action"]
+        expr = row["problem"].removeprefix("What is ").removesuffix("?")
+        assert pieces[0][1] == f"Let me compute it.\n<code>\n```python\n{expr}\n```\n</code>"
+        # the observation is the sandbox's real reply (the value printed by Python)
+        assert pieces[1][1] == f"\n<interpreter>\n{row['answer']}\n</interpreter>\n"
+        assert pieces[2][1] == f"\\boxed{{{row['answer']}}}"
+
+
+def test_retool_traces_refuse_a_wrong_episode(math_env_factory):
+    bad = {"id": "x", "problem": "What is 12 * 12?", "answer": "145"}
+    with pytest.raises(TraceError, match="scored"):
+        retool_traces([bad], math_env_factory)
+    with pytest.raises(ValueError, match="What is <expression>"):
+        retool_traces([{"id": "y", "problem": "12*12", "answer": "144"}], math_env_factory)
+
+
+def test_tokenization_and_loss_mask_match_the_agent_loop(math_env_factory):
+    """Token by token: SFT ids/mask == what the real agent loop builds for the same actions."""
+    tok = build_byte_tokenizer()
+    row = retool_arithmetic_samples(1, seed=3)[0]
+    trace = retool_traces([row], math_env_factory)[0]
+    cfg = AgentLoopConfig(max_observation_tokens=12)  # the loop's observation cut applies too
+    ids, mask = tokenize_trace(tok, trace, cfg)
+    prompt_ids = tok.encode(trace.prompt, add_special_tokens=False)
+    assert ids[: len(prompt_ids)] == prompt_ids and set(mask[: len(prompt_ids)]) == {0}
+    actions = [t for k, t in trace.pieces if k == "action"]
+    model_ids = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert model_ids == [*tok.encode("".join(actions), add_special_tokens=False), tok.eos_token_id]
+    obs_ids = [i for i, m in zip(ids[len(prompt_ids):], mask[len(prompt_ids):], strict=True) if not m]
+    assert obs_ids == tok.encode(trace.pieces[1][1], add_special_tokens=False)[:12]
+
+    model = build_tiny_model(TinyModelConfig(), len(tok), tok.eos_token_id, tok.pad_token_id)
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(
+            tok, actions, lambda p: p.count("<interp")))
+        env = math_env_factory()
+        tr = await run_episode(eng, env, tok, row, SamplingParams(max_new_tokens=100), cfg)
+        env.close()
+        await eng.close()
+        return tr
+
+    tr = asyncio.run(main())
+    assert tr.reward == 1.0
+    assert tr.prompt_ids + tr.response_ids == ids
+    assert [0] * len(tr.prompt_ids) + tr.loss_mask == mask
+    with pytest.raises(ValueError, match="must end with an action"):
+        tokenize_trace(tok, ("p", [("action", "a"), ("observation", "o")]))
+    with pytest.raises(ValueError, match="kind='tool'"):
+        tokenize_trace(tok, ("p", [("tool", "a"), ("action", "o")]))
+
+
+def test_sft_loss_decreases_and_ignores_observations(math_env_factory):
+    tok = build_byte_tokenizer()
+    traces = retool_traces(retool_arithmetic_samples(64, seed=2), math_env_factory)
+    model = build_tiny_model(TinyModelConfig(seed=1), len(tok), tok.eos_token_id, tok.pad_token_id)
+    m = sft_warm_start(model, tok, traces, steps=30, batch_size=8, lr=3e-3, seed=0, progress=False)
+    assert m["sft/steps"] == 30 and m["sft/traces"] == 64 and m["sft/seconds"] > 0
+    # random init of a 258-token vocabulary: ~ln(258) = 5.55 nats; a lot lower after 30 steps
+    assert abs(m["sft/loss_first"] - 5.55) < 0.3 and m["sft/loss_last"] < 0.6 * m["sft/loss_first"]
+    assert not model.training
+
+    # the loss is the mean NLL of exactly the action tokens: reference through the learner's
+    # log-prob function (trainer.logprobs), on a batch of two traces of different lengths
+    from trainer.logprobs import sequence_logprobs
+    from trainer.warmstart.sft import _batch, action_token_loss
+
+    rows = [tokenize_trace(tok, t) for t in traces[:2]]
+    ids, attn, lm = _batch(rows, tok.pad_token_id)
+    with torch.no_grad():
+        got = float(action_token_loss(model, ids, attn, lm))
+        ref_lp = torch.cat([sequence_logprobs(model, torch.tensor([x]),
+                                              torch.ones(1, len(x), dtype=torch.long))[0] for x, _ in rows])
+    ref_mask = torch.tensor([m for _, x in rows for m in x], dtype=torch.bool)
+    assert abs(got - float(-ref_lp[ref_mask].mean())) < 1e-4
+    assert int(lm.sum()) == sum(sum(m) for _, m in rows)
+    with pytest.raises(ValueError, match="steps=0"):
+        sft_warm_start(model, tok, traces, steps=0, batch_size=8, lr=1e-3, seed=0)
+    with pytest.raises(ValueError, match="traces is empty"):
+        sft_warm_start(model, tok, [], steps=1, batch_size=8, lr=1e-3, seed=0)
+
+
+def test_short_sft_reproduces_the_trace_format_in_the_real_agent_loop(math_env_factory):
+    """After a short SFT, greedy decoding through the real loop + engine + env calls the tool and
+    the sandbox runs the code (a number comes back in <interpreter>)."""
+    from trainer.evaluation import run_eval_episodes
+
+    tok = build_byte_tokenizer()
+    train = retool_arithmetic_samples(64, seed=5, kinds=("mul",))
+    held = retool_arithmetic_samples(4, seed=5, offset=64, kinds=("mul",))
+    traces = retool_traces(train, math_env_factory)
+    model = build_tiny_model(TinyModelConfig(seed=2, max_position_embeddings=512), len(tok),
+                             tok.eos_token_id, tok.pad_token_id)
+    m = sft_warm_start(model, tok, traces, steps=60, batch_size=8, lr=1e-2, seed=0, progress=False)
+    assert m["sft/loss_last"] < 0.25 * m["sft/loss_first"]
+
+    async def main():
+        eng = EmbeddedEngine(model, tok)
+        try:
+            return await run_eval_episodes(eng, math_env_factory, tok, held, agent_cfg=AgentLoopConfig(
+                max_turns=2, max_total_tokens=300), max_new_tokens=60, concurrency=4)
+        finally:
+            await eng.close()
+
+    trajs = asyncio.run(main())
+    ran = 0
+    for tr in trajs:
+        text = tok.decode(tr.model_token_ids(), skip_special_tokens=True)
+        obs = tok.decode([t for t, k in zip(tr.response_ids, tr.loss_mask, strict=True) if not k])
+        assert text.startswith("Let me compute it.\n<code>\n```python\n")
+        number_back = re.fullmatch(r"\s*<interpreter>\n-?\d+\n</interpreter>\s*", obs)
+        ran += tr.info.get("tool_calls", 0) >= 1 and number_back is not None
+    assert ran >= 3
+
+
+def test_search_r1_samples_and_traces_with_real_retriever(retriever_url):  # noqa: F811
+    qs = search_r1_samples(("nq", "hotpotqa"), n=6, seed=3, data_dir=str(QA_DIR))
+    assert qs == search_r1_samples(("nq", "hotpotqa"), n=6, seed=3, data_dir=str(QA_DIR))
+    rest = search_r1_samples(("nq", "hotpotqa"), n=10, seed=3, offset=6, data_dir=str(QA_DIR))
+    assert not {q["id"] for q in qs} & {q["id"] for q in rest}
+    everything = search_r1_samples(("nq", "hotpotqa"), seed=3, data_dir=str(QA_DIR))
+    assert len(everything) == 1000 and {q["data_source"] for q in everything} == {"nq", "hotpotqa"}
+    assert len({q["id"] for q in everything}) == 1000
+    with pytest.raises(ValueError, match="exceeds the 1000 questions"):
+        search_r1_samples(("nq", "hotpotqa"), n=10, offset=995, data_dir=str(QA_DIR))
+
+    traces = search_r1_traces(qs, lambda: SearchEnv(retriever_url=retriever_url,
+                                                    prompt_template=SHORT_SEARCH_PROMPT))
+    for q, (prompt, pieces) in zip(qs, traces, strict=True):
+        assert q["question"].strip() in prompt and prompt.startswith("Search with <search>")
+        assert [k for k, _ in pieces] == ["action", "observation", "action"]
+        assert pieces[0][1] == f"<search>{q['question'].strip()}</search>"
+        obs = pieces[1][1]  # three real passages of the shared Wikipedia corpus
+        assert obs.startswith("\n\n<information>Doc 1(Title: ") and "Doc 3(Title: " in obs
+        assert pieces[2][1] == f"<answer>{q['golden_answers'][0]}</answer>"

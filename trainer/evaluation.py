@@ -1,0 +1,161 @@
+"""Evaluation of a policy on held-out samples through the real agent loop.
+
+:func:`evaluate` plays ``k`` episodes per sample with :func:`~trainer.rollout.agent_loop.run_episode`
+(engine × real environment) and reports accuracy / avg@k and episode statistics.
+
+Greedy decoding: ``temperature == 0`` is run as ``SamplingParams(temperature=1.0, top_k=1)``:
+sampling from the single most likely token is argmax decoding, and the reported behavior
+log-probs (irrelevant for evaluation) stay those of ``softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .engines.base import InferenceEngine, SamplingParams
+from .rollout.agent_loop import AgentLoopConfig, run_episode
+from .rollout.trajectory import Trajectory
+
+#: An episode counts as correct when its reward exceeds this (1/0 and DAPO's 1/-1 rewards).
+CORRECT_THRESHOLD = 0.5
+
+
+def eval_sampling_params(temperature: float, max_new_tokens: int, top_p: float = 1.0,
+                         seed: int | None = None) -> SamplingParams:
+    """Sampling parameters of evaluation: greedy (``top_k = 1`` at temperature 1) when
+    ``temperature == 0``, else plain sampling at ``temperature``.
+
+    Raises:
+        ValueError: ``temperature < 0`` (or invalid ``SamplingParams`` fields).
+    """
+    if temperature < 0 or math.isnan(temperature):
+        raise ValueError(f"evaluate: temperature={temperature!r} must be >= 0 (0 = greedy)")
+    if temperature == 0:
+        return SamplingParams(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, seed=seed)
+    return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+
+
+async def run_eval_episodes(engine: InferenceEngine, env_factory: Callable[[], Any], tokenizer: Any,
+                            samples: Sequence[Mapping[str, Any]], *, k: int = 1,
+                            temperature: float = 0.0, agent_cfg: AgentLoopConfig | None = None,
+                            max_new_tokens: int = 256, concurrency: int = 32,
+                            seed: int | None = None, progress: bool = False) -> list[Trajectory]:
+    """Play ``k`` episodes per sample; environments are pooled (at most ``concurrency``,
+    each reset per episode and closed at the end — reward helpers are started once per env).
+
+    Returns:
+        Trajectories ordered ``(sample 0, copy 0), (sample 0, copy 1), ...``; episode ``j`` of a
+        sample uses ``seed + j`` when ``seed`` is given.
+
+    Raises:
+        ValueError: ``k < 1``, ``concurrency < 1``, no samples, or a bad temperature.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"evaluate: k={k!r} must be an int >= 1")
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"evaluate: concurrency={concurrency!r} must be an int >= 1")
+    if not samples:
+        raise ValueError("evaluate: samples is empty")
+    jobs = [(s, j) for s in samples for j in range(k)]
+    pool: asyncio.Queue = asyncio.Queue()
+    envs: list[Any] = []
+    for _ in range(min(concurrency, len(jobs))):
+        envs.append(await asyncio.to_thread(env_factory))
+        pool.put_nowait(envs[-1])
+    bar = tqdm(total=len(jobs), desc="eval", disable=not progress, leave=False)
+
+    async def one(sample: Mapping[str, Any], j: int) -> Trajectory:
+        env = await pool.get()
+        try:
+            sp = eval_sampling_params(temperature, max_new_tokens,
+                                      seed=None if seed is None else seed + j)
+            return await run_episode(engine, env, tokenizer, sample, sp, agent_cfg)
+        finally:
+            pool.put_nowait(env)
+            bar.update(1)
+
+    try:
+        return list(await asyncio.gather(*(one(s, j) for s, j in jobs)))
+    finally:
+        bar.close()
+        for env in envs:
+            close = getattr(env, "close", None)
+            if close is not None:
+                await asyncio.to_thread(close)
+
+
+def summarize(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:
+    """Metrics of ``n * k`` trajectories ordered by sample then copy (see :func:`evaluate`).
+
+    Returns:
+        ``accuracy`` = ``avg@k`` (mean over problems of the fraction of their k episodes with
+        reward > 0.5), ``pass@k`` (fraction of problems with at least one), ``mean_reward``,
+        ``em`` (mean exact match from the env's ``reward_components["em"]``; search only),
+        ``n`` (problems), ``episodes``, ``mean_turns`` (model turns per episode),
+        ``tool_call_rate`` (fraction of episodes with >= 1 executed tool call),
+        ``mean_tool_calls``, ``mean_response_tokens`` (model tokens per episode), and
+        ``finish/<reason>`` (fraction of episodes; errors grouped by their prefix).
+
+    Raises:
+        ValueError: if the number of trajectories is not a positive multiple of ``k``.
+    """
+    m = len(trajectories)
+    if k < 1 or m == 0 or m % k:
+        raise ValueError(f"summarize: {m} trajectories is not a positive multiple of k={k}")
+    n = m // k
+    correct = [t.reward > CORRECT_THRESHOLD for t in trajectories]
+    per_problem = [sum(correct[i * k:(i + 1) * k]) for i in range(n)]
+    out = {"accuracy": sum(per_problem) / m, f"avg@{k}": sum(per_problem) / m,
+           f"pass@{k}": sum(c > 0 for c in per_problem) / n,
+           "mean_reward": sum(t.reward for t in trajectories) / m,
+           "n": float(n), "episodes": float(m),
+           "mean_turns": sum(t.turns for t in trajectories) / m,
+           "tool_call_rate": sum(t.info.get("tool_calls", 0) > 0 for t in trajectories) / m,
+           "mean_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajectories) / m,
+           "mean_response_tokens": sum(t.num_model_tokens for t in trajectories) / m}
+    ems = [t.info.get("reward_components", {}).get("em") for t in trajectories]
+    if any(e is not None for e in ems):
+        out["em"] = sum(float(e or 0.0) for e in ems) / m
+    reasons = Counter(t.finish_reason.split(":")[0] for t in trajectories)
+    out.update({f"finish/{r}": c / m for r, c in sorted(reasons.items())})
+    return out
+
+
+async def evaluate(engine: InferenceEngine, env_factory: Callable[[], Any], tokenizer: Any,
+                   samples: Sequence[Mapping[str, Any]], *, k: int = 1, temperature: float = 0.0,
+                   agent_cfg: AgentLoopConfig | None = None, max_new_tokens: int = 256,
+                   concurrency: int = 32, seed: int | None = None,
+                   progress: bool = False) -> dict[str, float]:
+    """Evaluate ``engine``'s policy on ``samples``: ``k`` episodes each, real environments.
+
+    Greedy when ``temperature == 0`` (``SamplingParams(temperature=1.0, top_k=1)``; then k > 1
+    repeats the same episode). An episode is correct when its reward > 0.5; episodes that end
+    by a budget, an engine or an environment error count as incorrect (never dropped).
+
+    Args:
+        engine: inference engine holding the policy to evaluate.
+        env_factory: ``() -> env`` (a fresh environment; a pool of them is reused).
+        tokenizer: the policy's tokenizer.
+        samples: data rows (e.g. held-out problems).
+        k: episodes per sample (avg@k / pass@k).
+        temperature: 0 = greedy, else sampling temperature.
+        agent_cfg: :class:`AgentLoopConfig` (turn / token budgets).
+        max_new_tokens: most tokens per model turn.
+        concurrency: episodes in flight (and environments created).
+        seed: per-episode sampling seeds ``seed + copy`` (None: engine RNG).
+        progress: show a tqdm bar.
+
+    Returns:
+        The metrics of :func:`summarize` (all floats).
+    """
+    trajs = await run_eval_episodes(engine, env_factory, tokenizer, samples, k=k,
+                                    temperature=temperature, agent_cfg=agent_cfg,
+                                    max_new_tokens=max_new_tokens, concurrency=concurrency,
+                                    seed=seed, progress=progress)
+    return summarize(trajs, k)

@@ -1,0 +1,25 @@
+"""ReTool / Search-R1 style cold start: scripted traces from the real environments, and SFT.
+
+* :mod:`.arithmetic` — hard-for-the-head arithmetic problems (disjoint splits by offset).
+* :mod:`.traces` — traces produced by stepping the real ``MathToolEnv`` / ``SearchEnv``.
+* :mod:`.sft` — next-token loss on action tokens only, tokenised as the agent loop does.
+"""
+
+from .arithmetic import arithmetic_splits, expression_of, retool_arithmetic_samples
+from .sft import action_token_loss, sft_warm_start, tokenize_trace
+from .traces import (
+    SHORT_MATH_PROMPT,
+    SHORT_SEARCH_PROMPT,
+    Trace,
+    TraceError,
+    boxed_action,
+    retool_code_action,
+    retool_traces,
+    search_r1_samples,
+    search_r1_traces,
+)
+
+__all__ = ["SHORT_MATH_PROMPT", "SHORT_SEARCH_PROMPT", "Trace", "TraceError", "action_token_loss",
+           "arithmetic_splits", "boxed_action", "expression_of", "retool_arithmetic_samples",
+           "retool_code_action", "retool_traces", "search_r1_samples", "search_r1_traces",
+           "sft_warm_start", "tokenize_trace"]

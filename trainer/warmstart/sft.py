@@ -1,0 +1,174 @@
+"""Supervised warm-start (cold start) on scripted traces: next-token loss on action tokens only.
+
+Tokenisation is the agent loop's (:func:`trainer.rollout.agent_loop.run_episode`): the prompt
+is encoded alone with :func:`~trainer.rollout.agent_loop.encode_prompt`, then each piece is
+encoded alone (no special tokens) and appended; observations are cut to
+``AgentLoopConfig.max_observation_tokens``; the final action is followed by EOS (how a
+model ends its answer). The loss mask is 1 on action tokens and that EOS, 0 on prompt and
+observation tokens — the same mask the RL learner uses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..rollout.agent_loop import AgentLoopConfig, encode_prompt
+
+
+def tokenize_trace(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]],
+                   agent_cfg: AgentLoopConfig | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of one trace, exactly as the agent loop would build them.
+
+    Args:
+        tokenizer: the policy's tokenizer (with ``eos_token_id``).
+        trace: ``(prompt, [(kind, text), ...])``, kind ``"action"`` or ``"observation"``.
+        agent_cfg: :class:`AgentLoopConfig` (``use_chat_template``, ``max_observation_tokens``).
+
+    Returns:
+        ``(input_ids, loss_mask)``: equal-length int lists over prompt + response; the mask is
+        1 exactly on action tokens and the EOS after the final action.
+
+    Raises:
+        ValueError: unknown piece kind, no pieces, or a last piece that is not an action.
+    """
+    cfg = agent_cfg or AgentLoopConfig()
+    prompt, pieces = trace
+    if not pieces or pieces[-1][0] != "action":
+        raise ValueError(f"trace pieces must end with an action, got kinds {[k for k, _ in pieces]}")
+    ids = encode_prompt(tokenizer, prompt, cfg.use_chat_template)
+    mask = [0] * len(ids)
+    for i, (kind, text) in enumerate(pieces):
+        toks = list(tokenizer.encode(text, add_special_tokens=False))
+        if kind == "action":
+            if i == len(pieces) - 1:
+                toks.append(tokenizer.eos_token_id)
+            ids += toks
+            mask += [1] * len(toks)
+        elif kind == "observation":
+            toks = toks[: cfg.max_observation_tokens]
+            ids += toks
+            mask += [0] * len(toks)
+        else:
+            raise ValueError(f"trace piece {i}: kind={kind!r} must be 'action' or 'observation'")
+    return ids, mask
+
+
+def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded ``(input_ids, attention_mask, loss_mask)`` ``(B, L)`` int64 tensors."""
+    L = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), L), dtype=torch.long)
+    lm = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, (x, m) in enumerate(rows):
+        ids[i, : len(x)] = torch.tensor(x)
+        attn[i, : len(x)] = 1
+        lm[i, : len(m)] = torch.tensor(m)
+    return ids, attn, lm
+
+
+def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
+                      loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats per token) over positions with ``loss_mask == 1``.
+
+    Token ``i`` is predicted from the logits at ``i - 1``. Args are ``(B, L)`` int64 tensors
+    (right padding); returns a scalar float32 tensor (differentiable).
+    """
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    target, m = ids[:, 1:], loss_mask[:, 1:].float()
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                            reduction="none").view_as(m)
+    return (nll * m).sum() / m.sum().clamp(min=1.0)
+
+
+def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tuple[str, Any]], *,
+                   steps: int, batch_size: int, lr: float, seed: int, progress: bool = True,
+                   agent_cfg: AgentLoopConfig | None = None, weight_decay: float = 0.0,
+                   warmup_frac: float = 0.05, max_grad_norm: float = 1.0,
+                   on_step: Callable[[int, float], None] | None = None) -> dict[str, float]:
+    """Supervised warm start: AdamW on the action-token next-token loss of ``traces``.
+
+    Batches are drawn without replacement from a seeded permutation (reshuffled each epoch).
+    LR schedule: linear warmup over ``warmup_frac * steps`` steps, then cosine decay to
+    ``0.1 * lr``. Gradients are clipped to ``max_grad_norm``. The model is trained in place
+    and left in eval mode.
+
+    Args:
+        model: causal LM (``transformers``), float32.
+        tokenizer: its tokenizer.
+        traces: ``(prompt, pieces)`` traces (:mod:`trainer.warmstart.traces`).
+        steps: optimizer steps (>= 1). batch_size: traces per step (>= 1). lr: peak LR (> 0).
+        seed: shuffling seed.
+        progress: show a tqdm bar with the loss.
+        agent_cfg: the agent loop's config (chat template, observation cut), so SFT sees the
+            same tokens as rollouts.
+        on_step: optional ``f(step, loss)`` called after each step (loss in nats/token).
+
+    Returns:
+        ``{"sft/loss_first", "sft/loss_last" (mean of the last ``min(10, steps)`` steps),
+        "sft/steps", "sft/seconds", "sft/action_tokens" (per epoch), "sft/traces"}``.
+
+    Raises:
+        ValueError: on empty ``traces`` or a bad ``steps`` / ``batch_size`` / ``lr``, or a
+            trace longer than the model's context (``max_position_embeddings``).
+    """
+    from tqdm.auto import tqdm
+
+    if not traces:
+        raise ValueError("sft_warm_start: traces is empty")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"sft_warm_start: steps={steps!r} must be an int >= 1")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"sft_warm_start: batch_size={batch_size!r} must be an int >= 1")
+    if not lr > 0:
+        raise ValueError(f"sft_warm_start: lr={lr!r} must be > 0")
+    rows = [tokenize_trace(tokenizer, t, agent_cfg) for t in traces]
+    max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    for i, (x, _) in enumerate(rows):
+        if len(x) > max_len:
+            raise ValueError(f"sft_warm_start: trace {i} has {len(x)} tokens, more than the model's "
+                             f"{max_len}-token context")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    warm = max(1, int(warmup_frac * steps))
+
+    def lr_factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    order: list[int] = []
+    losses: list[float] = []
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(range(steps), desc="sft warm-start", disable=not progress, leave=False)
+    try:
+        for step in bar:
+            if len(order) < batch_size:
+                order += torch.randperm(len(rows), generator=gen).tolist()
+            idx, order = order[:batch_size], order[batch_size:]
+            ids, attn, lm = _batch([rows[i] for i in idx], pad)
+            loss = action_token_loss(model, ids, attn, lm)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if on_step is not None:
+                on_step(step, losses[-1])
+    finally:
+        bar.close()
+        model.eval()
+    tail = losses[-min(10, len(losses)):]
+    return {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail),
+            "sft/steps": float(steps), "sft/seconds": time.perf_counter() - t0,
+            "sft/action_tokens": float(sum(sum(m) for _, m in rows)), "sft/traces": float(len(rows))}
