@@ -248,11 +248,19 @@ async def _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step, 
                          "summary": {k: v for k, v in summary.items()
                                      if k in ("eval_before", "warm_start")}})
 
-    loop = AsyncTrainingLoop(learner, engine, task.make_env, tok, prompts, sampling, agent_config(cfg),
-                             loop_cfg, on_step=on_step, on_checkpoint=on_checkpoint, start_step=start_step,
-                             sync_weights=sync)
-    with progress:
-        await loop.run()
+    if cfg.launcher.kind == "ray":  # rollout workers + learner as Ray actors (same loop semantics)
+        from .orchestration.ray_launcher import run_ray_rl
+        with progress:
+            loop = await run_ray_rl(cfg, learner, initial_model_dir(cfg, Path(cfg.output_dir)), task, tok,
+                                    prompts, sampling, agent_config(cfg), loop_cfg, start_step=start_step,
+                                    on_step=on_step, on_checkpoint=on_checkpoint)
+        await sync(learner.actor, loop.version)  # the driver's engine (evaluation) gets the final weights
+    else:
+        loop = AsyncTrainingLoop(learner, engine, task.make_env, tok, prompts, sampling, agent_config(cfg),
+                                 loop_cfg, on_step=on_step, on_checkpoint=on_checkpoint,
+                                 start_step=start_step, sync_weights=sync)
+        with progress:
+            await loop.run()
     return {"rl_wall_s": time.time() - t0, "steps": loop.step, "dropped_stale": loop.dropped_stale,
             "episodes": loop.episodes_done, "trained_uids": len(trained_uids),
             "duplicate_trained_uids": len(trained_uids) - len(set(trained_uids))}

@@ -1,0 +1,157 @@
+"""Ray launcher: a few-step async run on a local Ray cluster (rollout workers + learner as actors)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+import torch
+
+import copc
+from trainer.engines.base import SamplingParams
+from trainer.learner.torch_learner import LearnerConfig, TorchLearner
+from trainer.models.loading import load_model_and_tokenizer
+from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.orchestration.loop import LoopConfig
+from trainer.orchestration.prompts import PromptStream
+from trainer.orchestration.ray_launcher import RayTrainer, RolloutWorker, episode_sampling
+from trainer.rollout.agent_loop import AgentLoopConfig
+
+ray = pytest.importorskip("ray")
+
+SAMPLES = [{"id": f"s{i}"} for i in range(100)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A local 2-CPU Ray cluster, shut down when the module's tests are done."""
+    import ray_echo_env  # tests/trainer is on sys.path (conftest)
+
+    ray.cloudpickle.register_pickle_by_value(ray_echo_env)  # workers cannot import tests/
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    request.addfinalizer(ray.shutdown)
+    request.addfinalizer(lambda: ray.cloudpickle.unregister_pickle_by_value(ray_echo_env))
+    return ray_echo_env
+
+
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny32ray"),
+                                    TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1)))
+
+
+def _flat(state):
+    return torch.cat([v.detach().float().flatten() for _, v in sorted(state.items())])
+
+
+@pytest.mark.slow
+def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32):
+    s, steps, per_step, n = 1, 4, 2, 2
+    actor, tok = load_model_and_tokenizer(tiny32)
+    initial = _flat(actor.state_dict())
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(actor_lr=1e-3, critic_lr=1e-3,
+                                                                         micro_batch_size=4))
+    seen: list[dict] = []
+    ckpts: list[tuple[int, int, int]] = []
+
+    def on_checkpoint(step, loop_state):  # the driver learner must hold the actor's state by now
+        ckpts.append((step, learner.steps_done, loop_state["step"]))
+
+    trainer = RayTrainer(learner, tiny32, tok, PromptStream(SAMPLES, 0),
+                         SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1),
+                         LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
+                                    max_staleness=s, concurrency=4, checkpoint_every=2),
+                         env_factory=ray_cluster.EchoEnvFactory(0.02), num_workers=2,
+                         on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}),
+                         on_checkpoint=on_checkpoint, engine_max_batch_size=8)
+
+    async def main():
+        try:
+            loop = await trainer.run()
+            versions = await asyncio.gather(*(w.version.remote() for w in trainer.workers))
+            engines = await asyncio.gather(*(w.engine_state_dict.remote() for w in trainer.workers))
+            learned = await trainer.learner_actor.actor_state_dict.remote()
+            return loop, versions, engines, learned
+        finally:
+            await trainer.close()
+
+    t0 = time.perf_counter()
+    loop, versions, engines, learned = asyncio.run(main())
+    print(f"ray few-step run: {time.perf_counter() - t0:.1f} s")
+    assert [m["step"] for m in seen] == list(range(1, steps + 1)) and loop.version == steps
+    for m in seen:  # per-token staleness of the trained batch, and finite metrics
+        assert m["staleness/max"] <= s and all(0 <= h <= s for h in m["staleness/hist"])
+        assert m["rollout/episodes"] == per_step * n
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
+    uids = [u for m in seen for u in m["uids"]]
+    assert len(uids) == len(set(uids)) == steps * per_step
+    # versions on tokens come from the workers' engines: they must follow the learner (step k is
+    # trained at version k-1, so with s = 1 its tokens are from versions >= k-2)
+    token_versions = [[m["step"] - 1 - h for h in m["staleness/hist"]] for m in seen]
+    assert min(token_versions[-1]) >= steps - 1 - s and max(token_versions[-1]) >= 2
+    # every worker got the final weights, which are the trained ones (not the initial ones)
+    assert versions == [steps, steps]
+    for eng in engines:
+        assert torch.equal(_flat(eng), _flat(learned))
+    assert (_flat(learned) - initial).abs().max() > 1e-4
+    # driver learner: filled before each checkpoint and at the end
+    assert ckpts == [(2, 2, 2), (4, 4, 4)]
+    assert learner.steps_done == steps and torch.equal(_flat(learner.actor.state_dict()), _flat(learned))
+
+
+def test_episode_sampling_matches_local_seed_derivation():
+    sp = SamplingParams(seed=5, max_new_tokens=3)
+    assert episode_sampling(sp, uid=2, k=1).seed == 5 + 7919 * 2 + 1
+    assert episode_sampling(sp, 2, 1).max_new_tokens == 3
+    unseeded = SamplingParams(seed=None)
+    assert episode_sampling(unseeded, 9, 9) is unseeded
+
+
+def test_env_source_must_be_exactly_one(tiny32):
+    actor, tok = load_model_and_tokenizer(tiny32)
+    with pytest.raises(ValueError, match="exactly one of env_factory and exp_cfg"):
+        RolloutWorker(tiny32, actor.state_dict(), 0)
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig())
+    args = (learner, tiny32, tok, PromptStream(SAMPLES, 0), SamplingParams(), AgentLoopConfig(),
+            LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1, max_staleness=0,
+                       concurrency=1))
+    with pytest.raises(ValueError, match="num_rollout_workers=0"):
+        RayTrainer(*args, env_factory=lambda: None, num_workers=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        RayTrainer(*args, env_factory=lambda: None, exp_cfg=object())
+
+
+@pytest.mark.slow
+def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
+    """``run_experiment`` with ``launcher.kind=ray``: real math_tool env + sandbox in each worker."""
+    from trainer.checkpoint import CheckpointManager
+    from trainer.config import load_config
+    from trainer.run import run_experiment
+
+    out = tmp_path / "ray_run"
+    ov = {
+        "preset": "copc", "output_dir": str(out), "launcher.kind": "ray", "launcher.num_rollout_workers": "1",
+        "model.tiny.hidden_size": "32", "model.tiny.intermediate_size": "64", "model.tiny.num_layers": "1",
+        "task.env": "math_tool", "task.train_data": "[math_train]", "task.max_train_samples": "40",
+        "task.env_kwargs": "{prompt_template: 'Q: {problem}\n'}",
+        "train.total_steps": "3", "train.prompts_per_step": "2", "train.micro_batch_size": "4",
+        "train.actor_lr": "1e-4", "train.critic_lr": "1e-3", "train.max_staleness": "2",
+        "rollout.max_new_tokens": "12", "rollout.max_turns": "2", "rollout.max_total_tokens": "1024",
+        "rollout.concurrency": "4", "rollout.n_samples_per_prompt": "1",
+        "eval.enabled": "false", "warm_start.enabled": "false", "logging.progress": "false",
+        "logging.plots": "false", "checkpoint.every_steps": "1", "checkpoint.keep_last": "2",
+    }
+    summary = run_experiment(load_config(None, [f"{k}={v}" for k, v in ov.items()]))
+    assert summary["steps"] == 3 and summary["trained_uids"] == 6 and summary["duplicate_trained_uids"] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["staleness/max"] <= 2 and max(r["staleness/hist"]) <= 2
+    ckpt = CheckpointManager(out / "checkpoints")
+    assert CheckpointManager.step_of(ckpt.latest()) == 3
+    state = ckpt.load()
+    assert state["learner"]["steps_done"] == 3  # the learner actor's state reached the checkpoint
