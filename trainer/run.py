@@ -111,16 +111,35 @@ async def open_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: 
     return engine, sync_disk, close
 
 
+def build_traces(kind: str, task: Task, n: int, seed: int, progress: bool = True) -> list:
+    """Warm-start traces from the task's real environment, disjoint from the held-out set.
+
+    ``retool_arithmetic``: generated problems from their own seed stream (held-out problems
+    filtered out); ``search_r1``: the first ``n`` training questions.
+    """
+    from .warmstart import retool_arithmetic_samples, retool_traces, search_r1_traces
+
+    held = {s.get("problem", s.get("question")) for s in task.eval_samples}
+    if kind == "retool_arithmetic":
+        pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed)
+        samples = [s for s in pool if s["problem"] not in held][:n]
+        return retool_traces(samples, task.make_env, progress=progress)
+    samples = [s for s in task.train_samples if s["question"] not in held][:n]
+    return search_r1_traces(samples, task.make_env, progress=progress)
+
+
 def _warm_start(cfg: ExperimentConfig, task: Task, actor, tok, out: Path) -> dict:
     """Supervised warm-start (skipped if its result already exists: resume after a crash)."""
-    from .warmstart import build_traces, sft_warm_start
+    from .warmstart import sft_warm_start
 
     ws_dir = out / "warm_start_model"
     if (ws_dir / "config.json").exists():
         actor.load_state_dict(load_model_and_tokenizer(ws_dir)[0].state_dict())
         return json.loads((ws_dir / "sft_metrics.json").read_text())
     w = cfg.warm_start
-    traces = build_traces(w.kind, task, w.num_examples, seed=w.seed)
+    t0 = time.time()
+    traces = build_traces(w.kind, task, w.num_examples, seed=w.seed, progress=cfg.logging.progress)
+    log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
     metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                              seed=w.seed, progress=cfg.logging.progress)
     actor.save_pretrained(ws_dir)

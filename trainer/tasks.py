@@ -89,10 +89,10 @@ def _math_task(cfg: ExperimentConfig) -> Task:
         train = [r for name in t.train_data for r in load_math(name, data_dir)]
         evals = [r for name in (t.eval_data or ["math500"]) for r in load_math(name, data_dir)]
     else:
-        from .warmstart import retool_arithmetic_splits
+        from .warmstart import arithmetic_splits
         n_train = t.max_train_samples or 2000
         n_eval = t.max_eval_samples or cfg.eval.num_samples
-        train, evals = retool_arithmetic_splits(n_train, n_eval, seed=cfg.train.seed)
+        train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed)
     sandbox = Sandbox(SandboxConfig(workers=2))
     kwargs = dict(t.env_kwargs)
 
