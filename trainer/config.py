@@ -90,6 +90,8 @@ class TaskConfig:
             on first use in ``retriever_index_dir``, reused after).
         retriever_index_dir / retriever_corpus: where the auto-started server's index lives
             and which corpus it indexes.
+        arithmetic_kinds: generated math problems' kinds (``mul``, ``sum_of_products``,
+            ``mul_minus``; empty = all), for math_tool runs without ``train_data``.
     """
 
     env: str = "math_tool"
@@ -102,12 +104,16 @@ class TaskConfig:
     retriever_url: str = ""
     retriever_index_dir: str = "runs/retriever_index/bm25"
     retriever_corpus: str = "../shared/data/wiki/corpus.jsonl"
+    arithmetic_kinds: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         _require(bool(self.env), "task.env", self.env, "must name a registered environment")
         _require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
         _require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
+        kinds = ("mul", "sum_of_products", "mul_minus")
+        _require(all(k in kinds for k in self.arithmetic_kinds), "task.arithmetic_kinds",
+                 self.arithmetic_kinds, f"each must be one of {kinds}")
 
 
 @dataclass
@@ -170,6 +176,8 @@ class TrainConfig:
         max_staleness: bound on policy versions between behavior and learner (0 = synchronous);
             a preset's own bound (``ppo``: 0) wins.
         seed: everything random (data order, sampling, init).
+        torch_threads: torch intra-op threads (0 = torch's default). On 2 CPU cores, 1 lets the
+            rollout engine and the learner each own a core instead of stalling each other.
     """
 
     total_steps: int = 100
@@ -184,6 +192,7 @@ class TrainConfig:
     critic_warmup_steps: int = 0
     max_staleness: int = 8
     seed: int = 0
+    torch_threads: int = 0
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
@@ -191,7 +200,8 @@ class TrainConfig:
             _require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
         for k in ("actor_lr", "critic_lr"):
             _require(getattr(self, k) > 0, f"train.{k}", getattr(self, k), "must be > 0")
-        for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "max_staleness"):
+        for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "max_staleness",
+                  "torch_threads"):
             _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
 
 
@@ -204,6 +214,7 @@ class WarmStartConfig:
         kind: ``retool_arithmetic`` | ``search_r1``.
         num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
         lr: learning rate. seed: generator seed.
+        schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
     """
 
     enabled: bool = False
@@ -213,9 +224,12 @@ class WarmStartConfig:
     batch_size: int = 16
     lr: float = 1e-3
     seed: int = 0
+    schedule: str = "cosine"
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.schedule in ("cosine", "constant"), "warm_start.schedule", self.schedule,
+                 "must be 'cosine' or 'constant'")
         _require(self.kind in ("retool_arithmetic", "search_r1"), "warm_start.kind", self.kind,
                  "must be 'retool_arithmetic' or 'search_r1'")
         for k in ("num_examples", "steps", "batch_size"):

@@ -111,7 +111,8 @@ async def open_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: 
     return engine, sync_disk, close
 
 
-def build_traces(kind: str, task: Task, n: int, seed: int, progress: bool = True) -> list:
+def build_traces(kind: str, task: Task, n: int, seed: int, progress: bool = True,
+                 kinds: tuple[str, ...] = ()) -> list:
     """Warm-start traces from the task's real environment, disjoint from the held-out set.
 
     ``retool_arithmetic``: generated problems from their own seed stream (held-out problems
@@ -121,7 +122,8 @@ def build_traces(kind: str, task: Task, n: int, seed: int, progress: bool = True
 
     held = {s.get("problem", s.get("question")) for s in task.eval_samples}
     if kind == "retool_arithmetic":
-        pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed)
+        pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed,
+                                         kinds=kinds or ("mul", "sum_of_products", "mul_minus"))
         samples = [s for s in pool if s["problem"] not in held][:n]
         return retool_traces(samples, task.make_env, progress=progress)
     samples = [s for s in task.train_samples if s["question"] not in held][:n]
@@ -138,10 +140,12 @@ def _warm_start(cfg: ExperimentConfig, task: Task, actor, tok, out: Path) -> dic
         return json.loads((ws_dir / "sft_metrics.json").read_text())
     w = cfg.warm_start
     t0 = time.time()
-    traces = build_traces(w.kind, task, w.num_examples, seed=w.seed, progress=cfg.logging.progress)
+    traces = build_traces(w.kind, task, w.num_examples, seed=w.seed, progress=cfg.logging.progress,
+                          kinds=tuple(cfg.task.arithmetic_kinds))
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
     metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
-                             seed=w.seed, progress=cfg.logging.progress)
+                             seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_config(cfg),
+                             schedule=w.schedule)
     actor.save_pretrained(ws_dir)
     tok.save_pretrained(ws_dir)
     (ws_dir / "sft_metrics.json").write_text(json.dumps(metrics))
@@ -168,6 +172,8 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     (out / "config.yaml").write_text(to_yaml(cfg))
     t_start = time.time()
     algo = cfg.algorithm_config()
+    if cfg.train.torch_threads:
+        torch.set_num_threads(cfg.train.torch_threads)
     seed_everything(cfg.train.seed)
     ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
     state = ckpt.load() if resume else None

@@ -92,7 +92,8 @@ def _math_task(cfg: ExperimentConfig) -> Task:
         from .warmstart import arithmetic_splits
         n_train = t.max_train_samples or 2000
         n_eval = t.max_eval_samples or cfg.eval.num_samples
-        train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed)
+        kinds = tuple(t.arithmetic_kinds) or ("mul", "sum_of_products", "mul_minus")
+        train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed, kinds=kinds)
     sandbox = Sandbox(SandboxConfig(workers=2))
     kwargs = dict(t.env_kwargs)
 

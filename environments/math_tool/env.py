@@ -79,6 +79,10 @@ class MathToolEnv(ToolEnv):
         if overrides:
             from dataclasses import replace
 
+            # nested settings may arrive as plain mappings (YAML configs): build their dataclasses
+            for key, typ in (("reward", MathRewardConfig), ("limits", EnvLimits), ("sandbox", SandboxConfig)):
+                if isinstance(overrides.get(key), Mapping):
+                    overrides[key] = typ(**overrides[key])
             cfg = replace(cfg, **overrides)
         self.config = cfg
         if samples is None and cfg.dataset is not None:

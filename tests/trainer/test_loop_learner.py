@@ -150,7 +150,8 @@ def _batch(tok, n=6):
     g = torch.Generator().manual_seed(0)
     trs = []
     for i in range(n):
-        tr = Trajectory(prompt_ids=tok.encode(f"p{i}", add_special_tokens=False), sample_id=i, group_id=i // 2)
+        tr = Trajectory(prompt_ids=tok.encode(f"p{i}", add_special_tokens=False), sample_id=i,
+                        group_id=i // 2)
         ids = torch.randint(0, 255, (5 + i,), generator=g).tolist()
         tr.append_model_tokens(ids[:3], [-5.0] * 3, 0)
         tr.append_observation_tokens(ids[3:4])

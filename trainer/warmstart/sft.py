@@ -88,14 +88,16 @@ def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Ten
 def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tuple[str, Any]], *,
                    steps: int, batch_size: int, lr: float, seed: int, progress: bool = True,
                    agent_cfg: AgentLoopConfig | None = None, weight_decay: float = 0.0,
-                   warmup_frac: float = 0.05, max_grad_norm: float = 1.0,
+                   warmup_frac: float = 0.05, max_grad_norm: float = 1.0, schedule: str = "cosine",
                    on_step: Callable[[int, float], None] | None = None) -> dict[str, float]:
     """Supervised warm start: AdamW on the action-token next-token loss of ``traces``.
 
     Batches are drawn without replacement from a seeded permutation (reshuffled each epoch).
-    LR schedule: linear warmup over ``warmup_frac * steps`` steps, then cosine decay to
-    ``0.1 * lr``. Gradients are clipped to ``max_grad_norm``. The model is trained in place
-    and left in eval mode.
+    LR schedule (``schedule``): ``"cosine"`` — linear warmup over ``warmup_frac * steps``
+    steps, then cosine decay to ``0.1 * lr``; ``"constant"`` — linear warmup over 20 steps,
+    then constant (so a run of N steps equals the first N steps of any longer run).
+    Gradients are clipped to ``max_grad_norm``. The model is trained in place and left in
+    eval mode.
 
     Args:
         model: causal LM (``transformers``), float32.
@@ -126,6 +128,8 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
         raise ValueError(f"sft_warm_start: batch_size={batch_size!r} must be an int >= 1")
     if not lr > 0:
         raise ValueError(f"sft_warm_start: lr={lr!r} must be > 0")
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"sft_warm_start: schedule={schedule!r} must be 'cosine' or 'constant'")
     rows = [tokenize_trace(tokenizer, t, agent_cfg) for t in traces]
     max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     for i, (x, _) in enumerate(rows):
@@ -135,11 +139,13 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    warm = max(1, int(warmup_frac * steps))
+    warm = max(1, int(warmup_frac * steps)) if schedule == "cosine" else 20
 
     def lr_factor(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
+        if schedule == "constant":
+            return 1.0
         t = (step - warm) / max(1, steps - warm)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
