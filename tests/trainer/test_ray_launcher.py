@@ -64,7 +64,7 @@ def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32
                          SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1),
                          LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
                                     max_staleness=s, concurrency=4, checkpoint_every=2),
-                         env_factory=ray_cluster.EchoEnvFactory(0.02), num_workers=2,
+                         env_factory=ray_cluster.EchoEnvFactory(0.02, dense=True), num_workers=2,
                          on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}),
                          on_checkpoint=on_checkpoint, engine_max_batch_size=8)
 
@@ -84,7 +84,7 @@ def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32
     assert [m["step"] for m in seen] == list(range(1, steps + 1)) and loop.version == steps
     for m in seen:  # per-token staleness of the trained batch, and finite metrics
         assert m["staleness/max"] <= s and all(0 <= h <= s for h in m["staleness/hist"])
-        assert m["rollout/episodes"] == per_step * n
+        assert m["rollout/episodes"] == per_step * n and m["rollout/reward_mean"] > 0
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
     uids = [u for m in seen for u in m["uids"]]
     assert len(uids) == len(set(uids)) == steps * per_step
