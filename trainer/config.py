@@ -215,6 +215,8 @@ class WarmStartConfig:
         num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
         lr: learning rate. seed: generator seed.
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
+        tool_use_fraction: share of ``retool_arithmetic`` traces that use the interpreter; the
+            rest answer from the head (an estimate), so RL has a decision to improve.
     """
 
     enabled: bool = False
@@ -225,11 +227,14 @@ class WarmStartConfig:
     lr: float = 1e-3
     seed: int = 0
     schedule: str = "cosine"
+    tool_use_fraction: float = 1.0
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         _require(self.schedule in ("cosine", "constant"), "warm_start.schedule", self.schedule,
                  "must be 'cosine' or 'constant'")
+        _require(0.0 <= self.tool_use_fraction <= 1.0, "warm_start.tool_use_fraction",
+                 self.tool_use_fraction, "must be in [0, 1]")
         _require(self.kind in ("retool_arithmetic", "search_r1"), "warm_start.kind", self.kind,
                  "must be 'retool_arithmetic' or 'search_r1'")
         for k in ("num_examples", "steps", "batch_size"):

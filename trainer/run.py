@@ -112,20 +112,26 @@ async def open_engine(cfg: ExperimentConfig, model: torch.nn.Module, tokenizer: 
 
 
 def build_traces(kind: str, task: Task, n: int, seed: int, progress: bool = True,
-                 kinds: tuple[str, ...] = ()) -> list:
+                 kinds: tuple[str, ...] = (), tool_use_fraction: float = 1.0) -> list:
     """Warm-start traces from the task's real environment, disjoint from the held-out set.
 
     ``retool_arithmetic``: generated problems from their own seed stream (held-out problems
-    filtered out); ``search_r1``: the first ``n`` training questions.
+    filtered out); a ``tool_use_fraction`` of them solved with one ``<code>`` call whose
+    output is copied into ``\boxed{}``, the rest answered from the head (an estimate), in a
+    seeded order. ``search_r1``: the first ``n`` training questions.
     """
-    from .warmstart import retool_arithmetic_samples, retool_traces, search_r1_traces
+    from .warmstart import direct_answer_traces, retool_arithmetic_samples, retool_traces, search_r1_traces
 
     held = {s.get("problem", s.get("question")) for s in task.eval_samples}
     if kind == "retool_arithmetic":
         pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed,
                                          kinds=kinds or ("mul", "sum_of_products", "mul_minus"))
         samples = [s for s in pool if s["problem"] not in held][:n]
-        return retool_traces(samples, task.make_env, progress=progress)
+        n_tool = round(tool_use_fraction * len(samples))
+        traces = retool_traces(samples[:n_tool], task.make_env, progress=progress)
+        traces += direct_answer_traces(samples[n_tool:], task.make_env, progress=progress)
+        random.Random(seed).shuffle(traces)
+        return traces
     samples = [s for s in task.train_samples if s["question"] not in held][:n]
     return search_r1_traces(samples, task.make_env, progress=progress)
 
@@ -141,7 +147,7 @@ def _warm_start(cfg: ExperimentConfig, task: Task, actor, tok, out: Path) -> dic
     w = cfg.warm_start
     t0 = time.time()
     traces = build_traces(w.kind, task, w.num_examples, seed=w.seed, progress=cfg.logging.progress,
-                          kinds=tuple(cfg.task.arithmetic_kinds))
+                          kinds=tuple(cfg.task.arithmetic_kinds), tool_use_fraction=w.tool_use_fraction)
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
     metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                              seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_config(cfg),

@@ -11,7 +11,7 @@ import pytest
 
 from copc.presets import PRESET_NAMES
 from environments.math_tool.data import load_math
-from environments.math_tool.env import MathToolConfig
+from environments.math_tool.env import MathToolConfig, MathToolEnv
 from environments.search.env import SearchConfig, load_qa
 from trainer.cli import build_parser
 from trainer.cli import main as cli_main
@@ -111,11 +111,14 @@ def test_cpu_tiny_math_is_the_main_job():
     assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 8, "math_tool")
     assert cfg.model.path == "" and cfg.rollout.engine == "embedded"
     assert cfg.warm_start.enabled and cfg.warm_start.kind == "retool_arithmetic"
-    assert (cfg.train.prompts_per_step, cfg.train.total_steps, cfg.train.micro_batch_size) == (8, 30, 8)
+    assert (cfg.train.prompts_per_step, cfg.train.total_steps, cfg.train.micro_batch_size) == (16, 30, 16)
     assert (cfg.rollout.max_new_tokens, cfg.rollout.max_turns) == (64, 3)
-    assert (cfg.train.actor_lr, cfg.train.critic_lr) == (1e-4, 1e-3)
-    # the prompt template is accepted by the real env config and renders the ReTool format
-    env_cfg = MathToolConfig(**cfg.task.env_kwargs)
+    assert 0 < cfg.warm_start.tool_use_fraction < 1 and cfg.task.arithmetic_kinds == ["mul"]
+    assert (cfg.eval.k, cfg.eval.temperature) == (4, 1.0)
+    # the env kwargs are accepted by the real env (nested reward mapping included)
+    env = MathToolEnv(**cfg.task.env_kwargs)
+    assert env.config.reward.mode == "dapo_strict"
+    env_cfg = env.config
     text = env_cfg.prompt_template.format(problem="1234*5678")
     assert text.endswith("Problem: 1234*5678\n")
     assert "\\boxed{}" in text and "<code>```python" in text
@@ -142,7 +145,8 @@ def test_composition_of_the_repo_configs(tmp_path):
     paper = _load("math_tool/copc.yaml", tmp_path)
     assert tiny.checkpoint.every_steps == 10 and paper.checkpoint.every_steps == 20  # scale overrides base
     assert tiny.train.max_staleness == paper.train.max_staleness == 8  # from tasks/math_tool.yaml
-    assert tiny.train.actor_lr == 1e-4 and paper.train.actor_lr == 1e-6  # scale files
+    assert tiny.train.actor_lr == 2e-4 and paper.train.actor_lr == 1e-6  # task file beats scale file
+    assert tiny.train.critic_lr == 1e-3 and tiny.warm_start.batch_size == 16  # from scale/cpu_tiny.yaml
     dapo = _load("math_tool/dapo.yaml", tmp_path)
     assert (dapo.train.prompts_per_step, dapo.rollout.n_samples_per_prompt) == (32, 8)  # preset file wins
     assert dapo.train.actor_lr == 1e-6  # still inherited

@@ -13,6 +13,7 @@ every step (the engine swaps them between decode rounds).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,6 +30,17 @@ from ..rollout.trajectory import Trajectory
 from .prompts import PromptStream
 
 log = logging.getLogger(__name__)
+
+
+def episode_sampling(sampling: SamplingParams, uid: int, k: int) -> SamplingParams:
+    """Sampling params of episode ``k`` of prompt draw ``uid``: seed ``seed + 7919·uid + k``.
+
+    Shared by the local and Ray launchers, so a seeded run samples the same streams whichever
+    launcher plays it. Unseeded params pass through.
+    """
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + 7919 * uid + k)
 
 
 #: ``async f(uid, sample, n) -> trajectories`` — plays the episodes of one prompt group.
@@ -125,8 +137,7 @@ class AsyncTrainingLoop:
             env = self.make_env()
             try:
                 sample = self.prompts.row(uid)
-                sp = self.sampling if self.sampling.seed is None else \
-                    SamplingParams(**{**self.sampling.__dict__, "seed": self.sampling.seed + 7919 * uid + k})
+                sp = episode_sampling(self.sampling, uid, k)
                 tr = await run_episode(self.engine, env, self.tok, sample, sp, self.agent_cfg, group_id=uid)
                 tr.info["uid"] = uid
                 return tr

@@ -46,21 +46,10 @@ from ..engines.base import SamplingParams
 from ..learner.torch_learner import LearnerConfig, TorchLearner
 from ..rollout.agent_loop import AgentLoopConfig, run_episode
 from ..rollout.trajectory import Trajectory
-from .loop import AsyncTrainingLoop, LoopConfig
+from .loop import AsyncTrainingLoop, LoopConfig, episode_sampling
 from .prompts import PromptStream
 
 log = logging.getLogger(__name__)
-
-
-def episode_sampling(sampling: SamplingParams, uid: int, k: int) -> SamplingParams:
-    """Sampling params of episode ``k`` of prompt draw ``uid``: seed ``seed + 7919·uid + k``.
-
-    The same per-episode seed derivation as the local launcher's group runner, so a seeded
-    run samples the same streams whichever launcher plays it. Unseeded params pass through.
-    """
-    if sampling.seed is None:
-        return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + 7919 * uid + k)
 
 
 class RolloutWorker:

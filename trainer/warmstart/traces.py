@@ -81,6 +81,43 @@ def _play(env: Any, sample: Mapping[str, Any], first: str,
     return Trace(prompt, [("action", first), ("observation", obs), ("action", final)])
 
 
+def estimate(answer: str) -> str:
+    """A head-math estimate of an integer answer: rounded to 2 significant digits.
+
+    ``"1888264"`` → ``"1900000"``; used for warm-start traces that answer without the tool.
+    """
+    v = int(answer)
+    if v == 0:
+        return "0"
+    digits = len(str(abs(v)))
+    return str(round(v, -(digits - 2)) if digits > 2 else v)
+
+
+def direct_answer_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], *,
+                         progress: bool = False) -> list[Trace]:
+    """Traces that answer from the head, without the tool: one action ``\boxed{estimate}``.
+
+    Stepped through the real ``MathToolEnv`` like :func:`retool_traces` (the env scores the
+    estimate, usually as wrong). Mixed into the warm-start data they leave the policy using
+    the tool only part of the time, which RL with a correctness reward can then improve.
+
+    Returns:
+        One single-action :class:`Trace` per sample, in order.
+
+    Raises:
+        TraceError: if the env does not end the episode on the answer.
+    """
+    def play(env: Any, sample: Mapping[str, Any]) -> Trace:
+        prompt, _ = env.reset(options={"sample": dict(sample)})
+        action = boxed_action(estimate(str(sample["answer"])))
+        _, _, term, _, _ = env.step(action)
+        if not term:
+            raise TraceError(f"sample {sample.get('id')!r}: a direct answer did not end the episode")
+        return Trace(prompt, [("action", action)])
+
+    return _each(samples, env_factory, progress, "direct-answer traces", play)
+
+
 def _each(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], progress: bool,
           desc: str, play: Callable[[Any, Mapping[str, Any]], Trace]) -> list[Trace]:
     from tqdm.auto import tqdm
