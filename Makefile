@@ -15,7 +15,6 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
 
 bench: setup
 	$(PY) benchmarks/run_all.py
