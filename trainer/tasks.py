@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
-import subprocess
-import sys
-import time
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 import environments
 
@@ -137,12 +132,6 @@ def _search_task(cfg: ExperimentConfig) -> Task:
                 closers=closers, info={"retriever_url": url})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0
                     ) -> tuple[str, Callable[[], None]]:
     """Start a BM25 retriever server on 127.0.0.1 (building the index on first use).
@@ -156,39 +145,13 @@ def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0
         ``(url, stop)``: the base URL and a function that stops the server.
 
     Raises:
-        RuntimeError: if the build fails or the server exits / is not healthy in time
-            (the message includes the server's output).
+        RuntimeError / TimeoutError: if the server exits or is not healthy in time (the
+            message includes the server's output, also kept in ``<index_dir>/../server-*.log``).
     """
-    if not (index_dir / "meta.json").exists():
-        from retriever.index import BuildConfig, build_index
-        log.info("building BM25 index of %s in %s (first use)", corpus, index_dir)
-        index_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_index(BuildConfig(kind="bm25", corpus=str(corpus), out=str(index_dir), show_progress=True))
-    port = _free_port()
-    logf = (index_dir.parent / f"server-{port}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "retriever.cli", "serve", "--index", str(index_dir),
-                             "--port", str(port)], cwd=REPO, stdout=logf, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    from retriever.launch import ensure_bm25_index, start_server
 
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        logf.close()
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            stop()
-            raise RuntimeError(f"retriever server exited ({proc.returncode}): "
-                               f"{Path(logf.name).read_text()[-2000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return url, stop
-        if time.monotonic() > deadline:
-            stop()
-            raise RuntimeError(f"retriever server not healthy after {timeout_s:.0f} s")
-        time.sleep(0.2)
+    log.info("retriever: BM25 index of %s in %s", corpus, index_dir)
+    ensure_bm25_index(corpus, index_dir, show_progress=True)
+    server = start_server(index_dir, timeout_s=timeout_s,
+                          log_path=index_dir.parent / f"server-{os.getpid()}.log")
+    return server.url, server.stop

@@ -28,43 +28,12 @@ def sandbox():
 def retriever_url(tmp_path_factory):
     """A real retriever server (``python -m retriever.cli serve``, BM25 on the shared
     17,939-passage corpus) on 127.0.0.1 at a random free port."""
-    import socket
-    import subprocess
-    import sys
-    import time
     from pathlib import Path
 
-    import httpx
-
-    from retriever.index import BuildConfig, build_index
+    from retriever.launch import ensure_bm25_index, start_server
 
     corpus = Path(__file__).resolve().parents[2].parent / "shared/data/wiki/corpus.jsonl"
-    out = tmp_path_factory.mktemp("env-bm25") / "index"
-    build_index(BuildConfig(kind="bm25", corpus=str(corpus), out=str(out), show_progress=False))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "retriever.cli", "serve", "--index", str(out), "--port", str(port)],
-        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"retriever server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError("retriever server not healthy after 120 s")
-        time.sleep(0.1)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    index = ensure_bm25_index(corpus, tmp_path_factory.mktemp("env-bm25") / "index")
+    server = start_server(index)
+    yield server.url
+    server.stop()

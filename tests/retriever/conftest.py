@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from retriever.launch import free_port, start_server, wait_healthy
 from retriever.quality import load_qa
+
+__all__ = ["free_port", "start_process", "stop_process"]
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("COPC_SHARED", REPO.parent / "shared"))
@@ -26,30 +26,6 @@ HOTPOT = SHARED / "data" / "qa" / "hotpotqa.jsonl"
 # (non yes/no) HotpotQA questions plus every DISTRACTOR_STRIDE-th passage as distractors.
 N_DENSE_QUESTIONS = 40
 DISTRACTOR_STRIDE = 50
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Poll ``url/health`` until it answers 200; fail with the server's output otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{out}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError(f"server at {url} not healthy after {timeout_s} s")
 
 
 def start_process(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
@@ -80,13 +56,11 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 def serve_index(index_dir: Path, *extra: str) -> Iterator[str]:
     """Run ``retriever.cli serve`` on ``index_dir``; yields the base URL."""
-    port = free_port()
-    args = ["-m", "retriever.cli", "serve", "--index", str(index_dir), "--port", str(port)]
-    proc, url = start_process([*args, *extra], port)
+    server = start_server(index_dir, extra_args=extra)
     try:
-        yield url
+        yield server.url
     finally:
-        stop_process(proc)
+        server.stop()
 
 
 @pytest.fixture(scope="session")
