@@ -149,7 +149,8 @@ class TorchLearner:
                 self._actor_update(mini, extra, den, acc)
             if self.critic is not None:
                 self._critic_update(mini, extra, den, acc)
-        self.actor_sched.step()
+        if update_actor:  # the actor's schedule counts actor updates (none during critic warm-up)
+            self.actor_sched.step()
         if self.critic_sched is not None:
             self.critic_sched.step()
         self.steps_done += 1
