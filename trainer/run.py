@@ -163,7 +163,7 @@ async def _evaluate(cfg: ExperimentConfig, engine, task: Task, tok) -> dict:
 
     return await evaluate(engine, task.make_env, tok, task.eval_samples, k=cfg.eval.k,
                           temperature=cfg.eval.temperature, agent_cfg=agent_config(cfg),
-                          max_new_tokens=cfg.rollout.max_new_tokens)
+                          max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed)
 
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:

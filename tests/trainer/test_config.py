@@ -145,7 +145,7 @@ def test_composition_of_the_repo_configs(tmp_path):
     paper = _load("math_tool/copc.yaml", tmp_path)
     assert tiny.checkpoint.every_steps == 10 and paper.checkpoint.every_steps == 20  # scale overrides base
     assert tiny.train.max_staleness == paper.train.max_staleness == 8  # from tasks/math_tool.yaml
-    assert tiny.train.actor_lr == 2e-4 and paper.train.actor_lr == 1e-6  # task file beats scale file
+    assert tiny.train.actor_lr == 1e-4 and paper.train.actor_lr == 1e-6  # scale / task files
     assert tiny.train.critic_lr == 1e-3 and tiny.warm_start.batch_size == 16  # from scale/cpu_tiny.yaml
     dapo = _load("math_tool/dapo.yaml", tmp_path)
     assert (dapo.train.prompts_per_step, dapo.rollout.n_samples_per_prompt) == (32, 8)  # preset file wins
