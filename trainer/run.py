@@ -267,10 +267,12 @@ async def _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step, 
     def on_step(step: int, metrics: dict, uids: list[int]) -> None:
         trained_uids.extend(uids)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
-        hist = metrics.get("staleness/hist")
-        if hist:
-            scalars["staleness/token_mean"] = float(np.mean(hist))
-        logger.log(step, {**scalars, "staleness/hist": hist} if hist else scalars)
+        per_token = metrics.get("staleness/per_token")  # staleness of every trained model token
+        if per_token:
+            scalars["staleness/token_mean"] = float(np.mean(per_token))
+            # logged as counts per staleness level (index = policy versions behind)
+            scalars["staleness/hist"] = np.bincount(np.asarray(per_token, dtype=np.int64)).tolist()
+        logger.log(step, scalars)
         progress.update(step, scalars, time.time() - t0)
 
     def on_checkpoint(step: int, loop_state: dict) -> None:

@@ -98,7 +98,7 @@ def test_staleness_never_exceeds_bound(tiny_small, s, who_is_slow):
     maxes = [m["staleness/max"] for m in seen]
     assert max(maxes) <= s
     for m in seen:  # per token, from the trained batch itself
-        assert all(0 <= h <= s for h in m["staleness/hist"])
+        assert all(0 <= h <= s for h in m["staleness/per_token"])
     if s == 0:
         assert max(maxes) == 0
     elif who_is_slow == "learner":

@@ -261,7 +261,7 @@ class AsyncTrainingLoop:
                "rollout/episodes": float(n)}
         out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
         if vers:
-            out["staleness/hist"] = [self.version - 1 - v for v in vers]  # type: ignore[assignment]
+            out["staleness/per_token"] = [self.version - 1 - v for v in vers]  # type: ignore[assignment]
         return out
 
 
