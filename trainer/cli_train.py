@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.set_defaults(func=train_command)
     else:
         parser.add_argument("--checkpoint", default=None, metavar="DIR",
-                            help="checkpoint directory to evaluate (default: the run's latest; "
-                                 "none: the initial model)")
+                            help="model or checkpoint directory to evaluate (default: the run's "
+                                 "latest checkpoint, else its warm-start / initial model)")
         parser.set_defaults(func=eval_command)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointManager, rng_state, set_rng_state
-from .config import ExperimentConfig, to_yaml
+from .config import ConfigError, ExperimentConfig, to_yaml
 from .engines.base import SamplingParams
 from .learner.torch_learner import LearnerConfig, TorchLearner
 from .metrics_log import MetricsLogger, write_summary
@@ -173,8 +173,22 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     optimizers, schedulers, RNG states, the prompt cursor (admitted-but-untrained prompts are
     re-queued) and the step count; metrics logged after it are dropped and re-done.
     """
+    if cfg.rollout.engine == "sglang":
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
+            raise ConfigError("rollout.engine='sglang' needs a CUDA GPU and the sglang package "
+                              "(pip install -e .[gpu]); use rollout.engine=embedded on CPU")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if resume and (out / "summary.json").exists():
+        done = CheckpointManager(out / "checkpoints").latest()
+        if done is not None and CheckpointManager.step_of(done) >= cfg.train.total_steps:
+            summary = json.loads((out / "summary.json").read_text())
+            log.warning("--resume: the run in %s already finished %d steps; nothing to do",
+                        out, cfg.train.total_steps)
+            print_report(summary)
+            return summary
     (out / "config.yaml").write_text(to_yaml(cfg))
     t_start = time.time()
     algo = cfg.algorithm_config()
@@ -330,19 +344,31 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     None: the run's latest checkpoint, else its initial model (``model.path`` / tiny / warm-start).
     """
     out = Path(cfg.output_dir)
+    latest = CheckpointManager(out / "checkpoints").latest() if (out / "checkpoints").is_dir() else None
+    ws, init = out / "warm_start_model", out / "init_model"
+    if checkpoint:
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise ConfigError(f"--checkpoint={checkpoint!r}: no such directory")
+    elif latest is not None:
+        path = latest
+    elif (ws / "config.json").exists():
+        path = ws
+    elif cfg.model.path or (init / "config.json").exists():
+        path = Path(cfg.model.path) if cfg.model.path else init
+    else:
+        raise ConfigError(f"output_dir={cfg.output_dir!r}: no checkpoint, warm-start or initial model "
+                          "there (train first, or pass --checkpoint / model.path)")
+    print(f"copc eval: evaluating {path}")
     task = build_task(cfg)
     try:
-        latest = CheckpointManager(out / "checkpoints").latest()
-        ws = out / "warm_start_model"
-        default = latest or (ws if (ws / "config.json").exists() else initial_model_dir(cfg, out))
-        path = Path(checkpoint) if checkpoint else default
         if (path / "config.json").exists():
             model, tok = load_model_and_tokenizer(path)
         else:  # a training checkpoint directory
             model, tok = load_model_and_tokenizer(initial_model_dir(cfg, out))
             state = CheckpointManager(path.parent, 1).load(path)
             if state is None:
-                raise FileNotFoundError(f"no model or checkpoint at {path}")
+                raise ConfigError(f"{path}: neither a model directory nor a complete checkpoint")
             model.load_state_dict(state["learner"]["actor"])
         res = asyncio.run(_standalone_eval(cfg, model.eval(), tok, task, out))
         print(json.dumps(res, indent=2))

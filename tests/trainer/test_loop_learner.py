@@ -191,3 +191,11 @@ def test_critic_warmup_freezes_actor(tiny_small):
     m = learner.step(_batch(tok), version=1)
     assert m["actor/updated"] == 1.0
     assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())
+
+
+def test_critic_free_presets_are_not_held_back_by_critic_warmup(tiny_small):
+    actor, tok = load_model_and_tokenizer(tiny_small)
+    learner = TorchLearner(actor, copc.get_preset("dapo"),
+                           LearnerConfig(actor_lr=1e-2, critic_warmup_steps=2))
+    assert learner.critic is None
+    assert learner.step(_batch(tok), version=0)["actor/updated"] == 1.0

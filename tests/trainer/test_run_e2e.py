@@ -97,3 +97,27 @@ def test_resume_after_sigkill_same_steps_no_duplicate_prompts(tmp_path):
     assert len(uids) == len(set(uids)) == 12
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path):
+    cfg = load_config(None, overrides(tmp_path / "r", "copc", steps=2))
+    first = run_experiment(cfg)
+    before = (tmp_path / "r" / "summary.json").read_text()
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text()
+    again = run_experiment(cfg, resume=True)
+    assert again["episodes"] == first["episodes"] and again["steps"] == 2
+    assert (tmp_path / "r" / "summary.json").read_text() == before
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == lines
+
+
+def test_start_up_errors_name_the_key(tmp_path):
+    from trainer.config import ConfigError
+    from trainer.run import run_evaluation
+
+    with pytest.raises(ConfigError, match=r"output_dir=.*no checkpoint, warm-start or initial model"):
+        run_evaluation(load_config(None, overrides(tmp_path / "typo", "copc")))
+    with pytest.raises(ConfigError, match=r"--checkpoint='/nonexistent': no such directory"):
+        run_evaluation(load_config(None, overrides(tmp_path / "x", "copc")), checkpoint="/nonexistent")
+    with pytest.raises(ConfigError, match=r"rollout\.engine='sglang' needs a CUDA GPU"):
+        run_experiment(load_config(None, overrides(tmp_path / "sg", "copc",
+                                                   **{"rollout.engine": "sglang"})))

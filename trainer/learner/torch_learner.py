@@ -136,7 +136,8 @@ class TorchLearner:
         metrics["advantage/mean"] = float(adv[m].mean()) if m.any() else 0.0
         metrics["advantage/returns_mean"] = float(returns[m].mean()) if m.any() else 0.0
         acc: dict[str, list[float]] = defaultdict(list)
-        update_actor = self.steps_done >= self.cfg.critic_warmup_steps
+        # critic warm-up only makes sense with a critic (sao / dapo update the actor from step 1)
+        update_actor = self.critic is None or self.steps_done >= self.cfg.critic_warmup_steps
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.steps_done)
         order = torch.randperm(len(batch), generator=gen)
         for chunk in order.chunk(self.cfg.num_mini_batches):
