@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from environments.sandbox import Sandbox, SandboxConfig
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 
@@ -23,3 +25,22 @@ def tiny_ckpt(tmp_path_factory) -> str:
 def model_tok(tiny_ckpt):
     """A fresh (model, tokenizer) loaded through the ``model.path`` code path."""
     return load_model_and_tokenizer(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """A 2-worker bwrap sandbox pool shared by one test module."""
+    sb = Sandbox(SandboxConfig(workers=2))
+    yield sb
+    sb.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box (sandbox workers,
+    retriever server, other tests) OpenMP spin-waiting makes them ~15x slower. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

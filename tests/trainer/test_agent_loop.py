@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
 import torch
 from scripted import scripted
 
 from environments.math_tool import MathToolEnv
-from environments.sandbox import Sandbox, SandboxConfig
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.logprobs import sequence_logprobs
@@ -30,13 +28,6 @@ ACTIONS = [
 def turn_of(prompt_text: str) -> int:
     """Scripted turn = interpreter replies so far (the prompt itself mentions the tag inline)."""
     return prompt_text.count("\n</interpreter>")
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    sb = Sandbox(SandboxConfig(workers=2))
-    yield sb
-    sb.close()
 
 
 def recomputed(model, tr, temperature):

@@ -12,7 +12,6 @@ from search_server import QA_DIR, retriever_url  # noqa: F401 - pytest fixture
 
 from environments.math_tool import MathToolEnv
 from environments.math_tool.reward import MathRewardConfig
-from environments.sandbox import Sandbox, SandboxConfig
 from environments.search.env import SearchEnv
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.evaluation import eval_sampling_params, evaluate, run_eval_episodes, summarize
@@ -28,21 +27,7 @@ from trainer.warmstart import (
 PROBLEMS = retool_arithmetic_samples(3, seed=11)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box (sandbox workers,
-    retriever server, other tests) OpenMP spin-waiting makes them ~15x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    sb = Sandbox(SandboxConfig(workers=2))
-    yield sb
-    sb.close()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
