@@ -19,15 +19,15 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
+
+from retriever.launch import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "wiki" / "corpus.jsonl"
@@ -72,50 +72,22 @@ def naive_app(index_dir: str):
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(index_dir: Path, naive: bool) -> tuple[subprocess.Popen, str]:
     """Start the batched (``copc retriever serve``) or naive server; wait for /health."""
-    port = _free_port()
+    port = free_port()
     if naive:
         args = [__file__, "--serve-naive", str(index_dir), "--port", str(port)]
     else:
-        args = [
-            "-m",
-            "retriever.cli",
-            "serve",
-            "--index",
-            str(index_dir),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-        ]
+        args = ["-m", "retriever.cli", "serve", "--index", str(index_dir), "--port", str(port),
+                "--device", "cpu"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = Path(tempfile.mkstemp(prefix="bench-retriever-", suffix=".log")[1])
+    with log.open("w") as out:  # a file, not a pipe: an unread pipe could block the server
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("server did not start")
+    wait_healthy(url, proc, 180, output=log)
+    return proc, url
 
 
 async def _post(reader, writer, host: str, body: bytes) -> int:
