@@ -11,10 +11,11 @@ from typing import Any
 import gymnasium
 
 from .base import EnvLimits, RegexTool, TextSpace, Tool, ToolCall, ToolEnv, truncate_observation
+from .errors import InfrastructureError
 from .registry import DEFAULT_REGISTRY, EnvSpec, Registry
 
-__all__ = ["DEFAULT_REGISTRY", "EnvLimits", "EnvSpec", "RegexTool", "Registry", "TextSpace",
-           "Tool", "ToolCall", "ToolEnv", "list", "make", "register", "truncate_observation"]
+__all__ = ["DEFAULT_REGISTRY", "EnvLimits", "EnvSpec", "InfrastructureError", "RegexTool", "Registry",
+           "TextSpace", "Tool", "ToolCall", "ToolEnv", "list", "make", "register", "truncate_observation"]
 
 
 def register(id: str, entry_point: Any, overwrite: bool = False, **defaults: Any) -> EnvSpec:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from environments.errors import InfrastructureError
+
 from ..engines.base import EngineError, InferenceEngine, SamplingParams
 from .trajectory import Trajectory
 
@@ -94,14 +96,22 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         group_id: prompt-group id (GRPO); default ``sample["id"]``.
 
     Returns:
-        The trajectory. It is never dropped silently: an environment exception or engine
-        failure after retries ends the episode with ``finish_reason`` saying so (and reward 0).
+        The trajectory. It is never dropped silently: an infrastructure failure ends the
+        episode with ``finish_reason`` saying so and :attr:`Trajectory.infra_failed` set —
+        ``"infra_error: ..."`` when ``reset``/``step`` raised
+        :class:`~environments.errors.InfrastructureError`, ``"env_error: ..."`` for any other
+        exception of ``step``, ``"engine_error: ..."`` when generation failed after retries.
+        Such an episode has reward 0 but must not be trained on or scored as wrong.
         A turn cut by ``max_total_tokens`` is not passed to the environment (it is incomplete):
         ``finish_reason = "max_total_tokens"``, reward 0.
     """
     cfg = cfg or AgentLoopConfig()
-    prompt_text, _ = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
     sid = sample.get("id")
+    try:
+        prompt_text, _ = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
+    except InfrastructureError as e:  # e.g. a remote env / service that cannot start the episode
+        return Trajectory(prompt_ids=[], sample_id=sid, group_id=sid if group_id is None else group_id,
+                          finish_reason=f"infra_error: {e}")
     traj = Trajectory(prompt_ids=encode_prompt(tokenizer, prompt_text, cfg.use_chat_template),
                       sample_id=sid, group_id=sid if group_id is None else group_id)
     stop = tuple(dict.fromkeys((*sampling.stop, *getattr(env, "stop_strings", ()))))
@@ -125,6 +135,10 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         action = tokenizer.decode(res.token_ids, skip_special_tokens=True)
         try:
             obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, action)
+        except InfrastructureError as e:  # the env's machinery failed, not the policy
+            traj.finish_reason = f"infra_error: {e}"
+            traj.reward = 0.0
+            break
         except Exception as e:  # recorded on the trajectory, never dropped
             traj.finish_reason = f"env_error: {type(e).__name__}: {e}"
             traj.reward = 0.0

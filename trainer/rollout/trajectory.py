@@ -19,6 +19,11 @@ from typing import Any
 #: Version stored for observation tokens (no policy produced them).
 NO_VERSION = -1
 
+#: ``finish_reason`` prefixes of episodes ended by a failure of the infrastructure (sandbox,
+#: retriever, reward checker, environment code, inference engine), not by the policy. Such
+#: episodes are never trained on or scored (see :attr:`Trajectory.infra_failed`).
+INFRA_FAILURE_REASONS = ("infra_error", "env_error", "engine_error")
+
 
 @dataclass
 class Trajectory:
@@ -34,7 +39,9 @@ class Trajectory:
         sample_id: id of the data row; group_id: prompt group (GRPO), defaults to sample_id.
         turns: number of model turns.
         finish_reason: why the episode ended (``"terminated"``, ``"truncated"``,
-            ``"max_total_tokens"``, ``"env_error: ..."``, ``"engine_error: ..."``).
+            ``"max_total_tokens"``, ``"max_turns"``; or an infrastructure failure:
+            ``"infra_error: ..."`` (the env raised ``InfrastructureError``),
+            ``"env_error: ..."`` (any other env exception), ``"engine_error: ..."``).
         info: the environment's last ``info`` and anything else worth logging.
     """
 
@@ -93,6 +100,15 @@ class Trajectory:
         self.loss_mask.extend([mask] * n)
         self.logp_mu.extend(float(x) for x in logprobs)
         self.versions.extend(versions)
+
+    @property
+    def infra_failed(self) -> bool:
+        """True when the episode was ended by an infrastructure failure, not by the policy.
+
+        Such an episode has no meaningful reward: the trainer excludes it from the batch and
+        re-queues its prompt; evaluation excludes it from the metrics and counts it.
+        """
+        return self.finish_reason.split(":")[0] in INFRA_FAILURE_REASONS
 
     @property
     def num_model_tokens(self) -> int:
