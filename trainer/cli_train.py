@@ -21,6 +21,9 @@ from trainer.config import ConfigError, ExperimentConfig, load_config
 
 #: Exit status for a bad configuration (argparse uses the same for bad arguments).
 EXIT_CONFIG_ERROR = 2
+#: Exit status when the run stops on a failure (a rollout task raised, too many
+#: infrastructure failures); the state after the last finished step is checkpointed.
+EXIT_TRAINING_ERROR = 1
 #: Exit status after Ctrl-C (128 + SIGINT), the shell convention.
 EXIT_INTERRUPTED = 130
 
@@ -73,11 +76,13 @@ def train_command(args: argparse.Namespace) -> int:
         args: ``config`` (path), ``overrides`` (list of ``key=value``), ``resume`` (bool).
 
     Returns:
-        0 on success, 2 for a bad config, 130 after Ctrl-C.
+        0 on success, 2 for a bad config, 1 when the run stopped on a failure
+        (:class:`~trainer.orchestration.loop.TrainingError`), 130 after Ctrl-C.
     """
     cfg = _load(args, "train")
     if cfg is None:
         return EXIT_CONFIG_ERROR
+    from trainer.orchestration.loop import TrainingError
     from trainer.run import run_experiment  # heavy (torch, engines): only once the config is valid
 
     try:
@@ -85,6 +90,9 @@ def train_command(args: argparse.Namespace) -> int:
     except ConfigError as e:  # raised by the run for settings only checkable at start-up
         print(f"copc train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except TrainingError as e:  # the traceback of the cause is in the log above
+        print(f"copc train: stopped: {e}", file=sys.stderr)
+        return EXIT_TRAINING_ERROR
     except KeyboardInterrupt:
         print(f"copc train: interrupted; continue with: copc train --config {args.config} "
               f"{' '.join(args.overrides)} --resume".replace("  ", " "), file=sys.stderr)

@@ -178,6 +178,10 @@ class TrainConfig:
         seed: everything random (data order, sampling, init).
         torch_threads: torch intra-op threads (0 = torch's default). On 2 CPU cores, 1 lets the
             rollout engine and the learner each own a core instead of stalling each other.
+        max_infra_failure_fraction: episodes ended by an infrastructure failure (sandbox,
+            retriever, reward checker, engine) are never trained on (their group is dropped and
+            the prompt re-queued); when more than this fraction of a step's episodes fail that
+            way before the step is trained, the run stops with an error (0: at the first one).
     """
 
     total_steps: int = 100
@@ -193,6 +197,7 @@ class TrainConfig:
     max_staleness: int = 8
     seed: int = 0
     torch_threads: int = 0
+    max_infra_failure_fraction: float = 0.5
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
@@ -203,6 +208,8 @@ class TrainConfig:
         for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "max_staleness",
                   "torch_threads"):
             _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
+        _require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
+                 self.max_infra_failure_fraction, "must be in [0, 1]")
 
 
 @dataclass

@@ -93,37 +93,51 @@ async def run_eval_episodes(engine: InferenceEngine, env_factory: Callable[[], A
 def summarize(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:
     """Metrics of ``n * k`` trajectories ordered by sample then copy (see :func:`evaluate`).
 
+    Episodes ended by an infrastructure failure (:attr:`Trajectory.infra_failed`: sandbox,
+    retriever, reward checker or engine failure) are not wrong answers: they are excluded from
+    every metric and counted in ``infra_failed``; a problem whose ``k`` episodes all failed that
+    way is excluded from the per-problem metrics (``n`` counts the problems scored).
+
     Returns:
-        ``accuracy`` = ``avg@k`` (mean over problems of the fraction of their k episodes with
-        reward > 0.5), ``pass@k`` (fraction of problems with at least one), ``mean_reward``,
-        ``em`` (mean exact match from the env's ``reward_components["em"]``; search only),
-        ``n`` (problems), ``episodes``, ``mean_turns`` (model turns per episode),
+        ``accuracy`` = ``avg@k`` (mean over scored problems of the fraction of their scored
+        episodes with reward > 0.5), ``pass@k`` (fraction of scored problems with at least one),
+        ``mean_reward``, ``em`` (mean exact match from the env's ``reward_components["em"]``;
+        search only), ``n`` (problems scored), ``episodes`` (episodes scored),
+        ``infra_failed`` (episodes excluded), ``mean_turns`` (model turns per episode),
         ``tool_call_rate`` (fraction of episodes with >= 1 executed tool call),
         ``mean_tool_calls``, ``mean_response_tokens`` (model tokens per episode), and
-        ``finish/<reason>`` (fraction of episodes; errors grouped by their prefix).
+        ``finish/<reason>`` (fraction of all episodes, failed ones included; errors grouped by
+        their prefix). With no scored episode at all the rates are NaN.
 
     Raises:
         ValueError: if the number of trajectories is not a positive multiple of ``k``.
     """
-    m = len(trajectories)
-    if k < 1 or m == 0 or m % k:
-        raise ValueError(f"summarize: {m} trajectories is not a positive multiple of k={k}")
-    n = m // k
-    correct = [t.reward > CORRECT_THRESHOLD for t in trajectories]
-    per_problem = [sum(correct[i * k:(i + 1) * k]) for i in range(n)]
-    out = {"accuracy": sum(per_problem) / m, f"avg@{k}": sum(per_problem) / m,
-           f"pass@{k}": sum(c > 0 for c in per_problem) / n,
-           "mean_reward": sum(t.reward for t in trajectories) / m,
-           "n": float(n), "episodes": float(m),
-           "mean_turns": sum(t.turns for t in trajectories) / m,
-           "tool_call_rate": sum(t.info.get("tool_calls", 0) > 0 for t in trajectories) / m,
-           "mean_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajectories) / m,
-           "mean_response_tokens": sum(t.num_model_tokens for t in trajectories) / m}
-    ems = [t.info.get("reward_components", {}).get("em") for t in trajectories]
+    m_all = len(trajectories)
+    if k < 1 or m_all == 0 or m_all % k:
+        raise ValueError(f"summarize: {m_all} trajectories is not a positive multiple of k={k}")
+    groups = [[t for t in trajectories[i * k:(i + 1) * k] if not t.infra_failed] for i in range(m_all // k)]
+    groups = [g for g in groups if g]
+    scored = [t for g in groups for t in g]
+    m, n = len(scored), len(groups)
+    nan = float("nan")
+
+    def mean(xs: list[float], d: int) -> float:
+        return sum(xs) / d if d else nan
+
+    correct = [[t.reward > CORRECT_THRESHOLD for t in g] for g in groups]
+    avg = mean([sum(c) / len(c) for c in correct], n)
+    out = {"accuracy": avg, f"avg@{k}": avg, f"pass@{k}": mean([float(any(c)) for c in correct], n),
+           "mean_reward": mean([t.reward for t in scored], m),
+           "n": float(n), "episodes": float(m), "infra_failed": float(m_all - m),
+           "mean_turns": mean([t.turns for t in scored], m),
+           "tool_call_rate": mean([float(t.info.get("tool_calls", 0) > 0) for t in scored], m),
+           "mean_tool_calls": mean([t.info.get("tool_calls", 0) for t in scored], m),
+           "mean_response_tokens": mean([t.num_model_tokens for t in scored], m)}
+    ems = [t.info.get("reward_components", {}).get("em") for t in scored]
     if any(e is not None for e in ems):
-        out["em"] = sum(float(e or 0.0) for e in ems) / m
+        out["em"] = mean([float(e or 0.0) for e in ems], m)
     reasons = Counter(t.finish_reason.split(":")[0] for t in trajectories)
-    out.update({f"finish/{r}": c / m for r, c in sorted(reasons.items())})
+    out.update({f"finish/{r}": c / m_all for r, c in sorted(reasons.items())})
     return out
 
 
@@ -136,7 +150,9 @@ async def evaluate(engine: InferenceEngine, env_factory: Callable[[], Any], toke
 
     Greedy when ``temperature == 0`` (``SamplingParams(temperature=1.0, top_k=1)``; then k > 1
     repeats the same episode). An episode is correct when its reward > 0.5; episodes that end
-    by a budget, an engine or an environment error count as incorrect (never dropped).
+    by a budget count as incorrect; episodes ended by an infrastructure failure (engine,
+    sandbox, retriever, reward checker) are excluded from the metrics and counted in
+    ``infra_failed`` (never scored 0).
 
     Args:
         engine: inference engine holding the policy to evaluate.

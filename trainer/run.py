@@ -224,16 +224,21 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         prompts = PromptStream(task.train_samples, cfg.train.seed)
         start_step = 0
         trained_uids: list[int] = []
+        counters: dict[str, int] = {}
         if state is not None:
             learner.load_state_dict(state["learner"])
             prompts.load_state_dict(state["loop"]["prompts"])
             start_step = int(state["loop"]["step"])
             trained_uids = list(state["trained_uids"])
+            counters = _saved_counters(state["loop"])
             set_rng_state(state["rng"])
             logger.truncate_after(start_step)
+        summary["wall_s_before_resume"] = float(summary.get("wall_s_before_resume", 0.0))
+        summary["_t_start"] = t_start
         asyncio.run(_eval_rl_eval(cfg, algo, learner, copy.deepcopy(actor).eval(), tok, task, prompts,
-                                  start_step, trained_uids, logger, ckpt, summary, out))
-        summary["wall_s"] = time.time() - t_start + float(summary.get("wall_s_before_resume", 0.0))
+                                  start_step, trained_uids, logger, ckpt, summary, out, counters))
+        del summary["_t_start"]
+        summary["wall_s"] = time.time() - t_start + summary["wall_s_before_resume"]
         rows = logger.read()
         if cfg.logging.plots:
             from .plots import make_plots
@@ -246,8 +251,23 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         task.close()
 
 
+def _resumable_summary(summary: dict) -> dict:
+    """What a checkpoint keeps of the summary: evaluation before RL, warm-start metrics and the
+    wall time spent so far (seconds, summed over resumes)."""
+    kept = {k: v for k, v in summary.items() if k in ("eval_before", "warm_start")}
+    kept["wall_s_before_resume"] = summary["wall_s_before_resume"] + time.time() - summary["_t_start"]
+    return kept
+
+
+def _saved_counters(loop_state: dict) -> dict[str, int]:
+    """Cumulative counters of a checkpoint's loop state (older checkpoints: dropped_stale only)."""
+    counters = dict(loop_state.get("counters", {}))
+    counters.setdefault("dropped_stale", int(loop_state.get("dropped_stale", 0)))
+    return counters
+
+
 async def _eval_rl_eval(cfg, algo, learner, engine_model, tok, task, prompts, start_step, trained_uids,
-                        logger, ckpt, summary, out) -> None:
+                        logger, ckpt, summary, out, counters=None) -> None:
     """Evaluation before RL, the RL phase, evaluation after, on one event loop and one engine."""
     engine, sync, close = await open_engine(cfg, engine_model, tok, out, version=start_step)
     try:
@@ -258,7 +278,7 @@ async def _eval_rl_eval(cfg, algo, learner, engine_model, tok, task, prompts, st
             logger.log(start_step, {f"eval/{k}": v for k, v in summary["eval_before"].items()
                                     if isinstance(v, int | float)})
         summary.update(await _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step,
-                                 trained_uids, logger, ckpt, summary))
+                                 trained_uids, logger, ckpt, summary, counters or {}))
         if cfg.eval.enabled:
             summary["eval_after"] = await _evaluate(cfg, engine, task, tok)
             # one metrics line per step: the after-RL evaluation is its own row after the last step
@@ -269,8 +289,8 @@ async def _eval_rl_eval(cfg, algo, learner, engine_model, tok, task, prompts, st
 
 
 async def _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step, trained_uids, logger, ckpt,
-              summary) -> dict:
-    """The asynchronous RL phase; returns RL summary fields."""
+              summary, counters) -> dict:
+    """The asynchronous RL phase; returns RL summary fields (counters cumulative over resumes)."""
     loop_cfg = make_loop_config(cfg, algo)
     r = cfg.rollout
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -292,24 +312,27 @@ async def _rl(cfg, algo, learner, engine, sync, task, tok, prompts, start_step, 
     def on_checkpoint(step: int, loop_state: dict) -> None:
         ckpt.save(step, {"learner": learner.state_dict(), "loop": loop_state, "rng": rng_state(),
                          "trained_uids": list(trained_uids),
-                         "summary": {k: v for k, v in summary.items()
-                                     if k in ("eval_before", "warm_start")}})
+                         "summary": _resumable_summary(summary)})
 
     if cfg.launcher.kind == "ray":  # rollout workers + learner as Ray actors (same loop semantics)
         from .orchestration.ray_launcher import run_ray_rl
         with progress:
             loop = await run_ray_rl(cfg, learner, initial_model_dir(cfg, Path(cfg.output_dir)), task, tok,
                                     prompts, sampling, agent_config(cfg), loop_cfg, start_step=start_step,
-                                    on_step=on_step, on_checkpoint=on_checkpoint)
+                                    on_step=on_step, on_checkpoint=on_checkpoint, counters=counters)
         await sync(learner.actor, loop.version)  # the driver's engine (evaluation) gets the final weights
     else:
         loop = AsyncTrainingLoop(learner, engine, task.make_env, tok, prompts, sampling, agent_config(cfg),
                                  loop_cfg, on_step=on_step, on_checkpoint=on_checkpoint,
-                                 start_step=start_step, sync_weights=sync)
+                                 start_step=start_step, sync_weights=sync, counters=counters)
         with progress:
             await loop.run()
-    return {"rl_wall_s": time.time() - t0, "steps": loop.step, "dropped_stale": loop.dropped_stale,
-            "episodes": loop.episodes_done, "trained_uids": len(trained_uids),
+    c = loop.counters
+    return {"rl_wall_s": time.time() - t0, "steps": loop.step, "dropped_stale": c["dropped_stale"],
+            "episodes": c["episodes"], "episodes_trained": c["episodes_trained"],
+            "tokens_generated": c["tokens_generated"], "tokens_trained": c["tokens_trained"],
+            "infra_failed": c["infra_failed"], "infra_failed_groups": c["infra_failed_groups"],
+            "trained_uids": len(trained_uids),
             "duplicate_trained_uids": len(trained_uids) - len(set(trained_uids))}
 
 
@@ -329,7 +352,8 @@ def print_report(summary: dict) -> None:
             table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
     con.print(table)
     con.print(f"RL steps: {summary.get('steps')}, episodes: {summary.get('episodes')}, dropped as stale: "
-              f"{summary.get('dropped_stale')}, wall time: {summary.get('wall_s', 0):.0f} s; "
+              f"{summary.get('dropped_stale')}, infrastructure failures: {summary.get('infra_failed', 0)}, "
+              f"wall time: {summary.get('wall_s', 0):.0f} s; "
               f"outputs in {summary.get('output_dir')}")
 
 

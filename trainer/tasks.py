@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +68,66 @@ def build_task(cfg: ExperimentConfig) -> Task:
     if t.env not in environments.list():
         raise ConfigError(f"task.env={t.env!r}: not registered; known: {environments.list()}")
     if t.env == "math_tool":
-        return _math_task(cfg)
-    if t.env == "search":
-        return _search_task(cfg)
-    kwargs = dict(t.env_kwargs)
-    return Task(make_env=lambda: environments.make(t.env, **kwargs), train_samples=[], eval_samples=[])
+        task = _math_task(cfg)
+    elif t.env == "search":
+        task = _search_task(cfg)
+    else:
+        kwargs = dict(t.env_kwargs)
+        task = Task(make_env=lambda: environments.make(t.env, **kwargs), train_samples=[], eval_samples=[])
+    try:
+        check_env_settings(task.make_env, t.env, dict(t.env_kwargs))
+    except BaseException:
+        task.close()
+        raise
+    return task
+
+
+_UNEXPECTED_KW = re.compile(r"unexpected keyword argument '([^']+)'")
+_FIELD_VALUE = re.compile(r"\b\w+\.(\w+)=(.+?): (.*)$", re.DOTALL)
+
+
+def _find_key(tree: Any, key: str, value: Any = None, path: str = "") -> str | None:
+    """Dotted path of ``key`` in nested mappings ``tree`` (whose value's repr is ``value``, if given)."""
+    if not isinstance(tree, dict):
+        return None
+    for k, v in tree.items():
+        here = f"{path}.{k}" if path else str(k)
+        if k == key and (value is None or repr(v) == value):
+            return here
+        found = _find_key(v, key, value, here)
+        if found:
+            return found
+    return None
+
+
+def check_env_settings(make_env: Callable[[], Any], env_id: str, env_kwargs: dict[str, Any]) -> None:
+    """Build (and close) one environment so bad ``task.env_kwargs`` fail at load, not in rollouts.
+
+    Environments validate their settings in their constructor (``TypeError`` for an unknown
+    keyword, ``ValueError`` naming ``Config.field=value``); both become a
+    :class:`ConfigError` naming the key under ``task.env_kwargs`` when it can be found in
+    ``env_kwargs`` (e.g. ``task.env_kwargs.reward.mode='math-verify': must be one of ...``).
+
+    Raises:
+        ConfigError: the environment rejected its settings.
+    """
+    try:
+        env = make_env()
+    except TypeError as e:
+        m = _UNEXPECTED_KW.search(str(e))
+        if m is None:
+            raise ConfigError(f"task.env_kwargs: env {env_id!r} rejected its settings: {e}") from e
+        path = _find_key(env_kwargs, m.group(1)) or m.group(1)
+        raise ConfigError(f"task.env_kwargs.{path}: not a setting of env {env_id!r} ({e})") from e
+    except ValueError as e:
+        m = _FIELD_VALUE.search(str(e))
+        path = _find_key(env_kwargs, m.group(1), m.group(2)) if m else None
+        if path is None:
+            raise ConfigError(f"task.env_kwargs: env {env_id!r} rejected its settings: {e}") from e
+        raise ConfigError(f"task.env_kwargs.{path}={m.group(2)}: {m.group(3)}") from e
+    close = getattr(env, "close", None)
+    if close is not None:
+        close()
 
 
 def _math_task(cfg: ExperimentConfig) -> Task:

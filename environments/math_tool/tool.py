@@ -1,14 +1,79 @@
-"""The ReTool Python interpreter tool: ``<code>```python ...```</code>`` → ``<interpreter>``."""
+"""The ReTool Python interpreter tool: ``<code>```python ...```</code>`` → ``<interpreter>``.
+
+A tool call is any ``<code>...</code>`` span (the first one in the action). The Python code
+inside it is read the way Markdown (CommonMark, https://spec.commonmark.org/0.31.2/#fenced-code-blocks)
+reads a fenced code block, plus the slips models commonly make:
+
+* opening fence: a line of 3 or more backticks, or 3 or more tildes (``~~~``, also a
+  CommonMark fence), indented by at most 3 spaces, then optional spaces and an optional info
+  string (``python``, ``Python``, ``PYTHON``, ``py``, ``python3``, ``Py``, ... — any word: the
+  env has one language, and CommonMark never makes the info string part of the code); text
+  before the opening fence inside ``<code>`` is dropped;
+* closing fence: a line of the same character, at least as long as the opening one, with
+  optional trailing spaces; when it is missing the code runs to ``</code>``; a fence glued to
+  the end of the last code line (``print(x)```) is removed too;
+* no fence at all (``<code>print(1)</code>``): the whole block is the code;
+* ``\\r\\n`` / ``\\r`` line endings become ``\\n``; indentation common to all code lines is
+  removed (a fence indented inside a list); leading and trailing blank lines are dropped.
+
+No fence line reaches the sandbox. (Only a Python string literal could hold a line of three
+backticks; inside a block fenced with four or more, a shorter such line stays code, as in
+CommonMark.)
+"""
 
 from __future__ import annotations
 
 import ast
 import re
+import textwrap
 
-from ..base import RegexTool
+from ..base import RegexTool, ToolCall
 from ..sandbox import Sandbox, SandboxResult
 
-CODE_PATTERN = re.compile(r"<code>\s*```(?:python|py)?[ \t]*\n(.*?)```\s*</code>", re.DOTALL)
+#: A tool call: the first ``<code>...</code>`` span; group 1 is the raw block (fences included).
+CODE_PATTERN = re.compile(r"<code>(.*?)</code>", re.DOTALL)
+_OPEN_FENCE = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*?)[ \t]*$")
+
+
+def _is_closing_fence(line: str, char: str, length: int) -> bool:
+    s = line.strip(" \t")
+    return (len(line) - len(line.lstrip(" ")) <= 3 and len(s) >= length
+            and s == char * len(s))
+
+
+def extract_code(block: str) -> str:
+    """The Python code in the body of a ``<code>`` block (the text between the tags).
+
+    Rules (CommonMark fenced code blocks plus common model slips) are in the module
+    docstring. Returns the code with ``\\n`` line endings, no fence lines, no leading or
+    trailing blank lines and no trailing newline; ``""`` for an empty block. Never raises.
+    """
+    text = block.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
+    body = lines
+    for i, line in enumerate(lines):
+        m = _OPEN_FENCE.match(line)
+        if m is None or (m.group("fence")[0] == "`" and "`" in m.group("info")):
+            continue
+        char, length = m.group("fence")[0], len(m.group("fence"))
+        body = lines[i + 1:]
+        for j, inner in enumerate(body):
+            if _is_closing_fence(inner, char, length):
+                body = body[:j]
+                break
+        else:  # no closing fence line: drop a fence glued to the end of the last code line
+            while body and not body[-1].strip():
+                body = body[:-1]
+            if body:
+                body[-1] = re.sub(re.escape(char) + f"{{{length},}}[ \t]*$", "", body[-1])
+        break
+    else:
+        # a one-line inline span ``<code>`print(1)`</code>`` / ```print(1)```: strip the ticks
+        stripped = text.strip()
+        if "\n" not in stripped and stripped.startswith("`") and stripped.endswith("`"):
+            body = [stripped.strip("`")]
+    code = textwrap.dedent("\n".join(body))
+    return code.strip("\n").rstrip()
 
 
 def print_last_expression(code: str) -> str:
@@ -36,7 +101,10 @@ def print_last_expression(code: str) -> str:
 
 
 class PythonTool(RegexTool):
-    """Runs a fenced Python block in the sandbox and renders ``<interpreter>...</interpreter>``.
+    """Runs the Python code of a ``<code>`` block in the sandbox, renders ``<interpreter>``.
+
+    The code is read from the block by :func:`extract_code` (fenced or bare; see the module
+    docstring).
 
     Args:
         sandbox: a started :class:`~environments.sandbox.Sandbox` (shared between envs).
@@ -48,6 +116,13 @@ class PythonTool(RegexTool):
 
     def __init__(self, sandbox: Sandbox, timeout_s: float = 10.0, memory_mb: int = 1024) -> None:
         self.sandbox, self.timeout_s, self.memory_mb = sandbox, timeout_s, memory_mb
+
+    def find(self, text: str) -> ToolCall | None:
+        """The first ``<code>...</code>`` span of ``text``; the payload is its code."""
+        m = self.pattern.search(text)
+        if m is None:
+            return None
+        return ToolCall(self.name, extract_code(m.group(1)), m.start(), m.end())
 
     def run(self, payload: str) -> SandboxResult:
         """Execute ``payload`` (last bare expression printed) in the sandbox."""

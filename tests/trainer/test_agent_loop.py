@@ -212,3 +212,32 @@ def test_many_episodes_run_concurrently(model_tok, sandbox):
     assert all(t.reward == 1.0 and t.turns == 3 for t in trs)
     batch = to_batch(trs, tok.pad_token_id)
     assert batch.group_ids.tolist() == [i for i in range(6) for _ in range(2)]
+
+
+def test_long_tool_output_cut_keeps_reply_well_formed(model_tok, sandbox):
+    """A ~500-character interpreter reply with max_observation_tokens=64: the observation is
+    exactly 64 tokens with ``<interpreter>``, a visible marker and ``</interpreter>``, so the
+    episode goes on (the scripted model sees the closing tag and answers)."""
+    model, tok = model_tok
+    actions = ["<code>\n```python\nprint('\\n'.join(f'line {i:03d}' for i in range(54)))\n```\n</code>",
+               "So the answer is \\boxed{83810205}."]
+    reply = "\n<interpreter>\n" + "\n".join(f"line {i:03d}" for i in range(54)) + "\n</interpreter>\n"
+
+    async def main(cfg):
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, actions, turn_of))
+        tr = await run_episode(eng, MathToolEnv(sandbox=sandbox), tok, SAMPLE,
+                               SamplingParams(max_new_tokens=200), cfg)
+        await eng.close()
+        return tr
+
+    tr = asyncio.run(main(AgentLoopConfig(max_observation_tokens=64)))
+    assert tr.finish_reason == "terminated" and tr.reward == 1.0 and tr.turns == 2
+    obs = [t for t, m in zip(tr.response_ids, tr.loss_mask, strict=True) if not m]
+    text = tok.decode(obs)
+    assert len(reply) == 516 and len(obs) == 64  # byte tokenizer: 516 tokens cut to 64
+    # head (the first 19 bytes) + marker (30) + closing tag (15); 516 - 19 - 15 bytes left out
+    head = reply[:19]
+    assert head == "\n<interpreter>\nline"
+    assert text == head + "\n...[truncated 482 tokens]...\n" + "</interpreter>\n"
+    full = asyncio.run(main(AgentLoopConfig(max_observation_tokens=516)))  # fits: unchanged
+    assert tok.decode([t for t, m in zip(full.response_ids, full.loss_mask, strict=True) if not m]) == reply

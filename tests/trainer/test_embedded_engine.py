@@ -11,7 +11,7 @@ from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from trainer.logprobs import sequence_logprobs, token_logprobs
 from trainer.models.loading import load_model_and_tokenizer
-from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, save_tiny_checkpoint
+from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model, save_tiny_checkpoint
 
 
 def recompute(model, prompt, new, temperature):
@@ -190,3 +190,119 @@ def test_token_logprobs_definition():
     expected = 1.0 - torch.logsumexp(torch.tensor([1.0, 0.0, -0.5]), 0)
     assert lp.item() == pytest.approx(expected.item(), abs=1e-7)
     assert len(build_byte_tokenizer()) == 258
+
+
+# -- stop strings spelled with any tokens (issue 9, fault 7) ------------------------------------
+@pytest.fixture(scope="module")
+def bpe_model_tok():
+    """A tiny Qwen2 over the in-test BPE tokenizer (``</code>`` canonically ``</ code >``)."""
+    from bpe_tokenizer import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    return build_tiny_model(TinyModelConfig(seed=0), len(tok), tok.eos_token_id, tok.pad_token_id), tok
+
+
+def run_scripts(model, tok, requests):
+    """Generate ``[(prompt_ids, script_ids, params)]`` in one batch, each row forced to its script."""
+    scripts = {tuple(p): s for p, s, _ in requests}
+
+    def proc(prompt, new, logits):
+        script = scripts[tuple(prompt)]
+        out = torch.full_like(logits, -1e9)
+        out[script[len(new)] if len(new) < len(script) else tok.eos_token_id] = 0
+        return out
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, EmbeddedEngineConfig(max_batch_size=8, batch_wait_s=0.05),
+                             logits_processor=proc)
+        res = await asyncio.gather(*(eng.generate(p, sp) for p, _, sp in requests))
+        await eng.close()
+        return res
+
+    return asyncio.run(main())
+
+
+def test_stop_string_found_whatever_tokens_spell_it(bpe_model_tok):
+    """Char-by-char, canonical and mid-token spellings of ``</code>`` all stop at the completing
+    token (kept), in one batch, next to a row without stop strings."""
+    from bpe_tokenizer import token_of
+
+    model, tok = bpe_model_tok
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    assert [tok.decode([t]) for t in enc("</code>")] == ["</", "code", ">"]  # canonical: 3 tokens
+    chars = [token_of(tok, c) for c in "</code>"]  # 7 one-character tokens
+    head, after = enc("x = 1\nprint(x)\n```\n"), enc("\nThe answer")
+    sp = SamplingParams(stop=("</code>",), max_new_tokens=60)
+    by_char = head + chars + after
+    canonical = head + enc("</code>") + after
+    mid = [*head, token_of(tok, "</"), token_of(tok, "code"), token_of(tok, ">\n"), *after]
+    no_stop = head + chars + after
+    prompts = [enc(f"Q{i}:") for i in range(4)]
+    res = run_scripts(model, tok, [(prompts[0], by_char, sp), (prompts[1], canonical, sp),
+                                   (prompts[2], mid, sp),
+                                   (prompts[3], no_stop, SamplingParams(max_new_tokens=60))])
+    text = tok.decode(head) + "</code>"
+    assert res[0].finish_reason == "stop" and res[0].token_ids == head + chars and res[0].text == text
+    assert res[1].finish_reason == "stop" and res[1].token_ids == head + enc("</code>")
+    assert res[1].text == text
+    # ">\n" completes "</code>" in the middle of its text: stop right there, the token is kept
+    assert res[2].finish_reason == "stop" and res[2].token_ids == mid[: len(head) + 3]
+    assert res[2].text == text + "\n"
+    assert res[3].finish_reason == "eos" and res[3].token_ids == [*no_stop, tok.eos_token_id]
+    # log-probs of the stopped rows still match the learner's recomputation
+    lp = recompute(model, prompts[0], res[0].token_ids, 1.0)
+    assert (lp - torch.tensor(res[0].logprobs)).abs().max().item() < 1e-5
+
+
+def test_stop_string_in_prompt_or_across_prompt_boundary_does_not_stop(bpe_model_tok):
+    """Only generated text is matched: ``</co`` in the prompt + generated ``de>`` is no stop, nor
+    is a ``</code>`` that lies wholly in the prompt; a later generated ``</code>`` still stops."""
+    model, tok = bpe_model_tok
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    sp = SamplingParams(stop=("</code>",), max_new_tokens=60)
+    split_prompt = enc("print(x)\n```\n</co")
+    whole_prompt = enc("A: <code>\nx\n</code>")
+    rest, later = enc("de>\nmore text"), enc("ok\n</code>\nignored")
+    res = run_scripts(model, tok, [(split_prompt, rest, sp), (whole_prompt, later, sp)])
+    assert res[0].finish_reason == "eos" and res[0].token_ids == [*rest, tok.eos_token_id]
+    k = min(k for k in range(len(later) + 1) if "</code>" in tok.decode(later[:k]))
+    assert [tok.decode([t]) for t in later[k - 3:k]] == ["</", "code", ">\n"]  # completes mid-token
+    assert res[1].finish_reason == "stop" and res[1].token_ids == later[:k]
+    assert res[1].text == "ok\n</code>\n"
+
+
+def test_stop_string_with_multibyte_characters_split_over_byte_tokens(bpe_model_tok):
+    """``€`` is 3 byte tokens that decode to U+FFFD until the last: the stop is at the 3rd byte."""
+    model, tok = bpe_model_tok
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    euro = enc("€")
+    assert len(euro) == 3 and tok.decode(euro[:2]) == "\ufffd"
+    script = enc("cost: 5 ") + euro + enc(" and 6 €")
+    res = run_scripts(model, tok, [(enc("Q"), script, SamplingParams(stop=("5 €",), max_new_tokens=60))])
+    assert res[0].finish_reason == "stop" and res[0].text == "cost: 5 €"
+    assert res[0].token_ids == script[: len(enc("cost: 5 ")) + 3]
+
+
+def test_stop_matcher_cost_per_token_is_bounded(bpe_model_tok):
+    """Per token the matcher decodes a few tokens, however long the generation (no O(length))."""
+    from trainer.engines.embedded import STOP_CONTEXT_TOKENS, StopStringMatcher
+
+    _, tok = bpe_model_tok
+    decoded_lens = []
+
+    class Spy:
+        def decode(self, ids, **kw):
+            decoded_lens.append(len(ids))
+            return tok.decode(ids, **kw)
+
+    text = "x = 1\nprint(x)\n" * 300 + "wörld € </co" + "de>"
+    ids = tok.encode(text, add_special_tokens=False)
+    m = StopStringMatcher(Spy(), ("</code>", "€ </"), tok.encode("prompt", add_special_tokens=False))
+    hits = [(i, m.push(t)) for i, t in enumerate(ids)]
+    found = [(i, s) for i, s in hits if s is not None]
+    # "€ </" completes first (at the "</" token); each push is decoded over a handful of ids
+    assert found[0] == (ids.index(tok.encode("</", add_special_tokens=False)[0], len(ids) - 10), "€ </")
+    assert len(ids) > 2000 and max(decoded_lens) <= STOP_CONTEXT_TOKENS + 1
+    assert len(decoded_lens) == 2 * len(ids)
+    with pytest.raises(ValueError, match="stop"):
+        StopStringMatcher(tok, ())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections import Counter
 
@@ -17,6 +18,7 @@ from trainer.engines.embedded import EmbeddedEngine
 from trainer.evaluation import eval_sampling_params, evaluate, run_eval_episodes, summarize
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model
 from trainer.rollout.agent_loop import AgentLoopConfig
+from trainer.rollout.trajectory import Trajectory
 from trainer.warmstart import (
     SHORT_MATH_PROMPT,
     SHORT_SEARCH_PROMPT,
@@ -191,3 +193,23 @@ def test_search_exact_match_with_real_retriever(model, tok, retriever_url):  # n
     assert right["mean_turns"] == 2.0 and right["n"] == 4
     wrong = make(lambda ctx: "<answer>qwertyuiop</answer>")
     assert wrong["em"] == 0.0 and wrong["accuracy"] == 0.0 and wrong["tool_call_rate"] == 1.0
+
+
+def _traj(reward: float, reason: str = "terminated") -> Trajectory:
+    tr = Trajectory(prompt_ids=[1], finish_reason=reason, reward=reward)
+    tr.append_model_tokens([2, 3], [-0.1, -0.2], 0)
+    return tr
+
+
+def test_infra_failures_are_excluded_not_scored_zero():
+    """An episode ended by a sandbox/retriever/engine failure is not a wrong answer."""
+    trajs = [_traj(1.0), _traj(0.0, "infra_error: sandbox died"),          # problem 0: 1/1 scored
+             _traj(0.0), _traj(1.0),                                       # problem 1: 1/2
+             _traj(0.0, "engine_error: boom"), _traj(0.0, "env_error: KeyError: 'x'")]  # problem 2: none
+    m = summarize(trajs, k=2)
+    assert m["n"] == 2.0 and m["episodes"] == 3.0 and m["infra_failed"] == 3.0
+    assert m["accuracy"] == m["avg@2"] == pytest.approx((1.0 + 0.5) / 2)
+    assert m["pass@2"] == 1.0 and m["mean_reward"] == pytest.approx(2 / 3)
+    assert m["finish/infra_error"] == pytest.approx(1 / 6) and m["finish/terminated"] == pytest.approx(3 / 6)
+    every = summarize([_traj(0.0, "infra_error: retriever down")] * 2, k=2)
+    assert every["n"] == 0.0 and every["infra_failed"] == 2.0 and math.isnan(every["accuracy"])

@@ -121,3 +121,63 @@ def test_start_up_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout\.engine='sglang' needs a CUDA GPU"):
         run_experiment(load_config(None, overrides(tmp_path / "sg", "copc",
                                                    **{"rollout.engine": "sglang"})))
+
+
+def test_resume_continues_every_cumulative_counter(tmp_path):
+    """Issue 9 fault 10: a checkpoint that recorded 3 stale drops must not restart them at 0."""
+    out = tmp_path / "c"
+    first = run_experiment(load_config(None, overrides(out, "copc", steps=2)))
+    ckpts = CheckpointManager(out / "checkpoints", keep_last=2)
+    state = ckpts.load()
+    counters = state["loop"]["counters"]
+    assert counters["episodes_trained"] == 4 and counters["episodes"] == first["episodes"] >= 4
+    counters.update(dropped_stale=3, infra_failed=2, infra_failed_groups=1)  # as if they had happened
+    state["loop"]["counters"] = counters
+    ckpts.save(2, state)
+    wall_before = state["summary"]["wall_s_before_resume"]
+    assert wall_before > 0
+    resumed = run_experiment(load_config(None, overrides(out, "copc", steps=4)), resume=True)
+    assert resumed["steps"] == 4 and resumed["episodes_trained"] == 8
+    assert resumed["dropped_stale"] >= 3 and resumed["infra_failed"] == 2
+    assert resumed["episodes"] >= counters["episodes"] + 4
+    assert resumed["tokens_trained"] > counters["tokens_trained"]
+    assert resumed["wall_s"] > wall_before
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert steps[3]["rollout/dropped_stale"] >= 3 and steps[3]["rollout/infra_failed"] == 2
+    assert steps[3]["rollout/episodes_trained_total"] == 6 and steps[4]["rollout/episodes_trained_total"] == 8
+    totals = [steps[s]["rollout/episodes_total"] for s in (1, 2, 3, 4)]
+    assert totals == sorted(totals)  # never restarts
+    assert steps[4]["rollout/dropped_stale"] == resumed["dropped_stale"]
+
+
+def test_bad_env_setting_is_rejected_at_load_naming_the_key(tmp_path):
+    """Issue 9 fault 1: a typo in task.env_kwargs used to kill every rollout task and hang."""
+    from trainer.config import ConfigError
+
+    for extra, needle in [({"task.env_kwargs": "{reward: {mode: math-verify}}"},
+                           "task.env_kwargs.reward.mode='math-verify': must be one of"),
+                          ({"task.env_kwargs": "{max_turn: 3}"},
+                           "task.env_kwargs.max_turn: not a setting of env 'math_tool'"),
+                          ({"task.env_kwargs": "{limits: {max_turns: 0}}"},
+                           "task.env_kwargs.limits.max_turns=0: must be an int >= 1")]:
+        cfg = load_config(None, overrides(tmp_path / "bad", "copc", **extra))
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as ei:
+            run_experiment(cfg)
+        assert needle in str(ei.value) and time.monotonic() - t0 < 60
+
+
+def test_cli_bad_env_setting_exits_2_with_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config",
+                          "configs/math_tool/cpu_tiny.yaml", "warm_start.enabled=false", "eval.enabled=false",
+                          f"output_dir={tmp_path / 'o'}",
+                          "task.env_kwargs.reward.mode=math-verify"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1] == ("copc train: config error: task.env_kwargs.reward.mode='math-verify': "
+                         "must be one of ('math_verify', 'dapo_strict')")
+    assert "Traceback" not in res.stderr

@@ -24,7 +24,8 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 or -1 disables.
         max_new_tokens: most tokens to generate (tokens), >= 1.
-        stop: stop strings; generation ends after the token that completes one (it is kept).
+        stop: stop strings; generation ends after the token that completes one (it is kept),
+            matched on the decoded text of the generated tokens, whatever tokens spell it.
         seed: per-request RNG seed (None: engine RNG).
         ignore_eos: keep generating after EOS (benchmarks).
 

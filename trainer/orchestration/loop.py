@@ -8,6 +8,22 @@ again: a group whose oldest token is more than ``s`` versions old is dropped,
 counted in ``rollout/dropped_stale`` and its prompt re-queued, never silently lost.
 ``s = 0`` is synchronous on-policy training. Weights are synced to the engine after
 every step (the engine swaps them between decode rounds).
+
+Failures never hang the run and never become rewards:
+
+* an episode ended by an infrastructure failure (:attr:`Trajectory.infra_failed`: the
+  sandbox, retriever, reward checker or engine failed, not the policy) is not trained on:
+  its whole group is dropped, counted in ``rollout/infra_failed`` and its prompt re-queued;
+  when more than ``max_infra_failure_fraction`` of a step's episodes fail that way before
+  the step is trained, the run stops with :class:`TrainingError`;
+* any exception escaping a rollout task (a bug, a dead Ray worker) stops the run promptly
+  with :class:`TrainingError` naming the prompt and the cause; the learner is idle at that
+  point, so the state after the last finished step is checkpointed first (no step is lost);
+* an exception of the learner step, the weight sync or a hook propagates as is (the last
+  checkpoint on disk is the last good state).
+
+Cumulative counters (:data:`COUNTERS`) are part of :meth:`AsyncTrainingLoop.loop_state`
+and continue across a resume.
 """
 
 from __future__ import annotations
@@ -43,6 +59,29 @@ def episode_sampling(sampling: SamplingParams, uid: int, k: int) -> SamplingPara
     return dataclasses.replace(sampling, seed=sampling.seed + 7919 * uid + k)
 
 
+#: Cumulative counters of a run (continued across resumes through :meth:`AsyncTrainingLoop.loop_state`):
+#: ``episodes`` (episodes finished, whatever became of them), ``episodes_trained``,
+#: ``tokens_generated`` / ``tokens_trained`` (model tokens, i.e. loss-mask-1 tokens),
+#: ``dropped_stale`` (groups dropped as too stale), ``infra_failed`` (episodes ended by an
+#: infrastructure failure), ``infra_failed_groups`` (groups dropped for one).
+COUNTERS = ("episodes", "episodes_trained", "tokens_generated", "tokens_trained", "dropped_stale",
+            "infra_failed", "infra_failed_groups")
+#: Metric name of each counter in ``metrics.jsonl`` (logged every step, cumulative).
+COUNTER_METRICS = {"episodes": "rollout/episodes_total", "episodes_trained": "rollout/episodes_trained_total",
+                   "tokens_generated": "rollout/tokens_generated_total",
+                   "tokens_trained": "rollout/tokens_trained_total", "dropped_stale": "rollout/dropped_stale",
+                   "infra_failed": "rollout/infra_failed",
+                   "infra_failed_groups": "rollout/infra_failed_groups"}
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (a rollout task raised, or too many infrastructure failures).
+
+    The message says what failed and where the last checkpoint is; ``__cause__`` is the
+    original exception when there is one.
+    """
+
+
 #: ``async f(uid, sample, n) -> trajectories`` — plays the episodes of one prompt group.
 GroupRunner = Callable[[int, Mapping[str, Any], int], Awaitable[list[Trajectory]]]
 
@@ -58,6 +97,9 @@ class LoopConfig:
         max_staleness: ``s`` (0 = synchronous).
         concurrency: episodes in flight at once.
         checkpoint_every: steps between checkpoints.
+        max_infra_failure_fraction: stop the run when more than this fraction of a step's
+            episodes (``prompts_per_step × n_samples_per_prompt``) ended by an infrastructure
+            failure since the previous step (0: stop at the first one).
     """
 
     total_steps: int
@@ -66,6 +108,13 @@ class LoopConfig:
     max_staleness: int
     concurrency: int
     checkpoint_every: int = 10
+    max_infra_failure_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Validate the failure threshold."""
+        if not 0.0 <= self.max_infra_failure_fraction <= 1.0:
+            raise ValueError("LoopConfig.max_infra_failure_fraction="
+                             f"{self.max_infra_failure_fraction!r}: must be in [0, 1]")
 
 
 @dataclass
@@ -96,6 +145,11 @@ class AsyncTrainingLoop:
             passes one that calls remote rollout workers.
         learner_step: ``async f(batch, version) -> metrics`` (default: ``learner.step`` in a
             worker thread, so rollouts keep running while the learner trains).
+        counters: cumulative counters saved in a checkpoint's ``loop_state()["counters"]``
+            (resume); missing ones start at 0.
+
+    Raises (from :meth:`run`):
+        TrainingError: a rollout task raised, or too many infrastructure failures.
 
     Both launchers share this class, so they have the same admission, staleness and
     consumption semantics.
@@ -108,7 +162,8 @@ class AsyncTrainingLoop:
                  on_checkpoint: Callable[[int, dict], None] | None = None, start_step: int = 0,
                  sync_weights: Callable[[Any, int], Awaitable[None]] | None = None,
                  run_group: GroupRunner | None = None,
-                 learner_step: Callable[[Any, int], Awaitable[dict]] | None = None) -> None:
+                 learner_step: Callable[[Any, int], Awaitable[dict]] | None = None,
+                 counters: Mapping[str, int] | None = None) -> None:
         self.learner, self.engine, self.make_env, self.tok = learner, engine, make_env, tokenizer
         self.prompts, self.sampling, self.agent_cfg, self.cfg = prompts, sampling, agent_cfg, cfg
         self.on_step, self.on_checkpoint = on_step, on_checkpoint
@@ -119,11 +174,28 @@ class AsyncTrainingLoop:
         self.version = start_step  # policy version = number of updates done
         self.in_flight: set[int] = set()  # admitted, not yet trained (running or ready)
         self.ready: list[_Group] = []
-        self.dropped_stale = 0
-        self.episodes_done = 0
+        unknown = set(counters or {}) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"counters: unknown key(s) {sorted(unknown)}; known: {COUNTERS}")
+        self.counters: dict[str, int] = {k: int((counters or {}).get(k, 0)) for k in COUNTERS}
+        self._infra_since_step = 0  # infrastructure-failed episodes since the last step
+        self._dropped_since_step: list[Trajectory] = []
+        self._failure: TrainingError | None = None
+        self._start_step = start_step
+        self.last_checkpoint_step: int | None = None
         self._cond = asyncio.Condition()
         self._sem = asyncio.Semaphore(cfg.concurrency)
         self._stop = False
+
+    @property
+    def dropped_stale(self) -> int:
+        """Groups dropped as too stale so far (cumulative over resumes)."""
+        return self.counters["dropped_stale"]
+
+    @property
+    def episodes_done(self) -> int:
+        """Episodes finished so far (cumulative over resumes)."""
+        return self.counters["episodes"]
 
     async def _sync_state_dict(self, actor: Any, version: int) -> None:
         await self.engine.update_weights(actor.state_dict(), version)
@@ -152,32 +224,84 @@ class AsyncTrainingLoop:
     async def _local_step(self, batch: Any, version: int) -> dict:
         return await asyncio.to_thread(self.learner.step, batch, version)
 
+    async def _fail(self, err: TrainingError) -> None:
+        """Record the first fatal error and wake the learner side (which raises it)."""
+        async with self._cond:
+            if self._failure is None:
+                self._failure = err
+            self._stop = True
+            self._cond.notify_all()
+
     async def _run_group(self, uid: int) -> None:
-        trajs = await self.run_group(uid, self.prompts.row(uid), self.cfg.n_samples_per_prompt)
+        try:
+            trajs = await self.run_group(uid, self.prompts.row(uid), self.cfg.n_samples_per_prompt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never an unretrieved task exception: the run stops with it
+            log.error("rollout of prompt draw %d failed", uid, exc_info=e)
+            err = TrainingError(f"rollout of prompt draw {uid} failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            await self._fail(err)
+            return
         for t in trajs:
             t.info["uid"] = uid
+        failed = [t for t in trajs if t.infra_failed]
         async with self._cond:
-            self.ready.append(_Group(uid, list(trajs)))
-            self.episodes_done += len(trajs)
+            self.counters["episodes"] += len(trajs)
+            self.counters["tokens_generated"] += sum(t.num_model_tokens for t in trajs)
+            if not failed:
+                self.ready.append(_Group(uid, list(trajs)))
+                self._cond.notify_all()
+                return
+            # an infrastructure failure is not a wrong answer: the group is not trained on
+            self.counters["infra_failed"] += len(failed)
+            self.counters["infra_failed_groups"] += 1
+            self._infra_since_step += len(failed)
+            self.in_flight.discard(uid)
+            self.prompts.requeue([uid])
             self._cond.notify_all()
+            per_step = self.cfg.prompts_per_step * self.cfg.n_samples_per_prompt
+            limit = self.cfg.max_infra_failure_fraction * per_step
+            since = self._infra_since_step
+            over = since > limit
+        log.warning("prompt draw %d: %d/%d episode(s) ended by an infrastructure failure (%s); "
+                    "group not trained, prompt re-queued", uid, len(failed), len(trajs),
+                    failed[0].finish_reason)
+        if over:
+            await self._fail(TrainingError(
+                f"{since} episodes ended by an infrastructure failure since step "
+                f"{self.step} (more than train.max_infra_failure_fraction="
+                f"{self.cfg.max_infra_failure_fraction} of the {per_step} episodes of a step); "
+                f"last: {failed[-1].finish_reason}"))
 
     async def _producer(self) -> None:
         tasks: set[asyncio.Task] = set()
         try:
-            while not self._stop:
-                async with self._cond:
-                    await self._cond.wait_for(lambda: self._stop or self._may_admit())
-                    if self._stop:
-                        break
-                    uid = self.prompts.next()
-                    self.in_flight.add(uid)
-                t = asyncio.create_task(self._run_group(uid))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
+            await self._admit(tasks)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.error("rollout producer failed", exc_info=e)
+            err = TrainingError(f"rollout producer failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            await self._fail(err)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _admit(self, tasks: set[asyncio.Task]) -> None:
+        """Admit prompt groups while the staleness bound allows and start their rollouts."""
+        while not self._stop:
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._stop or self._may_admit())
+                if self._stop:
+                    break
+                uid = self.prompts.next()
+                self.in_flight.add(uid)
+            t = asyncio.create_task(self._run_group(uid))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
 
     # -- learner -------------------------------------------------------------------------------
     def _stale(self, g: _Group) -> bool:
@@ -185,14 +309,23 @@ class AsyncTrainingLoop:
         return bool(vs) and self.version - min(vs) > self.cfg.max_staleness
 
     async def _take_batch(self) -> list[_Group]:
+        """The next ``prompts_per_step`` fresh groups (stale ones dropped and re-queued).
+
+        Raises:
+            TrainingError: a rollout task failed (see :meth:`_fail`).
+        """
         need = self.cfg.prompts_per_step
         async with self._cond:
             while True:
-                await self._cond.wait_for(lambda: len(self.ready) >= need)
+                await self._cond.wait_for(lambda: self._failure is not None or len(self.ready) >= need)
+                if self._failure is not None:
+                    raise self._failure
                 fresh = [g for g in self.ready if not self._stale(g)]
                 stale = [g for g in self.ready if self._stale(g)]
                 if stale:
-                    self.dropped_stale += len(stale)
+                    self.counters["dropped_stale"] += len(stale)
+                    self._dropped_since_step.extend(t for g in stale for t in g.trajs)
+                    self._check_not_stuck(stale)
                     log.warning("dropping %d group(s) older than %d versions; prompts re-queued",
                                 len(stale), self.cfg.max_staleness)
                     for g in stale:
@@ -204,18 +337,66 @@ class AsyncTrainingLoop:
                     batch, self.ready = self.ready[:need], self.ready[need:]
                     return batch
 
+    def _check_not_stuck(self, stale: list[_Group]) -> None:
+        """Fail instead of spinning when rollouts stay too stale without any step in between.
+
+        Groups admitted after a drop are generated with the engine's current weights, so they
+        can only be stale again if the engine does not get new weights: more than
+        ``2 (s + 1) × prompts_per_step`` drops since the last step means it is stuck.
+
+        Raises:
+            TrainingError: the engine's policy version lags the learner's.
+        """
+        groups_since = len({id(t) for t in self._dropped_since_step}) // max(self.cfg.n_samples_per_prompt, 1)
+        if groups_since > 2 * (self.cfg.max_staleness + 1) * self.cfg.prompts_per_step:
+            oldest = min(t.min_version() for g in stale for t in g.trajs if t.min_version() is not None)
+            raise TrainingError(
+                f"{groups_since} groups dropped as stale since step {self.step} without any step: "
+                f"rollouts come from policy version {oldest} while the learner is at {self.version} "
+                f"(max staleness {self.cfg.max_staleness}); the rollout engine is not receiving "
+                "weight updates")
+
     def loop_state(self) -> dict:
-        """Resumable state: prompt stream (admitted-but-untrained prompts re-queued) and counters."""
+        """Resumable state: prompt stream (admitted-but-untrained prompts re-queued), step,
+        version and the cumulative :data:`COUNTERS` (``"counters"``)."""
         return {"prompts": self.prompts.state_dict(sorted(self.in_flight)), "step": self.step,
-                "version": self.version, "dropped_stale": self.dropped_stale}
+                "version": self.version, "dropped_stale": self.dropped_stale,
+                "counters": dict(self.counters)}
+
+    def _save_checkpoint(self) -> None:
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.step, self.loop_state())
+            self.last_checkpoint_step = self.step
+
+    def _checkpoint_before_failing(self, err: TrainingError) -> None:
+        """On a rollout failure the learner is idle: checkpoint its state if not done yet."""
+        if self.on_checkpoint is None:
+            return
+        if self.last_checkpoint_step != self.step and self.step > self._start_step:
+            try:
+                self._save_checkpoint()
+            except Exception as e:  # the original failure is the one to report
+                log.error("could not checkpoint step %d before stopping", self.step, exc_info=e)
+        if self.last_checkpoint_step is not None:
+            err.args = (f"{err.args[0]}; state after step {self.last_checkpoint_step} is checkpointed "
+                        "(continue with --resume)",)
 
     async def run(self) -> None:
-        """Train until ``total_steps``; returns when the last step (and its weight sync) is done."""
+        """Train until ``total_steps``; returns when the last step (and its weight sync) is done.
+
+        Raises:
+            TrainingError: a rollout task raised, or too many infrastructure failures; the
+                state after the last finished step is checkpointed first.
+        """
         producer = asyncio.create_task(self._producer())
         try:
             while self.step < self.cfg.total_steps:
                 t_wait = time.perf_counter()
-                groups = await self._take_batch()
+                try:
+                    groups = await self._take_batch()
+                except TrainingError as err:
+                    self._checkpoint_before_failing(err)
+                    raise
                 wait_s = time.perf_counter() - t_wait
                 trajs = [t for g in groups for t in g.trajs]
                 batch = to_batch(trajs, self.tok.pad_token_id)
@@ -228,22 +409,39 @@ class AsyncTrainingLoop:
                 async with self._cond:
                     for u in uids:
                         self.in_flight.discard(u)
+                    self.counters["episodes_trained"] += len(trajs)
+                    self.counters["tokens_trained"] += sum(t.num_model_tokens for t in trajs)
+                    infra_step, self._infra_since_step = self._infra_since_step, 0
+                    dropped, self._dropped_since_step = self._dropped_since_step, []
                     self._cond.notify_all()
                 metrics.update(self._rollout_metrics(trajs))
+                metrics.update(self._dropped_metrics(dropped))
                 metrics.update({"perf/wait_for_rollouts_s": wait_s,
                                 "perf/weight_sync_s": time.perf_counter() - t_sync,
-                                "rollout/dropped_stale": float(self.dropped_stale),
-                                "rollout/in_flight": float(len(self.in_flight))})
+                                "rollout/in_flight": float(len(self.in_flight)),
+                                "rollout/infra_failed_step": float(infra_step)})
+                metrics.update({COUNTER_METRICS[k]: float(v) for k, v in self.counters.items()})
                 if self.on_step:
                     self.on_step(self.step, metrics, uids)
                 if self.on_checkpoint and (self.step % self.cfg.checkpoint_every == 0
                                            or self.step == self.cfg.total_steps):
-                    self.on_checkpoint(self.step, self.loop_state())
+                    self._save_checkpoint()
         finally:
             async with self._cond:
                 self._stop = True
                 self._cond.notify_all()
             await producer
+
+    @staticmethod
+    def _dropped_metrics(dropped: list[Trajectory]) -> dict[str, float]:
+        """Mean response length (model tokens) and reward of the groups dropped as stale since
+        the last step, next to the trained ones' ``rollout/model_tokens`` / ``reward_mean`` (a
+        length bias from dropping is visible). Empty when nothing was dropped."""
+        if not dropped:
+            return {}
+        n = len(dropped)
+        return {"rollout/dropped_stale_len": sum(t.num_model_tokens for t in dropped) / n,
+                "rollout/dropped_stale_reward": sum(t.reward for t in dropped) / n}
 
     def _rollout_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
         n = len(trajs)
@@ -271,7 +469,8 @@ def make_loop_config(exp: Any, algo: copc.AlgorithmConfig) -> LoopConfig:
     return LoopConfig(total_steps=exp.train.total_steps, prompts_per_step=exp.train.prompts_per_step,
                       n_samples_per_prompt=exp.rollout.n_samples_per_prompt,
                       max_staleness=exp.train.max_staleness if own is None else own,
-                      concurrency=exp.rollout.concurrency, checkpoint_every=exp.checkpoint.every_steps)
+                      concurrency=exp.rollout.concurrency, checkpoint_every=exp.checkpoint.every_steps,
+                      max_infra_failure_fraction=exp.train.max_infra_failure_fraction)
 
 
 def sample_of(prompts: PromptStream, uid: int) -> Mapping[str, Any]:

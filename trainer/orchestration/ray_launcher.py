@@ -216,7 +216,7 @@ class RayTrainer:
         env_factory / exp_cfg: how each worker builds environments (see :class:`RolloutWorker`).
         num_workers: rollout worker actors.
         start_step: steps already done (resume); also the workers' initial policy version.
-        on_step / on_checkpoint: as for :class:`AsyncTrainingLoop`.
+        on_step / on_checkpoint / counters: as for :class:`AsyncTrainingLoop`.
         engine_max_batch_size, attn_implementation: per worker.
         worker_options / learner_options: Ray actor options (``num_cpus``, ``num_gpus``, ...).
 
@@ -230,7 +230,7 @@ class RayTrainer:
                  start_step: int = 0, on_step: Callable[[int, dict, list[int]], None] | None = None,
                  on_checkpoint: Callable[[int, dict], None] | None = None, engine_max_batch_size: int = 32,
                  attn_implementation: str = "eager", worker_options: dict | None = None,
-                 learner_options: dict | None = None) -> None:
+                 learner_options: dict | None = None, counters: Mapping[str, int] | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"launcher.num_rollout_workers={num_workers!r}: must be >= 1")
         if (env_factory is None) == (exp_cfg is None):
@@ -241,6 +241,7 @@ class RayTrainer:
         self.start_step, self.on_step, self.on_checkpoint = start_step, on_step, on_checkpoint
         self.engine_max_batch_size, self.attn = engine_max_batch_size, attn_implementation
         self.worker_options, self.learner_options = dict(worker_options or {}), dict(learner_options or {})
+        self.counters = dict(counters or {})
         self.workers: list[Any] = []
         self.learner_actor: Any = None
         self.loop: AsyncTrainingLoop | None = None
@@ -294,7 +295,8 @@ class RayTrainer:
         self.loop = AsyncTrainingLoop(
             self.learner, None, None, self.tok, self.prompts, self.sampling, self.agent_cfg, self.loop_cfg,
             on_step=self.on_step, on_checkpoint=self._checkpoint, start_step=self.start_step,
-            sync_weights=self._sync_weights, run_group=self._run_group, learner_step=self._learner_step)
+            sync_weights=self._sync_weights, run_group=self._run_group, learner_step=self._learner_step,
+            counters=self.counters)
         await self.loop.run()
         await self.pull_learner_state()
         return self.loop
@@ -323,7 +325,8 @@ async def run_ray_rl(cfg: Any, learner: TorchLearner, model_dir: str | Path, tas
                      prompts: PromptStream, sampling: SamplingParams, agent_cfg: AgentLoopConfig,
                      loop_cfg: LoopConfig, *, start_step: int = 0,
                      on_step: Callable[[int, dict, list[int]], None] | None = None,
-                     on_checkpoint: Callable[[int, dict], None] | None = None) -> AsyncTrainingLoop:
+                     on_checkpoint: Callable[[int, dict], None] | None = None,
+                     counters: Mapping[str, int] | None = None) -> AsyncTrainingLoop:
     """The RL phase of ``copc train`` with ``launcher.kind=ray`` (used by :mod:`trainer.run`).
 
     Connects to ``launcher.ray_address`` (or starts a local cluster with ``launcher.ray_num_cpus``
@@ -345,7 +348,7 @@ async def run_ray_rl(cfg: Any, learner: TorchLearner, model_dir: str | Path, tas
                          num_workers=cfg.launcher.num_rollout_workers, start_step=start_step,
                          on_step=on_step, on_checkpoint=on_checkpoint,
                          engine_max_batch_size=cfg.rollout.engine_max_batch_size,
-                         attn_implementation=cfg.model.attn_implementation)
+                         attn_implementation=cfg.model.attn_implementation, counters=counters)
     try:
         return await trainer.run()
     finally:

@@ -16,6 +16,7 @@ from typing import Any
 from environments.errors import InfrastructureError
 
 from ..engines.base import EngineError, InferenceEngine, SamplingParams
+from .observation import truncate_observation_ids
 from .trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,9 @@ class AgentLoopConfig:
     Attributes:
         max_total_tokens: prompt + response tokens; generation stops when reached.
         max_turns: most model turns (the environment may end the episode earlier).
-        max_observation_tokens: longer observations are cut to this many tokens (head kept).
+        max_observation_tokens: longer observations are cut to this many tokens in the middle,
+            keeping the closing tag and a visible truncation marker
+            (:func:`~trainer.rollout.observation.truncate_observation_ids`).
         engine_retries: retries of a failed ``generate`` call (then the episode ends
             with ``finish_reason = "engine_error: ..."``).
         retry_backoff_s: first retry delay in seconds (doubles each retry).
@@ -148,7 +151,7 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
             traj.reward = float(reward)
             traj.finish_reason = "terminated" if terminated else "truncated"
             break
-        obs_ids = list(tokenizer.encode(obs, add_special_tokens=False))[: cfg.max_observation_tokens]
+        obs_ids = truncate_observation_ids(tokenizer, obs, cfg.max_observation_tokens)
         traj.append_observation_tokens(obs_ids)
     else:
         traj.finish_reason = traj.finish_reason or "max_turns"

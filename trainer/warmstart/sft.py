@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..rollout.agent_loop import AgentLoopConfig, encode_prompt
+from ..rollout.observation import truncate_observation_ids
 
 
 def tokenize_trace(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]],
@@ -50,7 +51,7 @@ def tokenize_trace(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]],
             ids += toks
             mask += [1] * len(toks)
         elif kind == "observation":
-            toks = toks[: cfg.max_observation_tokens]
+            toks = truncate_observation_ids(tokenizer, text, cfg.max_observation_tokens)
             ids += toks
             mask += [0] * len(toks)
         else:
