@@ -28,7 +28,9 @@ import re
 import textwrap
 
 from ..base import RegexTool, ToolCall
-from ..sandbox import Sandbox, SandboxResult
+from ..errors import InfrastructureError
+from ..sandbox import Sandbox, SandboxResult, SandboxUnavailableError
+from ..sandbox.config import STATUS_SANDBOX_ERROR
 
 #: A tool call: the first ``<code>...</code>`` span; group 1 is the raw block (fences included).
 CODE_PATTERN = re.compile(r"<code>(.*?)</code>", re.DOTALL)
@@ -125,9 +127,28 @@ class PythonTool(RegexTool):
         return ToolCall(self.name, extract_code(m.group(1)), m.start(), m.end())
 
     def run(self, payload: str) -> SandboxResult:
-        """Execute ``payload`` (last bare expression printed) in the sandbox."""
-        return self.sandbox.run(print_last_expression(payload), timeout_s=self.timeout_s,
-                                memory_mb=self.memory_mb)
+        """Execute ``payload`` (last bare expression printed) in the sandbox.
+
+        Limits hit by the code (timeout, memory, output, errors) are results the policy sees.
+        A failure of the sandbox itself is not: a worker that died or hung (status
+        ``sandbox_error``; the pool has replaced it) is retried once on the fresh worker.
+
+        Raises:
+            InfrastructureError: the sandbox failed twice for this call, cannot start a
+                worker (``SandboxUnavailableError``) or was closed — an infrastructure
+                failure, never shown to the policy or scored as a wrong answer.
+        """
+        code = print_last_expression(payload)
+        reasons = []
+        for _ in range(2):
+            try:
+                res = self.sandbox.run(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+            except (SandboxUnavailableError, RuntimeError) as e:
+                raise InfrastructureError(f"python sandbox unavailable: {type(e).__name__}: {e}") from e
+            if res.status != STATUS_SANDBOX_ERROR:
+                return res
+            reasons.append(res.reason)
+        raise InfrastructureError(f"python sandbox failed twice for one call: {'; '.join(reasons)}")
 
     def render(self, result: SandboxResult) -> str:
         """stdout, then (on failure) the error's last line or the kill reason."""

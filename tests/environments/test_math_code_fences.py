@@ -99,3 +99,46 @@ def test_env_syntax_error_is_reported_not_a_fence_line(sandbox):
         assert "```" not in obs
     finally:
         env.close()
+
+
+# -- a failing sandbox is an infrastructure failure, not an observation ----------------------------
+
+def test_dead_sandbox_worker_is_retried_on_the_fresh_worker():
+    """A worker killed between calls: the call is retried once and the policy sees real output."""
+    import os
+    import signal
+
+    from environments.sandbox import Sandbox, SandboxConfig
+
+    with Sandbox(SandboxConfig(workers=1)) as sb:
+        tool = PythonTool(sb, timeout_s=5)
+        assert tool.run("print(6 * 7)").stdout == "42\n"
+        (worker,) = list(sb._all.values())
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait()
+        res = tool.run("print(6 * 7)")
+        assert res.ok and res.stdout == "42\n"
+        assert "<interpreter>\n42\n</interpreter>" in tool.render(res)
+
+
+def test_sandbox_failing_twice_or_closed_raises_infrastructure_error():
+    from environments.errors import InfrastructureError
+    from environments.sandbox import Sandbox, SandboxConfig, SandboxResult
+
+    class AlwaysBrokenSandbox:  # a sandbox whose workers die on every call (the pool's own report)
+        calls = 0
+
+        def run(self, code, timeout_s=None, memory_mb=None):
+            AlwaysBrokenSandbox.calls += 1
+            return SandboxResult(stdout="", stderr="", exit_code=None, status="sandbox_error",
+                                 reason="sandbox worker failed and was replaced: worker pipe closed")
+
+    with pytest.raises(InfrastructureError, match=r"python sandbox failed twice for one call: sandbox worker "
+                                                  r"failed and was replaced: worker pipe closed; sandbox"):
+        PythonTool(AlwaysBrokenSandbox()).run("print(1)")
+    assert AlwaysBrokenSandbox.calls == 2
+    sb = Sandbox(SandboxConfig(workers=1))
+    sb.close()
+    with pytest.raises(InfrastructureError,
+                       match=r"python sandbox unavailable: RuntimeError: Sandbox is closed"):
+        PythonTool(sb).run("print(1)")
