@@ -62,9 +62,10 @@ def naive_app(index_dir: str):
         idx, scores = loaded.searcher.search(request.queries, k)
         resp = []
         for row, srow in zip(idx.tolist(), scores.tolist(), strict=True):
-            docs = [{"id": loaded.passages[i].id, "contents": loaded.passages[i].contents} for i in row]
+            hits = [(i, s) for i, s in zip(row, srow, strict=True) if i >= 0]  # -1: no hit
+            docs = [{"id": loaded.passages[i].id, "contents": loaded.passages[i].contents} for i, _ in hits]
             if request.return_scores:
-                resp.append([{"document": d, "score": s} for d, s in zip(docs, srow, strict=True)])
+                resp.append([{"document": d, "score": s} for d, (_, s) in zip(docs, hits, strict=True)])
             else:
                 resp.append(docs)
         return {"result": resp}

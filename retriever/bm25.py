@@ -110,10 +110,14 @@ class BM25Searcher:
 
         Returns:
             ``(indices, scores)``: int64 ``(n, k')`` passage rows and float32 ``(n, k')``
-            BM25 scores, sorted by descending score, ``k' = min(k, num_passages)``.
+            BM25 scores, ``k' = min(k, num_passages)``, sorted by descending score, ties by
+            lower row (:func:`top_k_columns`). Only passages containing a query term are
+            hits: the places left over (all of them for a query made only of stop words,
+            unknown words or punctuation) hold row ``-1`` and score ``-inf``, at the end
+            (:func:`drop_unmatched`).
         """
         q = self._tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
-        return top_k_columns(self._batch_scores(q), k)
+        return drop_unmatched(*top_k_columns(self._batch_scores(q), k))
 
     def _batch_scores(self, query_ids: list[list[int]]) -> np.ndarray:
         """BM25 scores of every passage for every query with one sparse product.
@@ -142,24 +146,84 @@ class BM25Searcher:
         return np.asarray((self._matrix @ qm).toarray(), dtype=np.float32)
 
 
+def top_k_rows(scores: np.ndarray, k: int) -> np.ndarray:
+    """Rows of the ``k`` best entries of a 1-D score vector, best first, ties by lower row.
+
+    The order is the stable sort by ``(-score, row)``, so top-``k`` is always a prefix of
+    top-``(k + 1)`` and the result depends on the scores only (not on how a partial
+    selection happens to order equal values, as ``np.argpartition`` alone would). Cost
+    O(N) plus O(k log k): ``np.partition`` finds the k-th best score ``t``; every row
+    scoring above ``t`` (fewer than ``k``) is kept, then the lowest rows scoring exactly
+    ``t`` fill the remaining places (``np.flatnonzero`` lists them in row order), and only
+    those ``k`` candidates are sorted.
+
+    Args:
+        scores: float ``(N,)``, no NaN.
+        k: how many rows (clamped to ``[0, N]``).
+
+    Returns:
+        int64 ``(min(k, N),)`` row numbers.
+    """
+    n_rows = scores.shape[0]
+    k = max(0, min(k, n_rows))
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    if k < n_rows:
+        kth = np.partition(scores, n_rows - k)[n_rows - k]  # k-th largest value
+        above = np.flatnonzero(scores > kth)
+        tied = np.flatnonzero(scores == kth)[: k - len(above)]
+        cand = np.concatenate([above, tied])
+    else:
+        cand = np.arange(n_rows)
+    order = np.lexsort((cand, -scores[cand]))
+    return cand[order].astype(np.int64, copy=False)
+
+
 def top_k_columns(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Best ``k`` rows of each column of ``scores`` (``(N, n)``), ties by lower row first.
+    """Best ``k`` rows of each column of ``scores``, ties by lower row first.
+
+    Per column, :func:`top_k_rows` (order of the stable sort by ``(-score, row)``; the
+    tie rule promised in ``docs/retriever.md``).
+
+    Args:
+        scores: float ``(N, n)`` (passages x queries), no NaN.
+        k: rows per column (clamped to ``N``).
 
     Returns:
         ``(indices int64 (n, k'), values float32 (n, k'))`` with ``k' = min(k, N)``,
         values descending per row.
+
+    Raises:
+        ValueError: ``scores`` is not 2-D or holds NaN (NaN has no place in the order).
     """
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be a 2-D (N, n) array, got shape {scores.shape}")
+    if np.isnan(scores).any():
+        raise ValueError("scores hold NaN; cannot rank them")
     n_rows, n = scores.shape
-    k = min(k, n_rows)
-    if k < n_rows:
-        cand = np.argpartition(-scores, k - 1, axis=0)[:k]  # (k, n), unordered
-    else:
-        cand = np.broadcast_to(np.arange(n_rows)[:, None], (n_rows, n))
+    k = max(0, min(k, n_rows))
+    cols = np.ascontiguousarray(scores.T)  # (n, N): one contiguous row per query
     idx = np.empty((n, k), dtype=np.int64)
-    val = np.empty((n, k), dtype=np.float32)
     for j in range(n):
-        c = cand[:, j]
-        v = scores[c, j]
-        order = np.lexsort((c, -v))
-        idx[j], val[j] = c[order], v[order]
+        idx[j] = top_k_rows(cols[j], k)
+    val = np.take_along_axis(cols, idx, axis=1).astype(np.float32, copy=False)
     return idx, val
+
+
+def drop_unmatched(idx: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Replace hits with score <= 0 by the no-hit marker (row ``-1``, score ``-inf``).
+
+    A Lucene BM25 term contribution ``idf * tf / (tf + ...)`` is > 0 whenever the term
+    occurs in the passage (``idf > 0``, ``tf >= 1``), so a score of 0 means that no query
+    term occurs in the passage: it is not a result. Since rows are sorted by descending
+    score, the markers are trailing. Lucene (the pyserini backend) likewise returns only
+    passages matching a term.
+
+    Args:
+        idx: int64 ``(n, k)``; scores: float32 ``(n, k)`` from :func:`top_k_columns`.
+
+    Returns:
+        New ``(idx, scores)`` arrays of the same shapes.
+    """
+    miss = scores <= 0
+    return np.where(miss, -1, idx), np.where(miss, np.float32(-np.inf), scores).astype(np.float32)

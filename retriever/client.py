@@ -172,7 +172,8 @@ class RetrieverClient:
 
         Returns:
             One list per query of hits ``{"document": {"id", "contents"}, "score"?}``,
-            best first, in the order of ``queries``.
+            best first, in the order of ``queries``; a list holds at most ``topk`` hits
+            and may be shorter or empty (BM25: no passage contains a query term).
 
         Raises:
             RetrieverRequestError: the server answered 4xx (bad query, topk too large ...).

@@ -124,6 +124,10 @@ class DenseSearcher:
             ``(indices, scores)``: int64 and float32 arrays ``(n, min(k, num_passages))``,
             scores (cosine in [-1, 1]) descending. Approximate indexes may return -1 rows
             when fewer than ``k`` candidates are found; callers must drop them.
+
+        Unlike BM25 there is no "no term matched" case (every passage has a cosine), so an
+        exact (``flat``) index always returns ``k`` hits, even for a query unrelated to the
+        corpus (e.g. ``"the of and a to"``); no score threshold is applied.
         """
         k = min(k, self.num_passages)
         q = self.encoder.encode_queries(queries)

@@ -3,6 +3,12 @@
 Every backend exposes ``search(queries, k) -> (indices, scores)`` with int64 / float32
 arrays of shape ``(n_queries, k')`` holding corpus row numbers (``-1`` = no hit) and
 scores in descending order; see :class:`Searcher`.
+
+What counts as a hit: BM25 (``bm25``, ``pyserini``) returns only passages containing at
+least one query term, so a query of stop words, unknown words or punctuation gets no hit
+and others may get fewer than ``k``. Dense scores are cosine similarities: every passage
+has one and there is no "no term matched" state, so an exact (``flat``) dense index always
+fills all ``k`` places, however unrelated the passages (approximate ones may leave ``-1``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ class Searcher(Protocol):
     num_passages: int
 
     def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(indices int64 (n, k'), scores float32 (n, k'))``, best first."""
+        """Return ``(indices int64 (n, k'), scores float32 (n, k'))``, best first.
+
+        ``k' = min(k, num_passages)``; places without a hit hold row ``-1`` (after every
+        real hit of the row), which callers must drop.
+        """
         ...
 
 

@@ -213,6 +213,11 @@ class PyseriniSearcher:
     def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` rows and BM25 scores per query; ``(n, k')`` int64 / float32, ``-1`` pads.
 
+        Lucene returns only documents matching a query term, so, as with the ``bm25``
+        backend, a query without an indexed term gets only ``-1`` (score ``-inf``) places.
+        Unlike the ``bm25`` backend (ties by lower row), ties are ordered by Anserini: by
+        docid string, with scores rounded to 4 decimals and lowered 1e-6 per tied place.
+
         Raises:
             KeyError: the Lucene index holds a docid absent from the corpus (wrong corpus).
         """

@@ -5,6 +5,8 @@ API (same as Search-R1's ``retrieval_server.py``, so its clients work unchanged)
 * ``POST /retrieve`` with ``{"queries": [str, ...], "topk": k, "return_scores": bool}`` →
   ``{"result": [[{"document": {"id", "contents"}, "score": float}, ...], ...]}``, one inner
   list per query, best first; ``"score"`` is left out when ``return_scores`` is false.
+  An inner list holds at most ``topk`` hits and may be shorter or empty: BM25 returns
+  only passages containing a query term (see :mod:`retriever.index`).
   ``topk`` defaults to ``ServerConfig.default_topk``; ``return_scores`` to false.
 * ``GET /health`` → ``{"status": "ok", ...index facts and counters...}``.
 
@@ -121,6 +123,7 @@ class _Formatter:
         ]
 
     def __call__(self, idx: np.ndarray, scores: np.ndarray, k: int) -> tuple[str, str]:
+        """JSON lists (with, without scores) of the hits of one query; rows ``-1`` dropped."""
         with_s, without = [], []
         for i, s in zip(idx.tolist(), scores.tolist(), strict=True):
             if i < 0:

@@ -2,6 +2,7 @@
 
 from .env import (
     INVALID_ACTION_REPLY,
+    NO_RESULTS,
     QA_DATASETS,
     Retriever,
     SearchConfig,
@@ -12,6 +13,6 @@ from .env import (
 )
 from .reward import exact_match, f1_score, normalize_answer, substring_match
 
-__all__ = ["INVALID_ACTION_REPLY", "QA_DATASETS", "Retriever", "SearchConfig", "SearchEnv",
-           "SearchTool", "exact_match", "f1_score", "format_passages", "load_qa",
+__all__ = ["INVALID_ACTION_REPLY", "NO_RESULTS", "QA_DATASETS", "Retriever", "SearchConfig",
+           "SearchEnv", "SearchTool", "exact_match", "f1_score", "format_passages", "load_qa",
            "normalize_answer", "substring_match"]

@@ -10,6 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..base import EnvLimits, RegexTool, ToolEnv
 from ..data import DEFAULT_DATA_DIR, load_jsonl, resolve_data_path
+from ..errors import InfrastructureError
 from .reward import exact_match, f1_score, substring_match
 
 PROMPT = (
@@ -34,7 +35,7 @@ QA_DATASETS = ("nq", "triviaqa", "popqa", "bamboogle", "hotpotqa", "2wikimultiho
 class Retriever(Protocol):
     """What the search tool needs: the retriever client's ``retrieve`` method.
 
-    ``retrieve(queries, topk)`` returns, per query, up to ``topk`` hits
+    ``retrieve(queries, topk)`` returns, per query, up to ``topk`` hits (possibly none)
     ``{"document": {"id": str, "contents": '"Title"\\ntext'}, "score": float}``, best first
     (``retriever.client.RetrieverClient`` implements it).
     """
@@ -44,9 +45,15 @@ class Retriever(Protocol):
         """Hits per query."""
 
 
+NO_RESULTS = "No results found for this query."
+
+
 def format_passages(hits: Sequence[Mapping[str, Any]]) -> str:
     """Search-R1 rendering: ``Doc i(Title: T) text`` lines for hits with contents
-    ``"Title"\\ntext``."""
+    ``"Title"\\ntext``; :data:`NO_RESULTS` when ``hits`` is empty (the retriever found
+    nothing, e.g. a BM25 query with no indexed term: stop words only, unknown words)."""
+    if not hits:
+        return NO_RESULTS
     lines = []
     for i, hit in enumerate(hits, 1):
         contents = str(hit["document"]["contents"])
@@ -58,7 +65,12 @@ def format_passages(hits: Sequence[Mapping[str, Any]]) -> str:
 class SearchTool(RegexTool):
     """``<search>query</search>`` → ``<information>Doc 1(Title: …) …</information>``.
 
-    Retrieval errors are rendered as an observation (the episode goes on), not raised.
+    A search with no hits renders ``<information>`` + :data:`NO_RESULTS` +
+    ``</information>``. A query the retriever rejects (HTTP 4xx, e.g. too long: the policy's
+    doing) is rendered as an observation and the episode goes on. A retriever that does not
+    answer (connection errors, timeouts, 5xx after the client's retries) is an infrastructure
+    failure: :class:`~environments.errors.InfrastructureError` is raised, so the episode is
+    never trained on or scored as a wrong answer.
     """
 
     name = "search"
@@ -68,17 +80,25 @@ class SearchTool(RegexTool):
         self.retriever, self.topk = retriever, topk
 
     def run(self, payload: str) -> list[dict[str, Any]] | str:
-        """Hits for the stripped query, or an error string."""
+        """Hits for the stripped query, or an error string for a query the retriever rejects.
+
+        Raises:
+            InfrastructureError: the retriever failed (anything but a rejected request).
+        """
+        from retriever.client import RetrieverRequestError
+
         query = payload.strip()
         if not query:
             return "empty search query"
         try:
             return self.retriever.retrieve([query], topk=self.topk)[0]
-        except Exception as e:  # the model sees the failure; training is not interrupted
-            return f"search failed: {type(e).__name__}: {e}"
+        except RetrieverRequestError as e:  # a bad query: the model sees why
+            return f"search failed: {e.message}"
+        except Exception as e:
+            raise InfrastructureError(f"retriever failed: {type(e).__name__}: {e}") from e
 
     def render(self, result: list[dict[str, Any]] | str) -> str:
-        """The Search-R1 ``<information>`` block."""
+        """The Search-R1 ``<information>`` block (hits, :data:`NO_RESULTS` or the error)."""
         body = result if isinstance(result, str) else format_passages(result)
         return f"\n\n<information>{body}</information>\n\n"
 

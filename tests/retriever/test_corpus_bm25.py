@@ -90,9 +90,12 @@ def test_bm25_matches_lucene_formula_by_hand():
     assert idx[1].tolist()[:2] == [1, 0]
     assert scores[1, 0] == pytest.approx(term(1, 2, 2) + term(1, 1, 2), rel=1e-6)
     assert scores[1, 1] == pytest.approx(term(1, 2, 3), rel=1e-6)
-    assert np.all(np.diff(scores, axis=1) <= 0)
+    assert scores[1, 0] >= scores[1, 1]
+    # d2 (fish) has no query term: not a hit, so its place is empty (row -1, score -inf).
+    assert idx.tolist() == [[0, -1, -1], [1, 0, -1]]
+    assert scores[0, 1:].tolist() == [-np.inf, -np.inf] and scores[1, 2] == -np.inf
     # k larger than the corpus is clamped.
-    assert s.search(["cat"], 10)[0].shape == (1, 3)
+    assert s.search(["cat"], 10)[0].tolist() == [[0, -1, -1]]
 
 
 def test_bm25_config_validation():
@@ -138,7 +141,7 @@ def test_bm25_recall_at_5_hotpotqa(shared_data, bm25_index):
     assert len(questions) == 480
     loaded = load_index(bm25_index)
     idx, _ = loaded.searcher.search([q["question"] for q in questions], 5)
-    hits = [[{"document": {"contents": loaded.passages[i].contents}} for i in row] for row in idx]
+    hits = [[{"document": {"contents": loaded.passages[i].contents}} for i in row if i >= 0] for row in idx]
     recall = answer_recall(questions, hits)
     print(f"BM25 recall@5 = {recall:.3f}")
     assert recall >= BM25_RECALL5_FLOOR
@@ -154,13 +157,19 @@ def test_batched_scoring_equals_bm25s_retrieve(shared_data, bm25_index):
     ids = s._tokenizer.tokenize(qs, update_vocab=False, return_as="ids", show_progress=False)
     ref_idx, ref_scores = s._retriever.retrieve(ids, k=10, show_progress=False, n_threads=1)
     idx, scores = s.search(qs, 10)
-    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    # bm25s fills all 10 places, with score-0 passages (no query term) where fewer match;
+    # we leave those places empty (row -1, score -inf) instead.
+    hit = idx >= 0
+    np.testing.assert_array_equal(hit, ref_scores > 0)
+    assert not hit[-3].any() and not hit[-1].any() and hit[-2].all()  # no term / no term / a term
+    np.testing.assert_allclose(scores[hit], ref_scores[hit], rtol=1e-5, atol=1e-5)
+    assert np.all(scores[~hit] == -np.inf)
     # Each returned passage really has the reported score (bm25s' per-query scorer), so the
     # lists can differ from bm25s only by the order of (near-)tied passages.
     for j in range(len(qs)):
         full = s._retriever.get_scores_from_ids(ids[j])
-        np.testing.assert_allclose(full[idx[j]], scores[j], rtol=1e-5, atol=1e-5)
-    assert (idx == ref_idx).mean() > 0.98
+        np.testing.assert_allclose(full[idx[j][hit[j]]], scores[j][hit[j]], rtol=1e-5, atol=1e-5)
+    assert (idx[hit] == ref_idx[hit]).mean() > 0.98
     # Batch composition does not change a query's result.
     one_idx, _ = s.search(qs[3:4], 10)
     np.testing.assert_array_equal(one_idx[0], idx[3])

@@ -10,6 +10,7 @@ import json
 import stat
 import sys
 
+import numpy as np
 import pytest
 
 from retriever import pyserini_backend as pb
@@ -60,5 +61,10 @@ def test_pyserini_build_and_search_matches_bm25s(tmp_path):
         ["cat", "bird"], 2
     )
     assert idx[:, 0].tolist() == ref_idx[:, 0].tolist() == [0, 3]  # "Birds" title: tf 2
+    # Only passages containing a query term are hits, in both backends: "cat" is only in d0.
+    assert idx.tolist() == ref_idx.tolist() == [[0, -1], [3, 1]]
+    assert scores[0, 1] == ref_scores[0, 1] == -np.inf
+    none_idx, _ = loaded.searcher.search(["the of and a to", "zzqxv"], 2)
+    assert none_idx.tolist() == [[-1, -1], [-1, -1]]
     # Lucene stores document lengths lossily (SmallFloat), so scores agree only closely.
     assert scores[:, 0] == pytest.approx(ref_scores[:, 0], rel=0.05)

@@ -204,16 +204,22 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     """Search-R1-format traces by stepping a real ``SearchEnv`` (real retriever).
 
     Turn 1 = ``<search>question</search>``; the env queries its retriever and replies with the
-    ``<information>`` block; turn 2 = ``<answer>first golden answer</answer>``. One env serves
-    all samples and is closed at the end.
+    ``<information>`` block; turn 2 = ``<answer>first golden answer</answer>`` (the first that
+    does not normalise to ""; rows with none are skipped). One env serves all samples and is
+    closed at the end.
 
     Raises:
         TraceError: the search was not executed or the answer not scored correct.
         KeyError: a sample lacks ``question`` / ``golden_answers``.
     """
+    from environments.search.reward import normalize_answer
+
     def play(env: Any, s: Mapping[str, Any]) -> Trace:
-        gold = s["golden_answers"][0]
+        gold = next(g for g in s["golden_answers"] if normalize_answer(g))
         return _play(env, s, f"<search>{str(s['question']).strip()}</search>",
                      lambda _obs: f"<answer>{gold}</answer>")
 
-    return _each(samples, env_factory, progress, "search-r1 traces", play)
+    # a row whose golden answers all normalise to "" (e.g. NQ test_1420: "---") can never be
+    # answered correctly (environments/search/reward.py), so it cannot give a trace
+    usable = [s for s in samples if any(normalize_answer(g) for g in s["golden_answers"])]
+    return _each(usable, env_factory, progress, "search-r1 traces", play)
