@@ -119,6 +119,6 @@ def test_retriever_down_is_an_infrastructure_failure_not_an_observation(retrieve
     # a query the server rejects (too long: HTTP 422) is the policy's doing: it sees why
     env = SearchEnv(retriever_url=retriever_url)
     env.reset(options={"sample": {"id": "q", "question": "who?", "golden_answers": ["x"]}})
-    obs, r, term, trunc, _ = env.step(f"<search>{'word ' * 20000}</search>")
-    assert obs.startswith("\n\n<information>search failed: ") and not (term or trunc)
+    obs, reward, term, trunc, _ = env.step(f"<search>{'word ' * 20000}</search>")
+    assert obs.startswith("\n\n<information>search failed: ") and reward == 0.0 and not (term or trunc)
     env.close()
