@@ -306,3 +306,29 @@ def test_stop_matcher_cost_per_token_is_bounded(bpe_model_tok):
     assert len(decoded_lens) == 2 * len(ids)
     with pytest.raises(ValueError, match="stop"):
         StopStringMatcher(tok, ())
+
+
+def test_a_dead_worker_thread_fails_callers_instead_of_hanging(model_tok):
+    """Audit of issue 9 fault 1's kind: if the engine's thread dies, no request waits forever."""
+    model, tok = model_tok
+
+    class Fatal(BaseException):  # not an Exception: escapes the per-batch handler
+        pass
+
+    def die(self, batch):
+        raise Fatal("out of host memory")
+
+    async def main():
+        eng = EmbeddedEngine(model, tok)
+        eng._decode = die.__get__(eng)
+        p = tok.encode("b", add_special_tokens=False)
+        results = await asyncio.wait_for(asyncio.gather(
+            *(eng.generate(p, SamplingParams(max_new_tokens=3)) for _ in range(3)), return_exceptions=True), 30)
+        assert all(isinstance(r, EngineError) for r in results), results
+        assert "embedded engine worker died: Fatal: out of host memory" in str(results[0])
+        with pytest.raises(EngineError, match="worker died"):  # later calls fail at once too
+            await asyncio.wait_for(eng.generate(p, SamplingParams(max_new_tokens=3)), 5)
+        await asyncio.wait_for(eng.pause(), 5)  # nothing waits on a dead thread
+        await eng.close()
+
+    asyncio.run(main())

@@ -14,6 +14,7 @@ earlier turns and the new version on later ones (per-token versions record it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ class EmbeddedEngine:
         self._paused = False
         self._busy = False
         self._closed = False
+        self._dead: EngineError | None = None  # set if the worker thread died
+        self._current: list[_Request] = []  # the batch being decoded
         self._worker = threading.Thread(target=self._run, name="copc-embedded-engine", daemon=True)
         self._worker.start()
 
@@ -173,10 +176,13 @@ class EmbeddedEngine:
         """Queue one request and wait for its result (see :class:`~trainer.engines.base.InferenceEngine`).
 
         Raises:
-            EngineError: if the engine is closed, the prompt is empty or too long, or decoding fails.
+            EngineError: if the engine is closed, its worker thread died, the prompt is empty or too
+                long, or decoding fails.
         """
         if self._closed:
             raise EngineError("EmbeddedEngine is closed")
+        if self._dead is not None:
+            raise self._dead
         if not prompt_ids:
             raise EngineError("generate: prompt_ids is empty")
         if len(prompt_ids) >= self.max_len:
@@ -185,6 +191,8 @@ class EmbeddedEngine:
         loop = asyncio.get_running_loop()
         req = _Request(list(map(int, prompt_ids)), params, loop.create_future(), loop)
         with self._cv:
+            if self._dead is not None:
+                raise self._dead
             self._queue.append(req)
             self._cv.notify_all()
         return await req.future
@@ -239,6 +247,20 @@ class EmbeddedEngine:
 
     # -- worker thread ------------------------------------------------------------------
     def _run(self) -> None:
+        """Worker thread: never dies silently (waiting callers would hang forever)."""
+        try:
+            self._serve()
+        except BaseException as e:
+            with self._cv:
+                self._dead = EngineError(f"embedded engine worker died: {type(e).__name__}: {e}")
+                pending, self._queue = self._queue, []
+                self._busy = False
+                self._cv.notify_all()
+            for r in [*pending, *self._current]:
+                with contextlib.suppress(RuntimeError):  # the caller's event loop may be closed
+                    r.loop.call_soon_threadsafe(_set_exc, r.future, self._dead)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._closed or (self._queue and not self._paused))
@@ -251,6 +273,7 @@ class EmbeddedEngine:
                 with self._cv:
                     batch = self._queue[: self.config.max_batch_size]
                     del self._queue[: len(batch)]
+                self._current = batch
                 version = self._version
                 try:
                     self._decode(batch)
