@@ -322,8 +322,8 @@ def test_a_dead_worker_thread_fails_callers_instead_of_hanging(model_tok):
         eng = EmbeddedEngine(model, tok)
         eng._decode = die.__get__(eng)
         p = tok.encode("b", add_special_tokens=False)
-        results = await asyncio.wait_for(asyncio.gather(
-            *(eng.generate(p, SamplingParams(max_new_tokens=3)) for _ in range(3)), return_exceptions=True), 30)
+        calls = (eng.generate(p, SamplingParams(max_new_tokens=3)) for _ in range(3))
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
         assert all(isinstance(r, EngineError) for r in results), results
         assert "embedded engine worker died: Fatal: out of host memory" in str(results[0])
         with pytest.raises(EngineError, match="worker died"):  # later calls fail at once too
