@@ -19,6 +19,7 @@ from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model
 from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
+from trainer.rollout.observation import truncate_observation_ids
 from trainer.warmstart import (
     SHORT_MATH_PROMPT,
     SHORT_SEARCH_PROMPT,
@@ -109,7 +110,9 @@ def test_tokenization_and_loss_mask_match_the_agent_loop(math_env_factory):
     model_ids = [i for i, m in zip(ids, mask, strict=True) if m]
     assert model_ids == [*tok.encode("".join(actions), add_special_tokens=False), tok.eos_token_id]
     obs_ids = [i for i, m in zip(ids[len(prompt_ids):], mask[len(prompt_ids):], strict=True) if not m]
-    assert obs_ids == tok.encode(trace.pieces[1][1], add_special_tokens=False)[:12]
+    # the agent loop's cut (12 bytes < the closing tag: its last 12 tokens), exactly the budget
+    assert obs_ids == truncate_observation_ids(tok, trace.pieces[1][1], 12) and len(obs_ids) == 12
+    assert tok.decode(obs_ids) == "nterpreter>\n"
 
     model = build_tiny_model(TinyModelConfig(), len(tok), tok.eos_token_id, tok.pad_token_id)
 
