@@ -118,7 +118,7 @@ def test_tokenization_and_loss_mask_match_the_agent_loop(math_env_factory):
 
     async def main():
         eng = EmbeddedEngine(model, tok, logits_processor=scripted(
-            tok, actions, lambda p: p.count("<interp")))
+            tok, actions, lambda p: min(p.count("nterpreter>"), 1)))  # turn 2 once a reply is in
         env = math_env_factory()
         tr = await run_episode(eng, env, tok, row, SamplingParams(max_new_tokens=100), cfg)
         env.close()
