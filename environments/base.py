@@ -105,6 +105,34 @@ class EnvLimits:
                 raise ValueError(f"EnvLimits.{name}={v!r}: must be an int >= 1")
 
 
+def with_overrides(config: Any, overrides: Mapping[str, Any]) -> Any:
+    """``dataclasses.replace(config, **overrides)`` where nested dataclass fields may be mappings.
+
+    YAML configs give nested settings (``limits``, ``reward``, ``sandbox``) as plain mappings;
+    each is built into the field's dataclass, starting from the field's current value, so
+    ``{"limits": {"max_turns": 2}}`` keeps the other limits.
+
+    Raises:
+        ValueError: a nested field got something other than a mapping or its dataclass
+            (``"MathToolConfig.limits=5: must be a mapping of EnvLimits fields"``).
+        TypeError: an unknown key (``"... got an unexpected keyword argument 'x'"``).
+    """
+    import dataclasses
+
+    kwargs = dict(overrides)
+    for f in dataclasses.fields(config):
+        current = getattr(config, f.name)
+        if f.name not in kwargs or not dataclasses.is_dataclass(current):
+            continue
+        value = kwargs[f.name]
+        if isinstance(value, Mapping):
+            kwargs[f.name] = dataclasses.replace(current, **value)
+        elif not isinstance(value, type(current)):
+            raise ValueError(f"{type(config).__name__}.{f.name}={value!r}: must be a mapping of "
+                             f"{type(current).__name__} fields")
+    return dataclasses.replace(config, **kwargs)
+
+
 def truncate_observation(text: str, max_chars: int) -> str:
     """Cut ``text`` to about ``max_chars`` characters keeping head and tail, with a marker."""
     if len(text) <= max_chars:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -414,7 +415,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"override {bad[0]!r} must look like key=value")
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+            for o in overrides:  # one at a time, so a value YAML cannot parse names its key
+                try:
+                    dot = OmegaConf.from_dotlist([o])
+                except yaml.YAMLError as e:
+                    key, _, value = o.partition("=")
+                    raise ConfigError(f"{key}={value!r}: not a valid YAML value "
+                                      f"({str(e).splitlines()[0]}); quote it") from None
+                cfg = OmegaConf.merge(cfg, dot)
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

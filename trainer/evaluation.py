@@ -53,6 +53,8 @@ async def run_eval_episodes(engine: InferenceEngine, env_factory: Callable[[], A
 
     Raises:
         ValueError: ``k < 1``, ``concurrency < 1``, no samples, or a bad temperature.
+        RuntimeError: the environment raised on an episode (``env_error``: a bug); episodes
+            ended by an infrastructure failure are returned (and excluded by :func:`summarize`).
     """
     from tqdm.auto import tqdm
 
@@ -81,13 +83,18 @@ async def run_eval_episodes(engine: InferenceEngine, env_factory: Callable[[], A
             bar.update(1)
 
     try:
-        return list(await asyncio.gather(*(one(s, j) for s, j in jobs)))
+        trajs = list(await asyncio.gather(*(one(s, j) for s, j in jobs)))
     finally:
         bar.close()
         for env in envs:
             close = getattr(env, "close", None)
             if close is not None:
                 await asyncio.to_thread(close)
+    broken = [t for t in trajs if t.env_failed]
+    if broken:  # a bug in the environment, not a wrong answer nor an infrastructure failure
+        raise RuntimeError(f"evaluation: the environment raised on {len(broken)} of {len(trajs)} episodes; "
+                           f"first (sample {broken[0].sample_id!r}): {broken[0].finish_reason}")
+    return trajs
 
 
 def summarize(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:

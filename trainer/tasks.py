@@ -104,7 +104,7 @@ def check_env_settings(make_env: Callable[[], Any], env_id: str, env_kwargs: dic
     """Build (and close) one environment so bad ``task.env_kwargs`` fail at load, not in rollouts.
 
     Environments validate their settings in their constructor (``TypeError`` for an unknown
-    keyword, ``ValueError`` naming ``Config.field=value``); both become a
+    keyword, ``ValueError`` naming ``Config.field=value``, ``OSError`` for missing data); all become a
     :class:`ConfigError` naming the key under ``task.env_kwargs`` when it can be found in
     ``env_kwargs`` (e.g. ``task.env_kwargs.reward.mode='math-verify': must be one of ...``).
 
@@ -119,6 +119,9 @@ def check_env_settings(make_env: Callable[[], Any], env_id: str, env_kwargs: dic
             raise ConfigError(f"task.env_kwargs: env {env_id!r} rejected its settings: {e}") from e
         path = _find_key(env_kwargs, m.group(1)) or m.group(1)
         raise ConfigError(f"task.env_kwargs.{path}: not a setting of env {env_id!r} ({e})") from e
+    except OSError as e:  # e.g. task.env_kwargs.dataset naming a file that does not exist
+        where = "task.env_kwargs.dataset" if "dataset" in env_kwargs else "task.env_kwargs"
+        raise ConfigError(f"{where}: env {env_id!r} could not load its data: {type(e).__name__}: {e}") from e
     except ValueError as e:
         m = _FIELD_VALUE.search(str(e))
         path = _find_key(env_kwargs, m.group(1), m.group(2)) if m else None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..base import EnvLimits, ToolCall, ToolEnv
+from ..base import EnvLimits, ToolCall, ToolEnv, with_overrides
 from ..data import DEFAULT_DATA_DIR
 from ..sandbox import Sandbox, SandboxConfig
 from .data import load_math
@@ -52,8 +52,18 @@ class MathToolConfig:
     def __post_init__(self) -> None:
         if "{problem}" not in self.prompt_template:
             raise ValueError("MathToolConfig.prompt_template must contain '{problem}'")
-        if not self.code_timeout_s > 0:
-            raise ValueError(f"MathToolConfig.code_timeout_s={self.code_timeout_s!r}: > 0")
+        try:
+            self.prompt_template.format(problem="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"MathToolConfig.prompt_template={self.prompt_template!r}: not a str.format "
+                             f"template with only {{problem}} ({type(e).__name__}: {e}); write literal "
+                             "braces as {{ }}") from None
+        if not isinstance(self.code_timeout_s, int | float) or not self.code_timeout_s > 0:
+            raise ValueError(f"MathToolConfig.code_timeout_s={self.code_timeout_s!r}: must be a number > 0")
+        if isinstance(self.code_memory_mb, bool) or not isinstance(self.code_memory_mb, int) \
+                or self.code_memory_mb < 64:
+            raise ValueError(f"MathToolConfig.code_memory_mb={self.code_memory_mb!r}: "
+                             "must be an int >= 64 (MiB)")
 
 
 class MathToolEnv(ToolEnv):
@@ -77,13 +87,7 @@ class MathToolEnv(ToolEnv):
                  samples: Sequence[Mapping[str, Any]] | None = None, **overrides: Any) -> None:
         cfg = config or MathToolConfig()
         if overrides:
-            from dataclasses import replace
-
-            # nested settings may arrive as plain mappings (YAML configs): build their dataclasses
-            for key, typ in (("reward", MathRewardConfig), ("limits", EnvLimits), ("sandbox", SandboxConfig)):
-                if isinstance(overrides.get(key), Mapping):
-                    overrides[key] = typ(**overrides[key])
-            cfg = replace(cfg, **overrides)
+            cfg = with_overrides(cfg, overrides)
         self.config = cfg
         if samples is None and cfg.dataset is not None:
             samples = load_math(Path(cfg.dataset) if cfg.dataset.endswith(".jsonl")

@@ -403,6 +403,10 @@ class MathRewardConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"MathRewardConfig.mode={self.mode!r}: must be one of {MODES}")
+        for name in ("correct_reward", "incorrect_reward", "tool_call_bonus", "tool_bonus_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"MathRewardConfig.{name}={v!r}: must be a number")
         if self.tool_call_bonus < 0 or self.tool_bonus_max < 0:
             raise ValueError("MathRewardConfig.tool_call_bonus / tool_bonus_max must be >= 0, "
                              f"got {self.tool_call_bonus!r} / {self.tool_bonus_max!r}")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..base import EnvLimits, RegexTool, ToolEnv
+from ..base import EnvLimits, RegexTool, ToolEnv, with_overrides
 from ..data import DEFAULT_DATA_DIR, load_jsonl, resolve_data_path
 from ..errors import InfrastructureError
 from .reward import exact_match, f1_score, substring_match
@@ -103,6 +103,10 @@ class SearchTool(RegexTool):
         return f"\n\n<information>{body}</information>\n\n"
 
 
+#: Largest ``topk`` a search may ask for (the retriever server's default ``max_topk``).
+MAX_TOPK = 100
+
+
 @dataclass(frozen=True)
 class SearchConfig:
     """Settings of :class:`SearchEnv` (validated).
@@ -130,10 +134,18 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if self.reward not in ("em", "substring_em", "f1"):
             raise ValueError(f"SearchConfig.reward={self.reward!r}: em | substring_em | f1")
-        if not isinstance(self.topk, int) or self.topk < 1:
-            raise ValueError(f"SearchConfig.topk={self.topk!r}: must be an int >= 1")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) \
+                or not 1 <= self.topk <= MAX_TOPK:
+            raise ValueError(f"SearchConfig.topk={self.topk!r}: must be an int in [1, {MAX_TOPK}] "
+                             "(the retriever server's default max_topk)")
         if "{question}" not in self.prompt_template:
             raise ValueError("SearchConfig.prompt_template must contain '{question}'")
+        try:
+            self.prompt_template.format(question="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"SearchConfig.prompt_template={self.prompt_template!r}: not a str.format "
+                             f"template with only {{question}} ({type(e).__name__}: {e}); write literal "
+                             "braces as {{ }}") from None
 
 
 def load_qa(dataset: str, data_dir: str = DEFAULT_DATA_DIR, limit: int | None = None
@@ -177,7 +189,7 @@ class SearchEnv(ToolEnv):
                  samples: Sequence[Mapping[str, Any]] | None = None, **overrides: Any) -> None:
         cfg = config or SearchConfig()
         if overrides:
-            cfg = replace(cfg, **overrides)
+            cfg = with_overrides(cfg, overrides)
         self.config = cfg
         if samples is None and cfg.dataset is not None:
             samples = load_qa(cfg.dataset, cfg.data_dir, cfg.limit)

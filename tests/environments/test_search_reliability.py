@@ -4,6 +4,8 @@ the real retriever server."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from environments.search import (
@@ -122,3 +124,15 @@ def test_retriever_down_is_an_infrastructure_failure_not_an_observation(retrieve
     obs, reward, term, trunc, _ = env.step(f"<search>{'word ' * 20000}</search>")
     assert obs.startswith("\n\n<information>search failed: ") and reward == 0.0 and not (term or trunc)
     env.close()
+
+
+def test_nested_settings_from_yaml_mappings_and_bad_values(retriever_url):
+    """YAML gives ``limits`` as a mapping: it is built into EnvLimits (other limits kept)."""
+    env = SearchEnv(retriever_url=retriever_url, limits={"max_turns": 2})
+    assert env.limits.max_turns == 2 and env.limits.max_tool_calls == SearchEnv(
+        retriever_url=retriever_url).limits.max_tool_calls
+    for kwargs, needle in [({"limits": 5}, "SearchConfig.limits=5: must be a mapping of EnvLimits fields"),
+                           ({"topk": 1000}, "SearchConfig.topk=1000: must be an int in [1, 100]"),
+                           ({"prompt_template": "Q {question} {"}, "not a str.format template")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            SearchEnv(retriever_url=retriever_url, **kwargs)

@@ -275,3 +275,10 @@ def test_cli_config_errors_in_process(args, needle, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     rc = cli_main(args)
     _assert_one_line_error(rc, capsys.readouterr().err, args[0], needle)
+
+
+def test_an_override_yaml_cannot_parse_names_its_key(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rc = cli_main(["train", "--config", "configs/math_tool/cpu_tiny.yaml", "train.total_steps={"])
+    _assert_one_line_error(rc, capsys.readouterr().err, "train",
+                           "train.total_steps='{': not a valid YAML value")

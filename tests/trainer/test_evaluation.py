@@ -205,11 +205,36 @@ def test_infra_failures_are_excluded_not_scored_zero():
     """An episode ended by a sandbox/retriever/engine failure is not a wrong answer."""
     trajs = [_traj(1.0), _traj(0.0, "infra_error: sandbox died"),          # problem 0: 1/1 scored
              _traj(0.0), _traj(1.0),                                       # problem 1: 1/2
-             _traj(0.0, "engine_error: boom"), _traj(0.0, "env_error: KeyError: 'x'")]  # problem 2: none
+             _traj(0.0, "engine_error: boom"), _traj(0.0, "infra_error: retriever down")]  # problem 2: none
     m = summarize(trajs, k=2)
     assert m["n"] == 2.0 and m["episodes"] == 3.0 and m["infra_failed"] == 3.0
     assert m["accuracy"] == m["avg@2"] == pytest.approx((1.0 + 0.5) / 2)
     assert m["pass@2"] == 1.0 and m["mean_reward"] == pytest.approx(2 / 3)
-    assert m["finish/infra_error"] == pytest.approx(1 / 6) and m["finish/terminated"] == pytest.approx(3 / 6)
+    assert m["finish/infra_error"] == pytest.approx(2 / 6) and m["finish/terminated"] == pytest.approx(3 / 6)
     every = summarize([_traj(0.0, "infra_error: retriever down")] * 2, k=2)
     assert every["n"] == 0.0 and every["infra_failed"] == 2.0 and math.isnan(every["accuracy"])
+
+
+def test_a_bug_in_the_environment_fails_the_evaluation(model, tok):
+    """An env that raises (not InfrastructureError) is a bug: never scored, never silently dropped."""
+    class Buggy(SearchEnv):
+        def step(self, action):
+            raise KeyError("golden_answerz")
+
+    async def main():
+        eng = EmbeddedEngine(model, tok)
+        try:
+            return await run_eval_episodes(eng, lambda: Buggy(retriever=object.__new__(_NoRetriever)), tok,
+                                           [{"id": "q1", "question": "?", "golden_answers": ["x"]}],
+                                           agent_cfg=AgentLoopConfig(max_turns=1), max_new_tokens=4)
+        finally:
+            await eng.close()
+
+    with pytest.raises(RuntimeError, match=r"environment raised on 1 of 1 episodes; first \(sample 'q1'\): "
+                                           r"env_error: KeyError: 'golden_answerz'"):
+        asyncio.run(main())
+
+
+class _NoRetriever:
+    def retrieve(self, queries, topk=None):
+        return [[] for _ in queries]

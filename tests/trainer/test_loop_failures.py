@@ -109,8 +109,45 @@ def test_exception_in_the_learner_propagates_without_hanging(tiny):
         raise RuntimeError("CUDA error: an illegal memory access")
 
     loop, eng, _ = _loop(tiny, EchoEnv, learner_step=bad_step)
-    with pytest.raises(RuntimeError, match="illegal memory access"):
+    with pytest.raises(TrainingError, match=r"^learner step 1 failed: RuntimeError: CUDA error: an illegal "
+                                            r"memory access; no checkpoint yet$") as ei:
         asyncio.run(_run(loop, eng))
+    assert isinstance(ei.value.__cause__, RuntimeError)
+
+
+class BuggyEnv(EchoEnv):
+    """An env whose reward code has a bug (raises TypeError, not InfrastructureError)."""
+
+    def score(self, sample, response, answer, tool_calls):
+        return "1" + 0.0, {}
+
+
+def test_a_bug_in_the_environment_stops_the_run_instead_of_being_dropped(tiny):
+    loop, eng, seen = _loop(tiny, BuggyEnv, steps=3)
+    with pytest.raises(TrainingError, match=r"the environment raised on prompt draw \d+ \(sample 's\d+'\): "
+                                            r"env_error: TypeError: can only concatenate str"):
+        asyncio.run(_run(loop, eng))
+    assert seen == []
+
+
+def test_a_flaky_sandbox_below_the_limit_does_not_stop_the_run(tiny):
+    """One episode in five fails (20 %), far below the 50 % limit: the run completes."""
+    count = {"n": 0}
+    lock = threading.Lock()
+
+    class OneInFive(EchoEnv):
+        def step(self, action):
+            with lock:
+                count["n"] += 1
+                fail = count["n"] % 5 == 0
+            if fail:
+                raise InfrastructureError("sandbox worker died")
+            return super().step(action)
+
+    loop, eng, seen = _loop(tiny, OneInFive, steps=4, per_step=5, s=2, frac=0.5)
+    asyncio.run(_run(loop, eng))
+    assert [m["step"] for m in seen] == [1, 2, 3, 4]
+    assert 4 <= loop.counters["infra_failed"] <= count["n"] // 5
 
 
 def test_infra_failed_episodes_are_not_trained_counted_and_requeued(tiny):
@@ -136,9 +173,10 @@ def test_infra_failed_episodes_are_not_trained_counted_and_requeued(tiny):
 def test_too_many_infra_failures_stop_the_run(tiny):
     fail = {s["id"]: 10 ** 6 for s in SAMPLES}  # the sandbox never works
     loop, eng, seen = _loop(tiny, lambda: FlakyEnv(fail, threading.Lock()), steps=3, per_step=2, frac=0.5)
-    with pytest.raises(TrainingError, match=r"2 episodes ended by an infrastructure failure since step 0 "
-                                            r"\(more than train.max_infra_failure_fraction=0.5 of the 2 "
-                                            r"episodes of a step\); last: infra_error: sandbox for s\d+"):
+    with pytest.raises(TrainingError, match=r"2 of the last 2 finished episodes \(a step's worth\) ended by "
+                                            r"an infrastructure failure, more than "
+                                            r"train.max_infra_failure_fraction=0.5; last: infra_error: "
+                                            r"sandbox for s\d+"):
         asyncio.run(_run(loop, eng))
     assert seen == []
 
@@ -146,7 +184,7 @@ def test_too_many_infra_failures_stop_the_run(tiny):
 def test_zero_fraction_stops_at_the_first_infra_failure(tiny):
     fail = {PromptStream(SAMPLES, 0).row(0)["id"]: 1}
     loop, eng, _ = _loop(tiny, lambda: FlakyEnv(fail, threading.Lock()), steps=3, frac=0.0, s=0)
-    with pytest.raises(TrainingError, match=r"^1 episodes ended by an infrastructure failure"):
+    with pytest.raises(TrainingError, match=r"^1 of the last 2 finished episodes"):
         asyncio.run(_run(loop, eng))
 
 

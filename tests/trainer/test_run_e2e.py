@@ -161,7 +161,17 @@ def test_bad_env_setting_is_rejected_at_load_naming_the_key(tmp_path):
                           ({"task.env_kwargs": "{max_turn: 3}"},
                            "task.env_kwargs.max_turn: not a setting of env 'math_tool'"),
                           ({"task.env_kwargs": "{limits: {max_turns: 0}}"},
-                           "task.env_kwargs.limits.max_turns=0: must be an int >= 1")]:
+                           "task.env_kwargs.limits.max_turns=0: must be an int >= 1"),
+                          ({"task.env_kwargs": "{limits: 5}"},
+                           "task.env_kwargs.limits=5: must be a mapping of EnvLimits fields"),
+                          ({"task.env_kwargs": "{code_memory_mb: -5}"},
+                           "task.env_kwargs.code_memory_mb=-5: must be an int >= 64 (MiB)"),
+                          ({"task.env_kwargs": "{reward: {correct_reward: abc}}"},
+                           "task.env_kwargs.reward.correct_reward='abc': must be a number"),
+                          ({"task.env_kwargs": "{prompt_template: 'Q {problem} {'}"},
+                           "task.env_kwargs.prompt_template='Q {problem} {': not a str.format template"),
+                          ({"task.env_kwargs": "{dataset: no_such_set.jsonl}"},
+                           "task.env_kwargs.dataset: env 'math_tool' could not load its data")]:
         cfg = load_config(None, overrides(tmp_path / "bad", "copc", **extra))
         t0 = time.monotonic()
         with pytest.raises(ConfigError) as ei:

@@ -14,13 +14,16 @@ Failures never hang the run and never become rewards:
 * an episode ended by an infrastructure failure (:attr:`Trajectory.infra_failed`: the
   sandbox, retriever, reward checker or engine failed, not the policy) is not trained on:
   its whole group is dropped, counted in ``rollout/infra_failed`` and its prompt re-queued;
-  when more than ``max_infra_failure_fraction`` of a step's episodes fail that way before
-  the step is trained, the run stops with :class:`TrainingError`;
-* any exception escaping a rollout task (a bug, a dead Ray worker) stops the run promptly
-  with :class:`TrainingError` naming the prompt and the cause; the learner is idle at that
+  when more than ``max_infra_failure_fraction`` of the last step's worth of finished
+  episodes (``prompts_per_step × n_samples_per_prompt``) failed that way, the run stops
+  with :class:`TrainingError`;
+* any exception escaping a rollout task (a bug, a dead Ray worker) and any episode ended by
+  an environment bug (:attr:`Trajectory.env_failed`) stops the run promptly with
+  :class:`TrainingError` naming the prompt and the cause; the learner is idle at that
   point, so the state after the last finished step is checkpointed first (no step is lost);
-* an exception of the learner step, the weight sync or a hook propagates as is (the last
-  checkpoint on disk is the last good state).
+* an exception of the learner step becomes a :class:`TrainingError` naming the step and
+  the last checkpoint (the learner may be half-updated, so it is not checkpointed); one of
+  the weight sync or a hook propagates as is.
 
 Cumulative counters (:data:`COUNTERS`) are part of :meth:`AsyncTrainingLoop.loop_state`
 and continue across a resume.
@@ -32,6 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +183,8 @@ class AsyncTrainingLoop:
             raise ValueError(f"counters: unknown key(s) {sorted(unknown)}; known: {COUNTERS}")
         self.counters: dict[str, int] = {k: int((counters or {}).get(k, 0)) for k in COUNTERS}
         self._infra_since_step = 0  # infrastructure-failed episodes since the last step
+        # infra-failed flags of the last step's worth of finished episodes (the stop rule's window)
+        self._recent: deque[bool] = deque(maxlen=cfg.prompts_per_step * cfg.n_samples_per_prompt)
         self._dropped_since_step: list[Trajectory] = []
         self._failure: TrainingError | None = None
         self._start_step = start_step
@@ -245,10 +251,17 @@ class AsyncTrainingLoop:
             return
         for t in trajs:
             t.info["uid"] = uid
+        broken = [t for t in trajs if t.env_failed]
+        if broken:  # a bug in the environment: stop rather than train on (or drop) biased data
+            await self._fail(TrainingError(
+                f"the environment raised on prompt draw {uid} (sample {broken[0].sample_id!r}): "
+                f"{broken[0].finish_reason}"))
+            return
         failed = [t for t in trajs if t.infra_failed]
         async with self._cond:
             self.counters["episodes"] += len(trajs)
             self.counters["tokens_generated"] += sum(t.num_model_tokens for t in trajs)
+            self._recent.extend(t.infra_failed for t in trajs)
             if not failed:
                 self.ready.append(_Group(uid, list(trajs)))
                 self._cond.notify_all()
@@ -260,19 +273,17 @@ class AsyncTrainingLoop:
             self.in_flight.discard(uid)
             self.prompts.requeue([uid])
             self._cond.notify_all()
-            per_step = self.cfg.prompts_per_step * self.cfg.n_samples_per_prompt
-            limit = self.cfg.max_infra_failure_fraction * per_step
-            since = self._infra_since_step
-            over = since > limit
+            per_step = self._recent.maxlen
+            in_window = sum(self._recent)
+            over = in_window > self.cfg.max_infra_failure_fraction * per_step
         log.warning("prompt draw %d: %d/%d episode(s) ended by an infrastructure failure (%s); "
                     "group not trained, prompt re-queued", uid, len(failed), len(trajs),
                     failed[0].finish_reason)
         if over:
             await self._fail(TrainingError(
-                f"{since} episodes ended by an infrastructure failure since step "
-                f"{self.step} (more than train.max_infra_failure_fraction="
-                f"{self.cfg.max_infra_failure_fraction} of the {per_step} episodes of a step); "
-                f"last: {failed[-1].finish_reason}"))
+                f"{in_window} of the last {per_step} finished episodes (a step's worth) ended by an "
+                f"infrastructure failure, more than train.max_infra_failure_fraction="
+                f"{self.cfg.max_infra_failure_fraction}; last: {failed[-1].finish_reason}"))
 
     async def _producer(self) -> None:
         tasks: set[asyncio.Task] = set()
@@ -400,7 +411,14 @@ class AsyncTrainingLoop:
                 wait_s = time.perf_counter() - t_wait
                 trajs = [t for g in groups for t in g.trajs]
                 batch = to_batch(trajs, self.tok.pad_token_id)
-                metrics = await self.learner_step(batch, self.version)
+                try:
+                    metrics = await self.learner_step(batch, self.version)
+                except Exception as e:  # the learner may be half-updated: no checkpoint of it
+                    log.error("learner step %d failed", self.step + 1, exc_info=e)
+                    last = "no checkpoint yet" if self.last_checkpoint_step is None else \
+                        f"the last checkpoint is step {self.last_checkpoint_step} (continue with --resume)"
+                    raise TrainingError(f"learner step {self.step + 1} failed: {type(e).__name__}: {e}; "
+                                        f"{last}") from e
                 self.version += 1
                 self.step += 1
                 t_sync = time.perf_counter()

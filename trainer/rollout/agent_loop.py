@@ -102,9 +102,11 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         The trajectory. It is never dropped silently: an infrastructure failure ends the
         episode with ``finish_reason`` saying so and :attr:`Trajectory.infra_failed` set —
         ``"infra_error: ..."`` when ``reset``/``step`` raised
-        :class:`~environments.errors.InfrastructureError`, ``"env_error: ..."`` for any other
-        exception of ``step``, ``"engine_error: ..."`` when generation failed after retries.
-        Such an episode has reward 0 but must not be trained on or scored as wrong.
+        :class:`~environments.errors.InfrastructureError`, ``"engine_error: ..."`` when
+        generation failed after retries; such an episode has reward 0 but must not be trained
+        on or scored as wrong. Any other exception of ``step`` (a bug in the environment) ends
+        it with ``"env_error: ..."`` (:attr:`Trajectory.env_failed`), which the training loop
+        and evaluation treat as fatal.
         A turn cut by ``max_total_tokens`` is not passed to the environment (it is incomplete):
         ``finish_reason = "max_total_tokens"``, reward 0.
     """

@@ -20,9 +20,11 @@ from typing import Any
 NO_VERSION = -1
 
 #: ``finish_reason`` prefixes of episodes ended by a failure of the infrastructure (sandbox,
-#: retriever, reward checker, environment code, inference engine), not by the policy. Such
-#: episodes are never trained on or scored (see :attr:`Trajectory.infra_failed`).
-INFRA_FAILURE_REASONS = ("infra_error", "env_error", "engine_error")
+#: retriever, reward checker, inference engine), not by the policy. Such episodes are never
+#: trained on or scored (see :attr:`Trajectory.infra_failed`). An ``env_error`` (the
+#: environment raised anything else: a bug) is not one of them: it stops training and
+#: evaluation (:attr:`Trajectory.env_failed`), so a bug never silently biases the data.
+INFRA_FAILURE_REASONS = ("infra_error", "engine_error")
 
 
 @dataclass
@@ -39,9 +41,9 @@ class Trajectory:
         sample_id: id of the data row; group_id: prompt group (GRPO), defaults to sample_id.
         turns: number of model turns.
         finish_reason: why the episode ended (``"terminated"``, ``"truncated"``,
-            ``"max_total_tokens"``, ``"max_turns"``; or an infrastructure failure:
-            ``"infra_error: ..."`` (the env raised ``InfrastructureError``),
-            ``"env_error: ..."`` (any other env exception), ``"engine_error: ..."``).
+            ``"max_total_tokens"``, ``"max_turns"``; an infrastructure failure:
+            ``"infra_error: ..."`` (the env raised ``InfrastructureError``) or
+            ``"engine_error: ..."``; or ``"env_error: ..."`` (any other env exception: a bug).
         info: the environment's last ``info`` and anything else worth logging.
     """
 
@@ -109,6 +111,11 @@ class Trajectory:
         re-queues its prompt; evaluation excludes it from the metrics and counts it.
         """
         return self.finish_reason.split(":")[0] in INFRA_FAILURE_REASONS
+
+    @property
+    def env_failed(self) -> bool:
+        """True when the environment raised an exception other than ``InfrastructureError`` (a bug)."""
+        return self.finish_reason.startswith("env_error")
 
     @property
     def num_model_tokens(self) -> int:
