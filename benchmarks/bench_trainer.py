@@ -33,8 +33,9 @@ from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig
 from trainer.orchestration.prompts import PromptStream
-from trainer.rollout.agent_loop import AgentLoopConfig, run_episodes
+from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.batch import to_batch
+from trainer.rollout.groups import EnvPool, run_groups
 
 PROMPT = "Use <code>```python ...```</code>; answer in \\boxed{{}}.\nProblem: {problem}\n"
 
@@ -63,7 +64,9 @@ def main() -> None:
 
     async def gen():
         eng = EmbeddedEngine(copy.deepcopy(base), tok)
-        trs = await run_episodes(eng, make_env, tok, samples(args.batches * args.batch_size), sp, agent)
+        pool = EnvPool(make_env, 32)
+        trs = await run_groups(eng, pool, tok, samples(args.batches * args.batch_size), 1, sp, agent)
+        await pool.close()
         await eng.close()
         return trs
 

@@ -2,7 +2,9 @@
 
 :class:`AlgorithmConfig` is a frozen dataclass validated at construction: a bad
 field raises ``ValueError`` naming the field and the value. Every **(choice)**
-of the spec is a field here.
+of the spec is a field here. ``advantage_estimator`` and ``policy_loss`` are checked
+against the open registries :data:`copc.ADVANTAGE_ESTIMATORS` / :data:`copc.POLICY_LOSSES`
+(and their metadata) when the config is built, so register a custom one first.
 """
 
 from __future__ import annotations
@@ -12,15 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._checks import check_number
+from .advantages import OBS_DISCOUNT_MODES
 from .aggregation import LOSS_AGG_MODES
 from .margins import EPS_HIGH, EPS_LOW, ETA
+from .registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
-#: Advantage estimators that need a critic (values), and those that do not.
-CRITIC_ESTIMATORS = ("copc", "gae", "vtrace")
-OUTCOME_ESTIMATORS = ("grpo", "batch_norm")
-POLICY_LOSS_NAMES = ("dis", "ppo", "decoupled_ppo", "tis", "icepop")
 OBS_REWARD_MODES = ("fold", "error")
-OBS_DISCOUNT_MODES = ("skip", "per_token")
 
 
 def _unit(name: str, v: object) -> None:
@@ -41,9 +40,12 @@ class AlgorithmConfig:
 
     Attributes (spec sections in brackets):
         name: preset name (free text for custom configs).
-        advantage_estimator: ``copc`` | ``gae`` | ``vtrace`` | ``grpo`` | ``batch_norm``.
-        policy_loss: ``dis`` | ``ppo`` | ``decoupled_ppo`` | ``tis`` | ``icepop``.
-        use_critic: train a value model (required by ``copc``/``gae``/``vtrace``).
+        advantage_estimator: a name registered in :data:`copc.ADVANTAGE_ESTIMATORS` (built-in:
+            ``copc`` | ``gae`` | ``vtrace`` | ``grpo`` | ``batch_norm``).
+        policy_loss: a name registered in :data:`copc.POLICY_LOSSES` (built-in: ``dis`` |
+            ``ppo`` | ``decoupled_ppo`` | ``tis`` | ``icepop``).
+        use_critic: train a value model; must equal the estimator's ``needs_critic``
+            metadata (True for ``copc``/``gae``/``vtrace``).
         gamma, lam: γ, λ ∈ [0, 1] per action token ["Setting"; paper γ = λ = 1].
         eps_low, eps_high: shared base margins ε_ℓ ∈ [0, 1], ε_h ≥ 0 ["Margins"].
         eta_p, eta_a: channel strengths η_P, η_A ∈ [0, 1] ["Margins"].
@@ -65,9 +67,16 @@ class AlgorithmConfig:
         obs_discount: ``skip`` observation tokens in the recursion (default) or discount
             ``per_token`` ["Setting", (choice)]; ``vtrace`` supports ``skip`` only.
         max_staleness: forced max staleness (``ppo`` = 0, synchronous), None = trainer's.
+        n_samples_per_prompt: the rollouts per prompt the algorithm is defined for (``sao`` = 1,
+            a single rollout per prompt), None = any; a run whose rollout count differs is
+            rejected (by the trainer's config), not silently changed. Must be >= 2 when the
+            estimator ``needs_groups``.
 
     Raises:
-        ValueError: at construction, naming the first invalid field and its value.
+        ValueError: at construction, naming the first invalid field and its value; an
+            unregistered ``advantage_estimator``/``policy_loss`` (listing the registered ones);
+            ``use_critic`` differing from the estimator's ``needs_critic``; or
+            ``n_samples_per_prompt = 1`` with an estimator that ``needs_groups``.
     """
 
     name: str = "copc"
@@ -99,14 +108,10 @@ class AlgorithmConfig:
     obs_reward: str = "fold"
     obs_discount: str = "skip"
     max_staleness: int | None = None
+    n_samples_per_prompt: int | None = None
 
     def __post_init__(self) -> None:
         """Validate every field (see class docstring)."""
-        est = CRITIC_ESTIMATORS + OUTCOME_ESTIMATORS
-        if self.advantage_estimator not in est:
-            raise ValueError(f"advantage_estimator must be one of {est}, got {self.advantage_estimator!r}")
-        if self.policy_loss not in POLICY_LOSS_NAMES:
-            raise ValueError(f"policy_loss must be one of {POLICY_LOSS_NAMES}, got {self.policy_loss!r}")
         for n in ("use_critic", "std_normalize", "normalize_advantages"):
             if not isinstance(getattr(self, n), bool):
                 raise ValueError(f"{n} must be a bool, got {getattr(self, n)!r}")
@@ -114,13 +119,29 @@ class AlgorithmConfig:
                   "behav_cap_mode", "obs_reward", "obs_discount"):
             if not isinstance(getattr(self, n), str):
                 raise ValueError(f"{n} must be a string, got {getattr(self, n)!r}")
-        if self.advantage_estimator in OUTCOME_ESTIMATORS and self.use_critic:
+        # read the registries now (not at import): a user's registration before this counts
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of the registered advantage estimators "
+                             f"{ADVANTAGE_ESTIMATORS.names()}, got {self.advantage_estimator!r} "
+                             "(register a custom one with copc.ADVANTAGE_ESTIMATORS.register first)")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of the registered policy losses "
+                             f"{POLICY_LOSSES.names()}, got {self.policy_loss!r} "
+                             "(register a custom one with copc.POLICY_LOSSES.register first)")
+        meta = ADVANTAGE_ESTIMATORS.metadata(self.advantage_estimator)
+        if self.use_critic and not meta["needs_critic"]:
             raise ValueError(f"use_critic=True with advantage_estimator={self.advantage_estimator!r}: "
                              "that estimator never reads values, the critic would train for nothing")
-        if self.advantage_estimator in CRITIC_ESTIMATORS and not self.use_critic:
+        if meta["needs_critic"] and not self.use_critic:
             raise ValueError(
                 f"use_critic=False is incompatible with advantage_estimator={self.advantage_estimator!r}"
                 " (it needs values)")
+        n = self.n_samples_per_prompt
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"n_samples_per_prompt must be an int >= 1 or None, got {n!r}")
+        if meta["needs_groups"] and n is not None and n < 2:
+            raise ValueError(f"n_samples_per_prompt={n!r} is incompatible with advantage_estimator="
+                             f"{self.advantage_estimator!r} (group-relative: needs >= 2)")
         for n in ("gamma", "lam", "eps_low", "eta_p", "eta_a"):
             _unit(n, getattr(self, n))
         if not check_number("eps_high", self.eps_high) >= 0.0:
@@ -170,7 +191,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "ppo": dict(advantage_estimator="gae", policy_loss="ppo", max_staleness=0),
     "ppo_async": dict(advantage_estimator="gae", policy_loss="ppo"),
     "areal": dict(advantage_estimator="gae", policy_loss="decoupled_ppo"),
-    "sao": dict(advantage_estimator="batch_norm", policy_loss="dis", use_critic=False),
+    "sao": dict(advantage_estimator="batch_norm", policy_loss="dis", use_critic=False,
+                n_samples_per_prompt=1),
     "vtrace": dict(advantage_estimator="vtrace", policy_loss="ppo", rho_clip=1.0, c_clip=1.0),
     "dapo": dict(advantage_estimator="grpo", policy_loss="ppo", use_critic=False, clip_low=0.2,
                  clip_high=0.28, loss_agg_mode="token-mean"),
@@ -179,6 +201,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRESET_NAMES = tuple(_PRESETS)
+
+#: Fields that define a preset (not tunables): an override to another value is an error,
+#: with a hint at the preset to use instead.
+_PINNED: dict[str, dict[str, str]] = {
+    "ppo": {"max_staleness": "preset 'ppo' is synchronous (max_staleness=0); for stale rollouts "
+                             "use 'ppo_async'"},
+    "sao": {"n_samples_per_prompt": "preset 'sao' is single-rollout (n_samples_per_prompt=1); for "
+                                    "groups of samples per prompt use 'dapo'"},
+}
 
 
 def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
@@ -193,12 +224,13 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
         A frozen, validated :class:`AlgorithmConfig`.
 
     Raises:
-        ValueError: for an unknown preset, unknown field or invalid value, or a non-zero
-            ``max_staleness`` for the synchronous ``ppo`` preset.
+        ValueError: for an unknown preset, unknown field or invalid value, or an override of a
+            field the preset is defined by: ``max_staleness`` other than 0 for the synchronous
+            ``ppo``, ``n_samples_per_prompt`` other than 1 for the single-rollout ``sao``.
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {list(PRESET_NAMES)}")
-    if name == "ppo" and overrides.get("max_staleness", 0) != 0:
-        raise ValueError("preset 'ppo' is synchronous (max_staleness=0); for stale rollouts use "
-                         f"'ppo_async' (got max_staleness={overrides['max_staleness']!r})")
+    for key, why in _PINNED.get(name, {}).items():
+        if key in overrides and overrides[key] != _PRESETS[name][key]:
+            raise ValueError(f"{why} (got {key}={overrides[key]!r})")
     return AlgorithmConfig(name=name, **_PRESETS[name]).replace(**overrides)

@@ -5,14 +5,30 @@ Two :class:`Registry` instances map names to adapters with one uniform signature
 * advantage estimators: ``fn(inputs: AdvantageInputs, cfg) -> (advantages, returns)``
 * policy losses: ``fn(logp, inputs: PolicyLossInputs, cfg) -> (loss, metrics)``
 
-Users add their own with ``ADVANTAGE_ESTIMATORS.register("name")(fn)``.
+The registries are open: :class:`AlgorithmConfig` validates ``advantage_estimator`` and
+``policy_loss`` against them when it is built, so register before building the config::
+
+    @copc.ADVANTAGE_ESTIMATORS.register("mc", needs_critic=False)
+    def mc(inputs, cfg): ...
+
+    cfg = copc.get_preset("copc", advantage_estimator="mc", use_critic=False)
+
+An advantage estimator carries metadata, read by config validation (here and in the trainer):
+
+* ``needs_critic`` (bool, required): it reads ``inputs.values``; ``use_critic`` must equal it.
+* ``needs_groups`` (bool, default False): it compares samples of the same prompt (``grpo``),
+  so a run needs ``n_samples_per_prompt >= 2``.
+
+This module imports :class:`AlgorithmConfig` for type hints only (``presets`` imports this
+module to validate names, so importing either registers the built-ins first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -31,35 +47,85 @@ from .policy_losses import (
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
-from .presets import AlgorithmConfig
+
+if TYPE_CHECKING:
+    from .presets import AlgorithmConfig
 
 Tensor = torch.Tensor
 F = TypeVar("F", bound=Callable)
 
+#: Marks a metadata key without a default in a :class:`Registry` schema: ``register`` must give it.
+REQUIRED: Any = type("_Required", (), {"__repr__": lambda self: "REQUIRED"})()
+
 
 class Registry(Generic[F]):
-    """A name → function table with a decorator and clear errors.
+    """A name → function table with per-entry metadata, a decorator and clear errors.
 
     Args:
         kind: what is registered, used in error messages (e.g. ``"advantage estimator"``).
+        metadata: the metadata schema, ``{key: (type, default)}``; a default of
+            :data:`REQUIRED` makes the key mandatory at registration. Keys outside the schema
+            are rejected (catches typos such as ``need_critic``). None: no metadata.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, metadata: Mapping[str, tuple[type, Any]] | None = None) -> None:
         self.kind = kind
+        self._schema: dict[str, tuple[type, Any]] = dict(metadata or {})
         self._entries: dict[str, F] = {}
+        self._metadata: dict[str, Mapping[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator registering ``fn`` under ``name``.
+    def register(self, name: str, **metadata: Any) -> Callable[[F], F]:
+        """Decorator registering ``fn`` under ``name`` with ``metadata``.
+
+        Args:
+            name: a non-empty string, not yet registered.
+            **metadata: values for the schema's keys (defaults fill the rest).
+
+        Returns:
+            The decorator; it registers ``fn`` and returns it unchanged.
 
         Raises:
-            ValueError: if ``name`` is already registered.
+            ValueError: (when called) for an empty/non-string name, a metadata key outside the
+                schema, a missing required key or a value of the wrong type; (when the decorator
+                is applied) if ``name`` is already registered or ``fn`` is not callable.
         """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        unknown = sorted(set(metadata) - set(self._schema))
+        if unknown:
+            raise ValueError(f"{self.kind} {name!r}: unknown metadata {unknown}; "
+                             f"known: {sorted(self._schema)}")
+        resolved: dict[str, Any] = {}
+        for key, (typ, default) in self._schema.items():
+            if key not in metadata and default is REQUIRED:
+                raise ValueError(f"{self.kind} {name!r}: register() needs metadata "
+                                 f"{key}=<{typ.__name__}>")
+            value = metadata.get(key, default)
+            if not isinstance(value, typ):
+                raise ValueError(f"{self.kind} {name!r}: metadata {key} must be a {typ.__name__}, "
+                                 f"got {value!r}")
+            resolved[key] = value
+        frozen = MappingProxyType(resolved)
+
         def deco(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
+            if not callable(fn):
+                raise ValueError(f"{self.kind} {name!r}: {fn!r} is not callable")
             self._entries[name] = fn
+            self._metadata[name] = frozen
             return fn
         return deco
+
+    def unregister(self, name: str) -> F:
+        """Remove ``name`` (e.g. a test's temporary entry) and return its function.
+
+        Raises:
+            ValueError: for an unknown name, listing the known ones.
+        """
+        fn = self.get(name)
+        del self._entries[name], self._metadata[name]
+        return fn
 
     def get(self, name: str) -> F:
         """Return the function registered as ``name``.
@@ -69,15 +135,27 @@ class Registry(Generic[F]):
         """
         try:
             return self._entries[name]
-        except KeyError:
+        except (KeyError, TypeError):
             raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
+
+    def metadata(self, name: str) -> Mapping[str, Any]:
+        """Read-only metadata of ``name`` (every schema key, defaults filled in).
+
+        Raises:
+            ValueError: for an unknown name, listing the known ones.
+        """
+        self.get(name)
+        return self._metadata[name]
 
     def names(self) -> list[str]:
         """Registered names, sorted."""
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        try:
+            return name in self._entries
+        except TypeError:  # unhashable
+            return False
 
 
 @dataclass
@@ -120,13 +198,17 @@ class PolicyLossInputs:
     denominators: Denominators | None = None
 
 
+#: Advantage estimators, with metadata ``needs_critic`` (bool, required) and ``needs_groups``
+#: (bool, default False); see the module docstring.
 ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs, AlgorithmConfig], tuple[Tensor, Tensor]]] = \
-    Registry("advantage estimator")
+    Registry("advantage estimator", metadata={"needs_critic": (bool, REQUIRED),
+                                              "needs_groups": (bool, False)})
+#: Policy losses (no metadata).
 POLICY_LOSSES: Registry[Callable[[Tensor, PolicyLossInputs, AlgorithmConfig], tuple[Tensor, dict]]] = \
     Registry("policy loss")
 
 
-@ADVANTAGE_ESTIMATORS.register("copc")
+@ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True)
 def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'copc'")
     return coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
@@ -136,7 +218,7 @@ def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
                                     obs_discount=cfg.obs_discount)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True)
 def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", who="advantage estimator 'gae'")
     return gae_advantage_return(x.rewards, x.values, x.loss_mask, gamma=cfg.gamma, lam=cfg.lam,
@@ -144,7 +226,7 @@ def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
                                 obs_discount=cfg.obs_discount)
 
 
-@ADVANTAGE_ESTIMATORS.register("vtrace")
+@ADVANTAGE_ESTIMATORS.register("vtrace", needs_critic=True)
 def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'vtrace'")
     return vtrace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
@@ -153,7 +235,7 @@ def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
                                    obs_reward=cfg.obs_reward)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, needs_groups=True)
 def _grpo(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("scores", "group_ids", who="advantage estimator 'grpo'")
     adv = broadcast_to_tokens(group_relative_advantages(x.scores, x.group_ids,
@@ -161,7 +243,7 @@ def _grpo(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return adv, adv.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("batch_norm")
+@ADVANTAGE_ESTIMATORS.register("batch_norm", needs_critic=False)
 def _batch_norm(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("scores", who="advantage estimator 'batch_norm'")
     adv = broadcast_to_tokens(batch_normalized_advantages(x.scores), x.loss_mask)

@@ -1,7 +1,8 @@
 """Multi-turn text tool environments (Gymnasium), a registry, and the Python sandbox.
 
 ``environments.make("math_tool")`` / ``gymnasium.make("copc/MathTool-v0")``;
-``environments.register(id, entry_point="pkg.mod:Cls", **defaults)``; ``environments.list()``.
+``environments.register(id, entry_point="pkg.mod:Cls", **defaults)``; ``environments.names()``;
+``environments.resolve("my_pkg.envs:calc")`` (import the module that registers an id).
 """
 
 from __future__ import annotations
@@ -15,22 +16,58 @@ from .errors import InfrastructureError
 from .registry import DEFAULT_REGISTRY, EnvSpec, Registry
 
 __all__ = ["DEFAULT_REGISTRY", "EnvLimits", "EnvSpec", "InfrastructureError", "RegexTool", "Registry",
-           "TextSpace", "Tool", "ToolCall", "ToolEnv", "list", "make", "register", "truncate_observation"]
+           "TextSpace", "Tool", "ToolCall", "ToolEnv", "make", "names", "register", "resolve",
+           "truncate_observation"]
 
 
 def register(id: str, entry_point: Any, overwrite: bool = False, **defaults: Any) -> EnvSpec:
-    """Register an environment in the default registry (see :meth:`Registry.register`)."""
+    """Register an environment in the default registry.
+
+    Args:
+        id: the environment id (what ``task.env`` names).
+        entry_point: ``"package.module:ClassName"`` or a callable returning a ``gymnasium.Env``.
+        overwrite: replace an existing registration of ``id``.
+        **defaults: constructor keyword arguments (overridden by :func:`make`'s).
+
+    Returns:
+        The :class:`EnvSpec`.
+
+    Raises:
+        ValueError: empty id, or ``id`` already registered and ``overwrite`` is False.
+    """
     return DEFAULT_REGISTRY.register(id, entry_point, overwrite=overwrite, **defaults)
 
 
 def make(id: str, **overrides: Any) -> gymnasium.Env:
-    """Build a registered environment (see :meth:`Registry.make`)."""
+    """Build a registered environment of the default registry.
+
+    Args:
+        id: a registered id.
+        **overrides: constructor keyword arguments, on top of the registered defaults.
+
+    Returns:
+        A new environment.
+
+    Raises:
+        KeyError: unknown id (the message lists the registered ids); the constructor's own
+            errors (``TypeError``, ``ValueError``, ...) propagate.
+    """
     return DEFAULT_REGISTRY.make(id, **overrides)
 
 
-def list() -> list[str]:
-    """Ids registered in the default registry."""
-    return DEFAULT_REGISTRY.list()
+def names() -> list[str]:
+    """The ids registered in the default registry, sorted."""
+    return DEFAULT_REGISTRY.names()
+
+
+def resolve(ref: str) -> str:
+    """The registered id named by ``ref`` (``"calc"``, ``"my_pkg.envs:calc"`` or
+    ``"calc_env.py:calc"``), importing its module first; see :meth:`Registry.resolve`.
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError, KeyError: see :meth:`Registry.resolve`.
+    """
+    return DEFAULT_REGISTRY.resolve(ref)
 
 
 _BUILTINS = {

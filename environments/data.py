@@ -1,40 +1,104 @@
-"""JSONL data loading shared by the environments (validated, with line numbers in errors)."""
+"""Where the data lives, and JSONL loading shared by the environments (validated, with line
+numbers in errors).
+
+The data directory is, in order: an explicit ``data_dir`` (``task.data_dir`` in a config, the
+``data_dir`` setting of an environment), else the environment variable ``COPC_DATA_DIR``, else
+``../shared/data``. A relative directory is taken relative to the current working directory
+(never to where the package is installed), so ``copc train`` run from a checkout's root finds
+``../shared/data`` next to it, and an installed copy finds whatever ``COPC_DATA_DIR`` names.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = "../shared/data"  # relative to the repository root
+#: Environment variable naming the data directory when no ``data_dir`` is given.
+DATA_DIR_ENV = "COPC_DATA_DIR"
+#: The data directory when neither ``data_dir`` nor ``COPC_DATA_DIR`` is set (relative to the
+#: current working directory).
+FALLBACK_DATA_DIR = "../shared/data"
+#: Default ``data_dir`` of loaders and environment settings: empty means "not given", i.e.
+#: ``COPC_DATA_DIR``, else :data:`FALLBACK_DATA_DIR` (see :func:`data_root`).
+DEFAULT_DATA_DIR = ""
+
+
+def data_root(data_dir: str | Path = DEFAULT_DATA_DIR) -> Path:
+    """The absolute data directory.
+
+    Args:
+        data_dir: an explicit directory; empty (the default): ``$COPC_DATA_DIR`` if set and
+            non-empty, else :data:`FALLBACK_DATA_DIR`. A relative directory is resolved against
+            the current working directory.
+
+    Returns:
+        The directory as an absolute, normalised :class:`~pathlib.Path` (it need not exist).
+    """
+    chosen = str(data_dir) or os.environ.get(DATA_DIR_ENV, "") or FALLBACK_DATA_DIR
+    return Path(chosen).expanduser().resolve()
 
 
 def resolve_data_path(path: str | Path, data_dir: str | Path = DEFAULT_DATA_DIR) -> Path:
-    """Absolute path of a data file: absolute ``path`` as is, else under ``data_dir``
-    (itself relative to the repository root when not absolute)."""
+    """Absolute path of a data file.
+
+    Args:
+        path: an absolute path (returned as is) or a path relative to the data directory.
+        data_dir: see :func:`data_root`.
+
+    Returns:
+        ``path`` itself when absolute, else ``data_root(data_dir) / path`` (normalised).
+    """
     p = Path(path)
     if p.is_absolute():
         return p
-    base = Path(data_dir)
-    if not base.is_absolute():
-        base = REPO_ROOT / base
-    return (base / p).resolve()
+    return (data_root(data_dir) / p).resolve()
 
 
 def load_jsonl(path: str | Path, required: Sequence[str], limit: int | None = None
                ) -> list[dict[str, Any]]:
     """Read JSON objects, one per line, checking that each has the ``required`` fields.
 
+    Blank lines are skipped.
+
+    Args:
+        path: the JSONL file.
+        required: field names every row must have.
+        limit: stop after this many rows (``None``: all).
+
+    Returns:
+        The rows, in file order.
+
     Raises:
         FileNotFoundError: ``path`` does not exist (message names it).
         ValueError: a line is not a JSON object or lacks a field (message gives the line).
     """
+    return [row for _, row in iter_jsonl(path, required, limit)]
+
+
+def iter_jsonl(path: str | Path, required: Sequence[str] = (), limit: int | None = None
+               ) -> list[tuple[int, dict[str, Any]]]:
+    """Like :func:`load_jsonl`, but each row comes with its 1-based line number.
+
+    Args:
+        path: the JSONL file.
+        required: field names every row must have.
+        limit: stop after this many rows (``None``: all).
+
+    Returns:
+        ``(line_number, row)`` pairs, in file order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (message names it).
+        ValueError: ``"<path>:<line>: invalid JSON (...)"``, ``"... expected a JSON object"``
+            or ``"... missing field(s) [...]"``.
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file {str(p)!r} not found")
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[int, dict[str, Any]]] = []
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -48,7 +112,7 @@ def load_jsonl(path: str | Path, required: Sequence[str], limit: int | None = No
             missing = [k for k in required if k not in row]
             if missing:
                 raise ValueError(f"{p}:{lineno}: missing field(s) {missing}")
-            rows.append(row)
+            rows.append((lineno, row))
             if limit is not None and len(rows) >= limit:
                 break
     return rows

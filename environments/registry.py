@@ -1,15 +1,24 @@
-"""Registry of tool environments: ``register(id, entry_point, **defaults)``, ``make``, ``list``.
+"""Registry of tool environments: ``register(id, entry_point, **defaults)``, ``make``, ``names``,
+``resolve``.
 
 Independent of Gymnasium's global registry (so projects can register private envs without
 side effects); the built-ins are additionally registered with ``gymnasium.register`` under
 ``copc/...`` ids (see ``environments/__init__.py``).
+
+An environment defined outside this package is named in a config as ``"<module>:<id>"`` (like
+``gymnasium.make("module:Env-v0")``): :meth:`Registry.resolve` imports the module (a dotted
+module name, or a ``.py`` file path relative to the current working directory), whose import
+registers ``<id>``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gymnasium
@@ -70,13 +79,83 @@ class Registry:
         spec = self._specs[id]
         return spec.load()(**{**spec.defaults, **overrides})
 
-    def list(self) -> list[str]:
-        """Sorted registered ids."""
+    def names(self) -> list[str]:
+        """The registered ids, sorted."""
         return sorted(self._specs)
 
     def spec(self, id: str) -> EnvSpec:
-        """The :class:`EnvSpec` of ``id`` (KeyError if unknown)."""
+        """The :class:`EnvSpec` of ``id``.
+
+        Raises:
+            KeyError: unknown id.
+        """
         return self._specs[id]
+
+    def resolve(self, ref: str) -> str:
+        """The registered id that ``ref`` names, importing the module that registers it first.
+
+        Args:
+            ref: a registered id (``"calc"``); ``"pkg.module:calc"`` (imports ``pkg.module``,
+                whose import registers ``calc``); or ``"path/to/calc_env.py:calc"`` (executes
+                that file once per process as module ``calc_env``; a relative path is taken
+                from the current working directory).
+
+        Returns:
+            The id (the part after the last ``:``).
+
+        Raises:
+            ValueError: empty id or module part, or a ``.py`` file whose module name is already
+                taken by another module.
+            FileNotFoundError: the ``.py`` file does not exist.
+            ImportError: the module cannot be imported (its own errors propagate too).
+            KeyError: the id is not registered (after the import); the message lists the ids.
+        """
+        module, sep, id = ref.rpartition(":")
+        if not id or (sep and not module):
+            raise ValueError(f"env reference {ref!r}: expected 'id', 'package.module:id' or 'file.py:id'")
+        if module:
+            import_env_module(module)
+        if id not in self._specs:
+            where = f" after importing {module!r}" if module else ""
+            raise KeyError(f"unknown env id {id!r}{where}; registered: {self.names()}")
+        return id
+
+
+def import_env_module(module: str) -> Any:
+    """Import ``module``: a dotted module name, or a ``.py`` file (relative to the current
+    working directory unless absolute) loaded once per process under its file stem.
+
+    Returns:
+        The module.
+
+    Raises:
+        FileNotFoundError: the ``.py`` file does not exist.
+        ValueError: the stem names another, already imported module.
+        ImportError: not importable.
+    """
+    if not module.endswith(".py"):
+        return importlib.import_module(module)
+    path = Path(module).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"environment module file {module!r} not found (looked at {path})")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+            return loaded
+        raise ValueError(f"environment module file {module!r}: a different module named {name!r} "
+                         f"is already imported ({getattr(loaded, '__file__', None)}); rename the file")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {module!r} as a module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # classes defined there pickle by module name
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return mod
 
 
 DEFAULT_REGISTRY = Registry()

@@ -20,6 +20,8 @@ from typing import IO
 
 import httpx
 
+# The directory holding the ``retriever`` package (the server subprocess's working directory, so
+# ``python -m retriever.cli`` imports this very copy; package code, not data).
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -82,7 +84,8 @@ def start_server(index_dir: str | Path, *, port: int | None = None, extra_args: 
     """Start ``retriever.cli serve --index index_dir`` on 127.0.0.1 and wait for ``/health``.
 
     Args:
-        index_dir: an index built by ``copc retriever build``.
+        index_dir: an index built by ``copc retriever build`` (relative: to the current working
+            directory).
         port: TCP port (default: a free one).
         extra_args: more ``serve`` options (e.g. ``("--max-topk", "10")``).
         timeout_s: seconds to wait for health.
@@ -96,6 +99,7 @@ def start_server(index_dir: str | Path, *, port: int | None = None, extra_args: 
     """
     port = port or free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    index_dir = Path(index_dir).expanduser().resolve()  # the server runs in another directory
     args = [sys.executable, "-m", "retriever.cli", "serve", "--index", str(index_dir), "--port", str(port),
             *extra_args]
     log = Path(log_path).open("w") if log_path else None  # noqa: SIM115 - owned by the returned handle

@@ -11,6 +11,7 @@ overrides (``train.total_steps=3``). After the merge every section's
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import copc
+
+_ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
 
 
 class ConfigError(ValueError):
@@ -122,10 +125,13 @@ class RolloutConfig:
     """Rollout engine, sampling and per-episode budgets.
 
     Attributes:
-        engine: ``embedded`` (in-process, CPU default) | ``sglang`` (GPU server).
+        engine: a registered engine (:mod:`trainer.engines.registry`): ``embedded``
+            (in-process, CPU default) | ``sglang`` (GPU server) | a user's.
         temperature, top_p, top_k: sampling (the learner uses the same temperature).
         max_new_tokens: tokens per model turn.
-        n_samples_per_prompt: episodes per prompt (GRPO/DAPO groups; 1 for SAO).
+        n_samples_per_prompt: episodes per prompt: >= 2 when the advantage estimator
+            ``needs_groups`` (registry metadata; ``grpo``/``dapo``), and equal to the algorithm's
+            own ``n_samples_per_prompt`` when it fixes one (``sao``: 1).
         concurrency: episodes in flight at once.
         max_total_tokens, max_turns, max_observation_tokens: episode budgets (tokens / turns).
         engine_max_batch_size: embedded engine batch size (sequences).
@@ -152,8 +158,10 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(self.engine in ("embedded", "sglang"), "rollout.engine", self.engine,
-                 "must be 'embedded' or 'sglang'")
+        from .engines.registry import ENGINES
+
+        _require(self.engine in ENGINES.names(), "rollout.engine", self.engine,
+                 f"not a registered engine; known: {ENGINES.names()}")
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
@@ -175,7 +183,8 @@ class TrainConfig:
         grad_clip: max global gradient norm (0 = off).
         critic_warmup_steps: first steps update only the critic.
         max_staleness: bound on policy versions between behavior and learner (0 = synchronous);
-            a preset's own bound (``ppo``: 0) wins.
+            a preset's own bound (``ppo``: 0) wins. Read the effective bound from
+            :attr:`ExperimentConfig.max_staleness`, not from here.
         seed: everything random (data order, sampling, init).
         torch_threads: torch intra-op threads (0 = torch's default). On 2 CPU cores, 1 lets the
             rollout engine and the learner each own a core instead of stalling each other.
@@ -294,6 +303,25 @@ class LoggingConfig:
 
 
 @dataclass
+class LearnerSection:
+    """Which learner backend trains the actor and critic.
+
+    Attributes:
+        backend: a registered backend (:mod:`trainer.learner.base`): ``torch`` (one process,
+            CPU or one GPU; default) | a user's.
+    """
+
+    backend: str = "torch"
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        from .learner.base import LEARNERS
+
+        _require(self.backend in LEARNERS.names(), "learner.backend", self.backend,
+                 f"not a registered learner backend; known: {LEARNERS.names()}")
+
+
+@dataclass
 class LauncherConfig:
     """``local`` (one process, threads/asyncio) or ``ray`` (rollout workers + learner as Ray actors).
 
@@ -322,7 +350,10 @@ class ExperimentConfig:
         name: run name. output_dir: where checkpoints, metrics, plots and summary go.
         preset: ``copc`` | ``copc_wo_rc`` | ``ppo`` | ``ppo_async`` | ``areal`` | ``sao`` |
             ``vtrace`` | ``dapo``.
-        algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{eta_a: 0.25}``).
+        algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{eta_a: 0.25}``);
+            ``advantage_estimator``/``policy_loss`` may name a user's estimator or loss if it is
+            registered in :data:`copc.ADVANTAGE_ESTIMATORS` / :data:`copc.POLICY_LOSSES` before
+            the config is loaded (validation reads the registries and their metadata).
     """
 
     name: str = "copc"
@@ -338,22 +369,40 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    learner: LearnerSection = field(default_factory=LearnerSection)
 
     def algorithm_config(self) -> copc.AlgorithmConfig:
         """The validated :class:`copc.AlgorithmConfig` (preset + overrides).
 
         Raises:
-            ConfigError: naming ``preset`` or ``algorithm.<field>``.
+            ConfigError: naming ``preset`` (unknown preset), ``algorithm.<field>`` (when the
+                message starts with an :class:`copc.AlgorithmConfig` field, e.g. an unregistered
+                ``algorithm.advantage_estimator``, listing the registered ones) or ``algorithm``.
         """
         try:
             return copc.get_preset(self.preset, **dict(self.algorithm))
         except ValueError as e:
-            key = "preset" if "unknown preset" in str(e) else "algorithm"
-            raise ConfigError(f"{key}: {e}") from None
+            msg = str(e)
+            first = re.match(r"\w+", msg)
+            if "unknown preset" in msg:
+                key = "preset"
+            elif first and first.group() in _ALGORITHM_FIELDS:
+                key = f"algorithm.{first.group()}"
+            else:
+                key = "algorithm"
+            raise ConfigError(f"{key}: {msg}") from None
 
     @property
     def max_staleness(self) -> int:
-        """Effective bound: the preset's own (``ppo``: 0) or ``train.max_staleness``."""
+        """The effective staleness bound, resolved here and only here (read this, not ``train``'s).
+
+        Returns:
+            The preset's own bound when it fixes one (``algorithm_config().max_staleness``,
+            ``ppo``: 0), else ``train.max_staleness``.
+
+        Raises:
+            ConfigError: as :meth:`algorithm_config`.
+        """
         own = self.algorithm_config().max_staleness
         return self.train.max_staleness if own is None else own
 
@@ -368,10 +417,15 @@ class ExperimentConfig:
             if hasattr(v, "validate"):
                 v.validate()
         algo = self.algorithm_config()
-        if algo.advantage_estimator == "grpo":
-            _require(self.rollout.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
-                     self.rollout.n_samples_per_prompt,
-                     f"preset {self.preset!r} (group-relative) needs >= 2")
+        n = self.rollout.n_samples_per_prompt
+        if copc.ADVANTAGE_ESTIMATORS.metadata(algo.advantage_estimator)["needs_groups"]:
+            _require(n >= 2, "rollout.n_samples_per_prompt", n,
+                     f"advantage estimator {algo.advantage_estimator!r} (preset {self.preset!r}) is "
+                     "group-relative (needs_groups): needs >= 2")
+        if algo.n_samples_per_prompt is not None:
+            _require(n == algo.n_samples_per_prompt, "rollout.n_samples_per_prompt", n,
+                     f"preset {self.preset!r} is defined for exactly {algo.n_samples_per_prompt} "
+                     "sample(s) per prompt (its n_samples_per_prompt)")
         return self
 
 

@@ -1,7 +1,8 @@
 """Evaluation of a policy on held-out samples through the real agent loop.
 
-:func:`evaluate` plays ``k`` episodes per sample with :func:`~trainer.rollout.agent_loop.run_episode`
-(engine × real environment) and reports accuracy / avg@k and episode statistics.
+:func:`evaluate` plays ``k`` episodes per sample with the shared group runner
+(:func:`trainer.rollout.groups.run_group`: engine × real environment, the training seed rule)
+and reports accuracy / avg@k and episode statistics.
 
 Greedy decoding: ``temperature == 0`` is run as ``SamplingParams(temperature=1.0, top_k=1)``:
 sampling from the single most likely token is argmax decoding, and the reported behavior
@@ -17,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .engines.base import InferenceEngine, SamplingParams
-from .rollout.agent_loop import AgentLoopConfig, run_episode
+from .rollout.agent_loop import AgentLoopConfig
+from .rollout.groups import EnvPool, run_group
 from .rollout.trajectory import Trajectory
 
 #: An episode counts as correct when its reward exceeds this (1/0 and DAPO's 1/-1 rewards).
@@ -44,12 +46,14 @@ async def run_eval_episodes(engine: InferenceEngine, env_factory: Callable[[], A
                             temperature: float = 0.0, agent_cfg: AgentLoopConfig | None = None,
                             max_new_tokens: int = 256, concurrency: int = 32,
                             seed: int | None = None, progress: bool = False) -> list[Trajectory]:
-    """Play ``k`` episodes per sample; environments are pooled (at most ``concurrency``,
-    each reset per episode and closed at the end — reward helpers are started once per env).
+    """Play ``k`` episodes per sample with the shared group runner
+    (:func:`trainer.rollout.groups.run_group`): sample ``i`` is prompt draw ``i``, so its
+    episode ``j`` samples with seed ``seed + 7919·i + j`` (the training seed rule).
+    Environments are pooled (at most ``concurrency``, each reset per episode, closed at the
+    end — reward helpers are started once per env).
 
     Returns:
-        Trajectories ordered ``(sample 0, copy 0), (sample 0, copy 1), ...``; episode ``j`` of a
-        sample uses ``seed + j`` when ``seed`` is given.
+        Trajectories ordered ``(sample 0, copy 0), (sample 0, copy 1), ...``.
 
     Raises:
         ValueError: ``k < 1``, ``concurrency < 1``, no samples, or a bad temperature.
@@ -64,32 +68,22 @@ async def run_eval_episodes(engine: InferenceEngine, env_factory: Callable[[], A
         raise ValueError(f"evaluate: concurrency={concurrency!r} must be an int >= 1")
     if not samples:
         raise ValueError("evaluate: samples is empty")
-    jobs = [(s, j) for s in samples for j in range(k)]
-    pool: asyncio.Queue = asyncio.Queue()
-    envs: list[Any] = []
-    for _ in range(min(concurrency, len(jobs))):
-        envs.append(await asyncio.to_thread(env_factory))
-        pool.put_nowait(envs[-1])
-    bar = tqdm(total=len(jobs), desc="eval", disable=not progress, leave=False)
+    sampling = eval_sampling_params(temperature, max_new_tokens, seed=seed)
+    pool = EnvPool(env_factory, min(concurrency, len(samples) * k))
+    bar = tqdm(total=len(samples) * k, desc="eval", disable=not progress, leave=False)
 
-    async def one(sample: Mapping[str, Any], j: int) -> Trajectory:
-        env = await pool.get()
-        try:
-            sp = eval_sampling_params(temperature, max_new_tokens,
-                                      seed=None if seed is None else seed + j)
-            return await run_episode(engine, env, tokenizer, sample, sp, agent_cfg)
-        finally:
-            pool.put_nowait(env)
-            bar.update(1)
+    async def one(i: int, sample: Mapping[str, Any]) -> list[Trajectory]:
+        group = await run_group(engine, pool, tokenizer, sample, k, sampling, agent_cfg, uid=i,
+                                group_id=sample.get("id", i))
+        bar.update(k)
+        return group
 
     try:
-        trajs = list(await asyncio.gather(*(one(s, j) for s, j in jobs)))
+        groups = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
     finally:
         bar.close()
-        for env in envs:
-            close = getattr(env, "close", None)
-            if close is not None:
-                await asyncio.to_thread(close)
+        await pool.close()
+    trajs = [t for g in groups for t in g]
     broken = [t for t in trajs if t.env_failed]
     if broken:  # a bug in the environment, not a wrong answer nor an infrastructure failure
         raise RuntimeError(f"evaluation: the environment raised on {len(broken)} of {len(trajs)} episodes; "

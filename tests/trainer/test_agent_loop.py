@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
+import pytest
 import torch
 from scripted import scripted
 
+import copc
 from environments.math_tool import MathToolEnv
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.logprobs import sequence_logprobs
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.rollout.agent_loop import AgentLoopConfig, run_episode, run_episodes
+from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
 from trainer.rollout.batch import to_batch
+from trainer.rollout.groups import EnvPool, episode_seed, run_groups
 
 SAMPLE = {"id": "m1", "problem": "What is 12345 * 6789?", "answer": "83810205"}
 ACTIONS = [
@@ -202,16 +206,22 @@ def test_many_episodes_run_concurrently(model_tok, sandbox):
 
     async def main():
         eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of))
-        trs = await run_episodes(eng, lambda: MathToolEnv(sandbox=sandbox), tok, samples,
-                                 SamplingParams(max_new_tokens=200, seed=0), concurrency=6, n_per_sample=2)
+        pool = EnvPool(lambda: MathToolEnv(sandbox=sandbox), 6)
+        trs = await run_groups(eng, pool, tok, samples, 2, SamplingParams(max_new_tokens=200, seed=0), None)
+        envs = len(pool._all)
+        await pool.close()
         await eng.close()
-        return trs
+        return trs, envs
 
-    trs = asyncio.run(main())
+    trs, envs = asyncio.run(main())
+    assert envs <= 6  # environments are reused, never more than the pool's size
     assert [t.sample_id for t in trs] == [f"m{i}" for i in range(6) for _ in range(2)]
+    assert [t.info["uid"] for t in trs] == [i for i in range(6) for _ in range(2)]
     assert all(t.reward == 1.0 and t.turns == 3 for t in trs)
     batch = to_batch(trs, tok.pad_token_id)
     assert batch.group_ids.tolist() == [i for i in range(6) for _ in range(2)]
+    # the one seed rule: seed + 7919 * uid + k
+    assert episode_seed(0, 5, 1) == 7919 * 5 + 1 and episode_seed(None, 5, 1) is None
 
 
 def test_long_tool_output_cut_keeps_reply_well_formed(model_tok, sandbox):
@@ -241,3 +251,111 @@ def test_long_tool_output_cut_keeps_reply_well_formed(model_tok, sandbox):
     assert text == head + "\n...[truncated 482 tokens]...\n" + "</interpreter>\n"
     full = asyncio.run(main(AgentLoopConfig(max_observation_tokens=516)))  # fits: unchanged
     assert tok.decode([t for t, m in zip(full.response_ids, full.loss_mask, strict=True) if not m]) == reply
+
+
+class StepRewardEnv:
+    """Pure-Python two-step env: a non-terminal step rewarded ``first``, then a terminal one
+    rewarded ``final`` (issue 10: non-terminal rewards must reach the batch)."""
+
+    stop_strings = ()
+
+    def __init__(self, first=0.5, final=1.0):
+        self.first, self.final, self.turn = first, final, 0
+
+    def reset(self, options=None):
+        self.turn = 0
+        return "Q:", {}
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return "<obs>hint</obs>", self.first, False, False, {"turn": 1}
+        return "", self.final, True, False, {"turn": 2}
+
+
+STEP_ACTIONS = ["think", "answer"]
+
+
+def step_turn_of(prompt_text: str) -> int:
+    return min(prompt_text.count("</obs>"), 1)
+
+
+def play(model, tok, env, cfg=None):
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, STEP_ACTIONS, step_turn_of),
+                             version=0)
+        tr = await run_episode(eng, env, tok, {"id": "s1"}, SamplingParams(max_new_tokens=20), cfg)
+        await eng.close()
+        return tr
+
+    return asyncio.run(main())
+
+
+def test_non_terminal_step_reward_reaches_the_batch_and_copc(model_tok):
+    model, tok = model_tok
+    tr = play(model, tok, StepRewardEnv())
+    assert tr.finish_reason == "terminated" and tr.turns == 2 and tr.reward == 1.5
+    n1 = len(tok.encode("think", add_special_tokens=False)) + 1  # + EOS
+    n_obs = len(tok.encode("<obs>hint</obs>", add_special_tokens=False))
+    n2 = len(tok.encode("answer", add_special_tokens=False)) + 1
+    assert tr.loss_mask == [1] * n1 + [0] * n_obs + [1] * n2
+    assert tr.step_rewards == [(n1 - 1, 0.5), (n1 + n_obs + n2 - 1, 1.0)]
+    batch = to_batch([tr], tok.pad_token_id)
+    T = n1 + n_obs + n2
+    want = [0.0] * T
+    want[n1 - 1], want[T - 1] = 0.5, 1.0  # turn 1's last token (before the obs); the last token
+    assert batch.rewards.tolist() == [want]
+    assert batch.scores.tolist() == [1.5]  # the episode return (GRPO/SAO score)
+    # the copc preset at γ = λ = 1 with V = 0: on-policy (ρ̄ = 1) the returns are the
+    # reward-to-go, 1.5 on turn 1 and 1.0 on turn 2; the advantage equals the return (V = 0)
+    cfg = copc.get_preset("copc", gamma=1.0, lam=1.0)
+    zeros = torch.zeros(1, T)
+
+    def adv_ret(logp_old):
+        return copc.compute_advantages(copc.AdvantageInputs(
+            rewards=batch.rewards, loss_mask=batch.loss_mask, values=zeros, logp_old=logp_old,
+            logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), cfg)
+
+    adv, ret = adv_ret(batch.logp_mu)
+    expect = [1.5] * n1 + [0.0] * n_obs + [1.0] * n2
+    assert torch.allclose(ret, torch.tensor([expect])) and torch.allclose(adv, ret)
+    # π_old = 2 µ on every token: ρ̄ = u_A = 1.28 weights every residual; with V = 0,
+    # δ = r, so v̂ = 1.28·(0.5 + 1.0) on turn 1 and 1.28·1.0 on turn 2, and the advantage of
+    # turn 1's last token keeps its own residual unweighted: 0.5 + 1.28·1.0
+    adv, ret = adv_ret(batch.logp_mu + math.log(2.0) * batch.loss_mask)
+    u = 1.0 + 0.5 * 0.56
+    expect = [u * 1.5] * n1 + [0.0] * n_obs + [u * 1.0] * n2
+    assert torch.allclose(ret, torch.tensor([expect]))
+    assert adv[0, n1 - 1].item() == pytest.approx(0.5 + u * 1.0)
+    assert adv[0, T - 1].item() == pytest.approx(1.0)
+
+
+def test_step_rewards_on_cut_failed_and_bad_reward_episodes(model_tok):
+    model, tok = model_tok
+    n1 = len(tok.encode("think", add_special_tokens=False)) + 1
+    n_obs = len(tok.encode("<obs>hint</obs>", add_special_tokens=False))
+    prompt = len(tok.encode("Q:", add_special_tokens=False))
+    # cut by max_total_tokens in turn 2: the turn-1 reward is kept, the cut turn earns nothing
+    cut = play(model, tok, StepRewardEnv(), AgentLoopConfig(max_total_tokens=prompt + n1 + n_obs + 2))
+    assert cut.finish_reason == "max_total_tokens" and cut.reward == 0.5
+    assert to_batch([cut], tok.pad_token_id).rewards[0].nonzero().flatten().tolist() == [n1 - 1]
+    # max_turns = 1: the non-terminal reward of the only step is kept
+    one = play(model, tok, StepRewardEnv(), AgentLoopConfig(max_turns=1))
+    assert one.finish_reason == "max_turns" and one.reward == 0.5 and one.step_rewards == [(n1 - 1, 0.5)]
+    # a NaN reward is an environment bug: env_error, rewards cleared
+    nan = play(model, tok, StepRewardEnv(final=math.nan))
+    assert nan.finish_reason == "env_error: bad reward: reward nan is not finite"
+    assert nan.env_failed and nan.reward == 0.0 and nan.step_rewards == []
+    # an environment that raises after a rewarded step: rewards cleared (never trained on)
+    env = StepRewardEnv()
+    real = env.step
+
+    def boom_second(action):
+        if env.turn == 1:
+            raise RuntimeError("tool exploded")
+        return real(action)
+
+    env.step = boom_second
+    failed = play(model, tok, env)
+    assert failed.finish_reason == "env_error: RuntimeError: tool exploded"
+    assert failed.reward == 0.0 and failed.step_rewards == []

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import copc
 from copc.presets import PRESET_NAMES
 from environments.math_tool.data import load_math
 from environments.math_tool.env import MathToolConfig, MathToolEnv
@@ -209,6 +211,8 @@ def test_dotted_overrides():
     (["algorithm.bogus=1"], "bogus"),
     (["preset=ppo", "algorithm.max_staleness=3"], "max_staleness"),
     (["preset=dapo"], "rollout.n_samples_per_prompt"),     # groups needed
+    (["preset=sao", "rollout.n_samples_per_prompt=4"], "rollout.n_samples_per_prompt=4"),  # single rollout
+    (["preset=sao", "algorithm.n_samples_per_prompt=4"], "preset 'sao' is single-rollout"),
     (["train.total_steps"], "key=value"),                  # malformed override
 ])
 def test_errors_name_the_key(overrides, needle):
@@ -282,3 +286,78 @@ def test_an_override_yaml_cannot_parse_names_its_key(capsys, monkeypatch):
     rc = cli_main(["train", "--config", "configs/math_tool/cpu_tiny.yaml", "train.total_steps={"])
     _assert_one_line_error(rc, capsys.readouterr().err, "train",
                            "train.total_steps='{': not a valid YAML value")
+
+
+def _mc(x: copc.AdvantageInputs, cfg: copc.AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.rewards, x.rewards
+
+
+def _reinforce(logp: torch.Tensor, x: copc.PolicyLossInputs, cfg: copc.AlgorithmConfig):
+    return -(logp * x.advantages).sum(), {}
+
+
+@pytest.fixture
+def custom_algorithms():
+    """A user's estimators/loss, registered before loading the config; removed afterwards."""
+    copc.ADVANTAGE_ESTIMATORS.register("my_mc", needs_critic=False)(_mc)
+    copc.ADVANTAGE_ESTIMATORS.register("my_grouped", needs_critic=False, needs_groups=True)(_mc)
+    copc.POLICY_LOSSES.register("my_reinforce")(_reinforce)
+    try:
+        yield
+    finally:
+        copc.ADVANTAGE_ESTIMATORS.unregister("my_mc")
+        copc.ADVANTAGE_ESTIMATORS.unregister("my_grouped")
+        copc.POLICY_LOSSES.unregister("my_reinforce")
+
+
+def test_registered_custom_estimator_and_loss_load(custom_algorithms):
+    cfg = load_config(None, ["algorithm.advantage_estimator=my_mc", "algorithm.use_critic=false",
+                             "algorithm.policy_loss=my_reinforce"])
+    algo = cfg.algorithm_config()
+    assert (cfg.preset, algo.advantage_estimator, algo.policy_loss, algo.use_critic) == \
+        ("copc", "my_mc", "my_reinforce", False)
+    assert copc.ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator) is _mc
+    rewards = torch.tensor([[0.0, 1.0]])
+    adv, _ = copc.compute_advantages(copc.AdvantageInputs(rewards=rewards, loss_mask=rewards >= 0), algo)
+    assert adv.tolist() == [[0.0, 1.0]]
+
+
+def test_custom_estimator_errors_name_the_key(custom_algorithms):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["algorithm.advantage_estimator=my_mc"])  # copc's use_critic=True
+    assert str(ei.value).startswith("algorithm.use_critic: use_critic=True with advantage_estimator='my_mc'")
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["algorithm.advantage_estimator=my_grouped", "algorithm.use_critic=false"])
+    assert str(ei.value).startswith("rollout.n_samples_per_prompt=1: advantage estimator 'my_grouped'")
+    assert "needs >= 2" in str(ei.value)
+    cfg = load_config(None, ["algorithm.advantage_estimator=my_grouped", "algorithm.use_critic=false",
+                             "rollout.n_samples_per_prompt=2"])
+    assert cfg.algorithm_config().advantage_estimator == "my_grouped"
+
+
+def test_unregistered_names_list_the_registered():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["algorithm.advantage_estimator=my_mc", "algorithm.use_critic=false"])
+    msg = str(ei.value)
+    assert msg.startswith("algorithm.advantage_estimator: ")
+    assert "['batch_norm', 'copc', 'gae', 'grpo', 'vtrace'], got 'my_mc'" in msg
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["algorithm.policy_loss=my_reinforce"])
+    msg = str(ei.value)
+    assert msg.startswith("algorithm.policy_loss: ")
+    assert "['decoupled_ppo', 'dis', 'icepop', 'ppo', 'tis'], got 'my_reinforce'" in msg
+
+
+def test_sao_single_rollout():
+    cfg = load_config(None, ["preset=sao"])
+    assert cfg.rollout.n_samples_per_prompt == 1 and cfg.algorithm_config().n_samples_per_prompt == 1
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["preset=sao", "rollout.n_samples_per_prompt=2"])
+    assert str(ei.value).startswith("rollout.n_samples_per_prompt=2: preset 'sao' is defined for exactly 1")
+
+
+def test_max_staleness_is_resolved_once():
+    """ExperimentConfig.max_staleness: the algorithm's own bound if it has one, else train's."""
+    assert load_config(None, ["train.max_staleness=5"]).max_staleness == 5
+    assert load_config(None, ["train.max_staleness=5", "algorithm.max_staleness=2"]).max_staleness == 2
+    assert load_config(None, ["train.max_staleness=5", "preset=ppo"]).max_staleness == 0

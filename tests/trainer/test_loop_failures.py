@@ -58,6 +58,7 @@ def _loop(path, make_env, *, steps=3, per_step=2, n=1, s=1, run_group=None, lear
     actor, tok = load_model_and_tokenizer(path)
     learner = TorchLearner(actor, copc.get_preset("copc"),
                            LearnerConfig(actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=4))
+    learner.steps_done = start_step  # as if restored from a checkpoint of that step
     eng = EmbeddedEngine(copy.deepcopy(actor), tok,
                          version=start_step if engine_version is None else engine_version)
     seen: list[dict] = []

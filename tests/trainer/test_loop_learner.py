@@ -66,9 +66,9 @@ def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_
     learner = TorchLearner(actor, algo, LearnerConfig(actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=4))
     real_step = learner.step
 
-    def slow_step(batch, version):
+    def slow_step(batch):
         time.sleep(learner_delay)
-        return real_step(batch, version)
+        return real_step(batch)
 
     learner.step = slow_step
     seen: list[dict] = []
@@ -111,6 +111,7 @@ def test_staleness_never_exceeds_bound(tiny_small, s, who_is_slow):
 def test_stale_groups_are_dropped_counted_and_requeued(tiny_small):
     actor, tok = load_model_and_tokenizer(tiny_small)
     learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig())
+    learner.steps_done = 5  # as if resumed at step 5
     prompts = PromptStream(SAMPLES, 0)
     loop = AsyncTrainingLoop(learner, None, EchoEnv, tok, prompts, SamplingParams(), AgentLoopConfig(),
                              LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1,

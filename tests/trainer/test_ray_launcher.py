@@ -11,14 +11,16 @@ import pytest
 import torch
 
 import copc
+from trainer.config import load_config
 from trainer.engines.base import SamplingParams
 from trainer.learner.torch_learner import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import LoopConfig
 from trainer.orchestration.prompts import PromptStream
-from trainer.orchestration.ray_launcher import RayTrainer, RolloutWorker, episode_sampling
+from trainer.orchestration.ray_launcher import RayTrainer
 from trainer.rollout.agent_loop import AgentLoopConfig
+from trainer.rollout.groups import episode_sampling
 
 ray = pytest.importorskip("ray")
 
@@ -43,6 +45,13 @@ def tiny32(tmp_path_factory):
                                     TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1)))
 
 
+def _exp(model_dir, **extra):
+    """An ExperimentConfig for the workers' engine and the learner actor's backend."""
+    ov = {"model.path": model_dir, "rollout.engine_max_batch_size": "8", "train.actor_lr": "1e-3",
+          "train.critic_lr": "1e-3", "train.micro_batch_size": "4", **extra}
+    return load_config(None, [f"{k}={v}" for k, v in ov.items()])
+
+
 def _flat(state):
     return torch.cat([v.detach().float().flatten() for _, v in sorted(state.items())])
 
@@ -60,20 +69,20 @@ def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32
     def on_checkpoint(step, loop_state):  # the driver learner must hold the actor's state by now
         ckpts.append((step, learner.steps_done, loop_state["step"]))
 
-    trainer = RayTrainer(learner, tiny32, tok, PromptStream(SAMPLES, 0),
+    trainer = RayTrainer(_exp(tiny32), learner, tiny32, tok, PromptStream(SAMPLES, 0),
                          SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1),
                          LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
                                     max_staleness=s, concurrency=4, checkpoint_every=2),
                          env_factory=ray_cluster.EchoEnvFactory(0.02, dense=True), num_workers=2,
                          on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}),
-                         on_checkpoint=on_checkpoint, engine_max_batch_size=8)
+                         on_checkpoint=on_checkpoint)
 
     async def main():
         try:
             loop = await trainer.run()
             versions = await asyncio.gather(*(w.version.remote() for w in trainer.workers))
             engines = await asyncio.gather(*(w.engine_state_dict.remote() for w in trainer.workers))
-            learned = await trainer.learner_actor.actor_state_dict.remote()
+            learned = await trainer.learner_actor.policy_weights.remote()
             return loop, versions, engines, learned
         finally:
             await trainer.close()
@@ -110,18 +119,14 @@ def test_episode_sampling_matches_local_seed_derivation():
     assert episode_sampling(unseeded, 9, 9) is unseeded
 
 
-def test_env_source_must_be_exactly_one(tiny32):
+def test_bad_worker_count_is_rejected(tiny32):
     actor, tok = load_model_and_tokenizer(tiny32)
-    with pytest.raises(ValueError, match="exactly one of env_factory and exp_cfg"):
-        RolloutWorker(tiny32, actor.state_dict(), 0)
     learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig())
-    args = (learner, tiny32, tok, PromptStream(SAMPLES, 0), SamplingParams(), AgentLoopConfig(),
+    args = (_exp(tiny32), learner, tiny32, tok, PromptStream(SAMPLES, 0), SamplingParams(), AgentLoopConfig(),
             LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1, max_staleness=0,
                        concurrency=1))
     with pytest.raises(ValueError, match="num_rollout_workers=0"):
         RayTrainer(*args, env_factory=lambda: None, num_workers=0)
-    with pytest.raises(ValueError, match="exactly one"):
-        RayTrainer(*args, env_factory=lambda: None, exp_cfg=object())
 
 
 @pytest.mark.slow

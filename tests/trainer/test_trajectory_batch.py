@@ -73,3 +73,95 @@ def test_to_batch_refuses_unattributable_reward():
         to_batch([tr], 0)
     with pytest.raises(ValueError, match="no trajectories"):
         to_batch([], 0)
+
+
+def three_turn_with_step_rewards() -> Trajectory:
+    """Turn 1 (2 tokens) → step reward 0.5, obs (2) → turn 2 (1 token) → step reward 0,
+    obs (1) → turn 3 (2 tokens) → terminal reward 1.0."""
+    tr = Trajectory(prompt_ids=[1, 2], sample_id="s")
+    tr.append_model_tokens([10, 11], [-0.1, -0.2], 0)
+    tr.add_reward(0.5)
+    tr.append_observation_tokens([20, 21])
+    tr.append_model_tokens([12], [-0.3], 0)
+    tr.add_reward(0.0)
+    tr.append_observation_tokens([22])
+    tr.append_model_tokens([13, 14], [-0.4, -0.5], 1)
+    tr.add_reward(1.0)
+    return tr
+
+
+def test_add_reward_places_each_step_on_its_turns_last_model_token():
+    tr = three_turn_with_step_rewards()
+    assert tr.loss_mask == [1, 1, 0, 0, 1, 0, 1, 1]
+    assert tr.step_rewards == [(1, 0.5), (4, 0.0), (7, 1.0)]
+    assert tr.reward == 1.5  # the episode return
+    assert tr.token_rewards() == {1: 0.5, 7: 1.0}
+    # a reward recorded after an observation was appended still goes on the preceding
+    # action token (the fold rule), never on the observation
+    late = Trajectory(prompt_ids=[1])
+    late.append_model_tokens([10], [-0.1], 0)
+    late.append_observation_tokens([20, 21])
+    late.add_reward(-2.0)
+    assert late.step_rewards == [(0, -2.0)] and late.token_rewards() == {0: -2.0}
+
+
+def test_to_batch_multi_step_rewards_and_scores():
+    a = three_turn_with_step_rewards()
+    b = Trajectory(prompt_ids=[3], sample_id="t")  # one turn, terminal reward only
+    b.append_model_tokens([15, 16, 17], [-0.1, -0.1, -0.1], 2)
+    b.add_reward(-1.0)
+    c = Trajectory(prompt_ids=[4], sample_id="u")  # legacy: reward assigned directly
+    c.append_model_tokens([18], [-0.1], 2)
+    c.append_observation_tokens([23])
+    c.append_model_tokens([19], [-0.1], 2)
+    c.reward = 2.0
+    batch = to_batch([a, b, c], pad_token_id=0)
+    assert batch.rewards.dtype == torch.float32 and batch.rewards.shape == (3, 8)
+    assert batch.rewards.tolist() == [[0, 0.5, 0, 0, 0, 0, 0, 1.0],
+                                      [0, 0, -1.0, 0, 0, 0, 0, 0],
+                                      [0, 0, 2.0, 0, 0, 0, 0, 0]]
+    assert batch.scores.dtype == torch.float32 and batch.scores.tolist() == [1.5, -1.0, 2.0]
+    assert torch.equal(batch.rewards.sum(1), batch.scores)
+    assert not bool((batch.rewards * (1 - batch.loss_mask)).any())  # never on obs/padding
+    # copc accepts it even when refusing observation rewards; GAE returns at γ=λ=1, V=0 are
+    # the reward-to-go: 1.5 on turn 1, 1.0 on turns 2 and 3
+    _, ret = copc.gae_advantage_return(batch.rewards, torch.zeros(3, 8), batch.loss_mask,
+                                       obs_reward="error")
+    assert ret[0].tolist() == [1.5, 1.5, 0, 0, 1.0, 0, 1.0, 1.0]
+
+
+def test_step_rewards_with_a_direct_reward_and_a_cleared_trajectory():
+    tr = three_turn_with_step_rewards()
+    tr.reward = 2.5  # the return was raised by hand: the unaccounted 1.0 is an outcome reward
+    assert tr.token_rewards() == {1: 0.5, 7: 2.0}
+    tr.clear_rewards()
+    assert tr.reward == 0.0 and tr.step_rewards == [] and tr.token_rewards() == {}
+    assert not bool(to_batch([tr], 0).rewards.any())
+    # float sums are exact: the remainder of rewards that all went through add_reward is 0
+    f = Trajectory(prompt_ids=[1])
+    f.append_model_tokens([10], [-0.1], 0)
+    for r in (0.1, 0.2, 0.3):
+        f.add_reward(r)
+    assert f.token_rewards() == {0: 0.1 + 0.2 + 0.3} and f.reward == 0.1 + 0.2 + 0.3
+
+
+def test_add_reward_and_to_batch_refuse_bad_rewards():
+    tr = Trajectory(prompt_ids=[1], sample_id="x")
+    tr.add_reward(0.0)  # a zero reward needs no model token
+    with pytest.raises(ValueError, match="no model token"):
+        tr.add_reward(1.0)
+    tr.append_model_tokens([10], [-0.1], 0)
+    with pytest.raises(ValueError, match="not finite"):
+        tr.add_reward(math.nan)
+    with pytest.raises(ValueError, match="not finite"):
+        tr.add_reward(math.inf)
+    with pytest.raises(TypeError):
+        tr.add_reward(None)
+    assert tr.step_rewards == [(-1, 0.0)] and tr.reward == 0.0  # nothing half-recorded
+    # a hand-built step reward on an observation token (or out of range) cannot be placed
+    bad = Trajectory(prompt_ids=[1], sample_id="y", step_rewards=[(1, 0.5)], reward=0.5)
+    bad.append_model_tokens([10], [-0.1], 0)
+    bad.append_observation_tokens([20])
+    with pytest.raises(ValueError, match=r"trajectory 0: step reward 0.5 at response index 1 "
+                                         r"of sample 'y': not a model token"):
+        to_batch([bad], 0)

@@ -1,18 +1,19 @@
-"""The torch actor-critic learner: one training step per batch of trajectories.
+"""The plain-torch learner backend (``learner.backend: torch``): one process, one device.
 
-Per step (issue "trainer", Learner): recompute ``logp_old`` and values without
-grad; advantages and returns with the configured :mod:`copc` estimator; actor and
-critic updates over mini-batches with gradient accumulation over micro-batches
-(exact loss aggregation via global denominators); gradient clipping; LR warm-up;
-critic warm-up steps. All RL maths comes from :mod:`copc`.
+The backend part only: forward passes (per-token log-probs and values of a micro-batch),
+backward, AdamW, gradient clipping, linear LR warm-up. Everything algorithmic (advantages,
+mini-batches, global denominators, losses, metric combination) comes from
+:class:`~trainer.learner.algorithm.ActorCriticAlgorithm`, which calls :mod:`copc`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ import copc
 
 from ..logprobs import token_logprobs
 from ..rollout.batch import RolloutBatch
+from .algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
 from .critic import ValueModel
 
 Tensor = torch.Tensor
@@ -28,7 +30,16 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """Optimisation settings (see :class:`trainer.config.TrainConfig`)."""
+    """Optimisation settings (see :class:`trainer.config.TrainConfig`).
+
+    Attributes:
+        actor_lr / critic_lr: AdamW learning rates. weight_decay: AdamW decay.
+        warmup_steps: linear LR warm-up (optimizer updates). grad_clip: max global norm (0 = off).
+        critic_warmup_steps: first steps update only the critic.
+        num_mini_batches: updates per step. micro_batch_size: rows per forward/backward.
+        temperature: sampling temperature of the rollouts (log-probs are of ``logits / T``).
+        seed: mini-batch permutation seed.
+    """
 
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
@@ -41,13 +52,27 @@ class LearnerConfig:
     temperature: float = 1.0
     seed: int = 0
 
+    @classmethod
+    def from_config(cls, exp: Any) -> LearnerConfig:
+        """From an :class:`~trainer.config.ExperimentConfig` (``train`` + ``rollout.temperature``)."""
+        t = exp.train
+        return cls(actor_lr=t.actor_lr, critic_lr=t.critic_lr, weight_decay=t.weight_decay,
+                   warmup_steps=t.warmup_steps, grad_clip=t.grad_clip,
+                   critic_warmup_steps=t.critic_warmup_steps, num_mini_batches=t.num_mini_batches,
+                   micro_batch_size=t.micro_batch_size, temperature=exp.rollout.temperature, seed=t.seed)
+
 
 def response_logprobs(model: nn.Module, b: RolloutBatch, temperature: float) -> Tensor:
-    """``(B, T)`` log-probs of the response tokens: token ``t`` scored by logits at ``P + t − 1``."""
+    """``(B, T)`` float32 log-probs of the response tokens: token ``t`` scored by logits at ``P + t − 1``."""
     P = b.prompt_len
     logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
                    position_ids=b.position_ids).logits
     return token_logprobs(logits[:, P - 1:-1], b.input_ids[:, P:], temperature)
+
+
+def mb_values(critic: ValueModel, b: RolloutBatch) -> Tensor:
+    """``(B, T)`` float32 critic values of the states before each response token."""
+    return critic.response_values(b.input_ids, b.attention_mask, b.position_ids, b.prompt_len)
 
 
 def _warmup(steps: int):
@@ -55,18 +80,21 @@ def _warmup(steps: int):
 
 
 class TorchLearner:
-    """Actor (causal LM) + optional critic (:class:`ValueModel`) trained with a :class:`copc.AlgorithmConfig`.
+    """Actor (causal LM) + optional critic (:class:`ValueModel`) on one device (a :class:`Learner`).
 
     Args:
         actor: the policy (trained in place).
         algo: the algorithm (preset).
         cfg: :class:`LearnerConfig`.
-        critic: the value model (required iff ``algo.use_critic``); default built from the actor.
+        critic: the value model (used iff ``algo.use_critic``); default built from the actor.
     """
 
     def __init__(self, actor: nn.Module, algo: copc.AlgorithmConfig, cfg: LearnerConfig,
                  critic: ValueModel | None = None) -> None:
         self.actor, self.algo, self.cfg = actor, algo, cfg
+        self.algorithm = ActorCriticAlgorithm(algo, num_mini_batches=cfg.num_mini_batches,
+                                              micro_batch_size=cfg.micro_batch_size,
+                                              critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
         self.critic = (critic or ValueModel.from_causal_lm(actor)) if algo.use_critic else None
         self.actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=cfg.weight_decay)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _warmup(cfg.warmup_steps))
@@ -77,7 +105,27 @@ class TorchLearner:
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _warmup(cfg.warmup_steps))
         self.steps_done = 0
 
-    # -- state -----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, exp: Any, model_dir: str | Path) -> TorchLearner:
+        """The torch backend of an :class:`~trainer.config.ExperimentConfig`, actor from ``model_dir``."""
+        from ..models.loading import load_model_and_tokenizer
+
+        actor, _ = load_model_and_tokenizer(model_dir, dtype=getattr(torch, exp.model.dtype),
+                                            attn_implementation=exp.model.attn_implementation)
+        if exp.model.gradient_checkpointing:
+            actor.gradient_checkpointing_enable()
+        return cls(actor, exp.algorithm_config(), LearnerConfig.from_config(exp))
+
+    # -- the Learner protocol -------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """Updates done (resumes included): the version of the current actor weights."""
+        return self.steps_done
+
+    def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The actor's ``state_dict`` items (``transformers`` names = Hugging Face names)."""
+        yield from self.actor.state_dict().items()
+
     def state_dict(self) -> dict:
         """Everything needed to resume: models, optimizers, schedulers, step counter."""
         out = {"actor": self.actor.state_dict(), "actor_opt": self.actor_opt.state_dict(),
@@ -98,112 +146,81 @@ class TorchLearner:
             self.critic_opt.load_state_dict(state["critic_opt"])
             self.critic_sched.load_state_dict(state["critic_sched"])
 
-    # -- one step ------------------------------------------------------------------------------
-    def _micro(self, b: RolloutBatch) -> list[RolloutBatch]:
-        n = len(b)
-        return [b.select(slice(i, min(i + self.cfg.micro_batch_size, n)))
-                for i in range(0, n, self.cfg.micro_batch_size)]
+    def step(self, batch: RolloutBatch, version: int | None = None) -> dict[str, float]:
+        """Train on ``batch``; return metrics (``actor/…``, ``critic/…``, ``advantage/…``,
+        ``staleness/…``, ``perf/…``).
 
-    @torch.no_grad()
-    def _recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
-        self.actor.eval()
-        lps, vals = [], []
-        for mb in self._micro(batch):
-            lps.append(response_logprobs(self.actor, mb, self.cfg.temperature))
-            if self.critic is not None:
-                self.critic.eval()
-                vals.append(mb_values(self.critic, mb))
-        return torch.cat(lps), (torch.cat(vals) if vals else None)
-
-    def step(self, batch: RolloutBatch, version: int) -> dict[str, float]:
-        """Train on ``batch`` (produced by policy versions ≤ ``version``); return metrics.
-
-        Metrics are namespaced: ``actor/…``, ``critic/…``, ``advantage/…``, ``staleness/…``,
-        ``rollout/…``, ``perf/…``.
+        Args:
+            batch: the rollout batch.
+            version: staleness reference (default :attr:`policy_version`, the version being
+                updated; the argument is kept for callers that track it themselves).
         """
         t0 = time.perf_counter()
-        algo, mask = self.algo, batch.loss_mask
+        alg = self.algorithm
         logp_old, values_old = self._recompute(batch)
-        t_adv = time.perf_counter()
-        adv, returns = copc.compute_advantages(copc.AdvantageInputs(
-            rewards=batch.rewards, loss_mask=mask, values=values_old, logp_old=logp_old,
-            logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), algo)
-        metrics: dict[str, float] = {"perf/advantage_s": time.perf_counter() - t_adv}
-        low_a, high_a = copc.margins(algo.eta_a, algo.eps_low, algo.eps_high)
-        metrics.update(copc.advantage_channel_metrics(logp_old, batch.logp_mu, mask, low_a, high_a))
-        metrics.update(copc.staleness_metrics(batch.versions, version, mask))
-        m = mask.bool()
-        metrics["advantage/mean"] = float(adv[m].mean()) if m.any() else 0.0
-        metrics["advantage/returns_mean"] = float(returns[m].mean()) if m.any() else 0.0
-        acc: dict[str, list[float]] = defaultdict(list)
-        # critic warm-up only makes sense with a critic (sao / dapo update the actor from step 1)
-        update_actor = self.critic is None or self.steps_done >= self.cfg.critic_warmup_steps
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.steps_done)
-        order = torch.randperm(len(batch), generator=gen)
-        for chunk in order.chunk(self.cfg.num_mini_batches):
-            idx = chunk.tolist()
-            mini = batch.select(idx)
-            den = copc.batch_denominators(mini.loss_mask)
-            extra = {"logp_old": logp_old[idx], "adv": adv[idx], "ret": returns[idx],
-                     "v_old": values_old[idx] if values_old is not None else None}
+        x, metrics = alg.advantages(batch, logp_old, values_old,
+                                    self.policy_version if version is None else version)
+        acc = MetricAccumulator()
+        update_actor = alg.update_actor(self.steps_done, self.critic is not None)
+        for idx in alg.mini_batches(len(batch), self.steps_done):
+            mini, xm = batch.select(idx), x.rows(idx)
+            den = alg.denominators(mini)
             if update_actor:
-                self._actor_update(mini, extra, den, acc)
+                self._actor_update(mini, xm, den, acc)
             if self.critic is not None:
-                self._critic_update(mini, extra, den, acc)
+                self._critic_update(mini, xm, den, acc)
+            acc.end_mini_batch()
         if update_actor:  # the actor's schedule counts actor updates (none during critic warm-up)
             self.actor_sched.step()
         if self.critic_sched is not None:
             self.critic_sched.step()
         self.steps_done += 1
-        metrics.update({k: float(sum(v) / len(v)) for k, v in acc.items()})
+        metrics.update(acc.result())
         metrics["actor/lr"] = self.actor_sched.get_last_lr()[0]
         metrics["actor/updated"] = float(update_actor)
         metrics["perf/learner_step_s"] = time.perf_counter() - t0
         metrics["perf/tokens"] = float(batch.attention_mask.sum())
         return metrics
 
-    def _actor_update(self, mini: RolloutBatch, x: dict, den: copc.Denominators, acc: dict) -> None:
+    # -- backend part ---------------------------------------------------------------------
+    def _micro(self, b: RolloutBatch) -> list[tuple[slice, RolloutBatch]]:
+        return [(sl, b.select(sl)) for sl in self.algorithm.micro_slices(len(b))]
+
+    @torch.no_grad()
+    def _recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+        self.actor.eval()
+        lps, vals = [], []
+        for _, mb in self._micro(batch):
+            lps.append(response_logprobs(self.actor, mb, self.cfg.temperature))
+            if self.critic is not None:
+                self.critic.eval()
+                vals.append(mb_values(self.critic, mb))
+        return torch.cat(lps), (torch.cat(vals) if vals else None)
+
+    def _actor_update(self, mini: RolloutBatch, x: StepInputs, den: copc.Denominators,
+                      acc: MetricAccumulator) -> None:
         self.actor.train()
         self.actor_opt.zero_grad(set_to_none=True)
-        start = 0
-        for mb in self._micro(mini):
-            sl = slice(start, start + len(mb))
-            start += len(mb)
+        for sl, mb in self._micro(mini):
             logp = response_logprobs(self.actor, mb, self.cfg.temperature)
-            loss, met = copc.compute_policy_loss(logp, copc.PolicyLossInputs(
-                logp_old=x["logp_old"][sl], logp_mu=mb.logp_mu, advantages=x["adv"][sl],
-                loss_mask=mb.loss_mask, denominators=den), self.algo)
+            loss, met = self.algorithm.policy_loss(logp, mb, x.rows_slice(sl), den)
             loss.backward()
-            for k, v in met.items():
-                acc[k].append(v)
+            acc.add_micro(met, float(mb.loss_mask.sum()))
         if self.cfg.grad_clip > 0:
             norm = nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
-            acc["actor/grad_norm"].append(float(norm))
+            acc.add("actor/grad_norm", float(norm))
         self.actor_opt.step()
 
-    def _critic_update(self, mini: RolloutBatch, x: dict, den: copc.Denominators, acc: dict) -> None:
+    def _critic_update(self, mini: RolloutBatch, x: StepInputs, den: copc.Denominators,
+                       acc: MetricAccumulator) -> None:
         assert self.critic is not None and self.critic_opt is not None
         self.critic.train()
         self.critic_opt.zero_grad(set_to_none=True)
-        start, total = 0, 0.0
-        for mb in self._micro(mini):
-            sl = slice(start, start + len(mb))
-            start += len(mb)
-            v = mb_values(self.critic, mb)
-            loss, met = copc.value_loss(v, x["v_old"][sl], x["ret"][sl], mb.loss_mask,
-                                        clip_eps=self.algo.value_clip_eps,
-                                        loss_agg_mode=self.algo.value_loss_agg_mode, denominators=den)
+        for sl, mb in self._micro(mini):
+            loss, met = self.algorithm.value_loss(mb_values(self.critic, mb), mb, x.rows_slice(sl), den)
             loss.backward()
-            total += float(loss.detach())
-            for k, val in met.items():
-                acc[k].append(val)
-        acc["critic/value_loss"].append(total)
+            acc.add_micro(met, float(mb.loss_mask.sum()))
         if self.cfg.grad_clip > 0:
-            norm = nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
-            acc["critic/grad_norm"].append(float(norm) if math.isfinite(float(norm)) else float("nan"))
+            norm = float(nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip))
+            acc.add("critic/grad_norm", norm if math.isfinite(norm) else float("nan"))
         self.critic_opt.step()
-
-
-def mb_values(critic: ValueModel, b: RolloutBatch) -> Tensor:
-    """``(B, T)`` critic values of the states before each response token."""
-    return critic.response_values(b.input_ids, b.attention_mask, b.position_ids, b.prompt_len)

@@ -33,9 +33,23 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.flo
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model.path={str(path)!r}: no config.json there (a checkpoint "
                                 "directory saved with save_pretrained is expected)")
-    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    tok = load_tokenizer(p)
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype,
                                                  attn_implementation=attn_implementation)
     return model.eval(), tok
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a ``save_pretrained`` directory (pad token = EOS when it has none).
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a directory with a ``config.json``.
+    """
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={str(path)!r}: no config.json there (a checkpoint "
+                                "directory saved with save_pretrained is expected)")
+    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -32,7 +32,6 @@ and continue across a resume.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -43,24 +42,14 @@ from typing import Any
 import copc
 
 from ..engines.base import InferenceEngine, SamplingParams
-from ..learner.torch_learner import TorchLearner
-from ..rollout.agent_loop import AgentLoopConfig, run_episode
+from ..learner.base import Learner
+from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.batch import to_batch
+from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
 from .prompts import PromptStream
 
 log = logging.getLogger(__name__)
-
-
-def episode_sampling(sampling: SamplingParams, uid: int, k: int) -> SamplingParams:
-    """Sampling params of episode ``k`` of prompt draw ``uid``: seed ``seed + 7919·uid + k``.
-
-    Shared by the local and Ray launchers, so a seeded run samples the same streams whichever
-    launcher plays it. Unseeded params pass through.
-    """
-    if sampling.seed is None:
-        return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + 7919 * uid + k)
 
 
 #: Cumulative counters of a run (continued across resumes through :meth:`AsyncTrainingLoop.loop_state`):
@@ -114,6 +103,14 @@ class LoopConfig:
     checkpoint_every: int = 10
     max_infra_failure_fraction: float = 0.5
 
+    @classmethod
+    def from_config(cls, exp: Any) -> LoopConfig:
+        """From an :class:`~trainer.config.ExperimentConfig` (staleness bound: ``exp.max_staleness``)."""
+        return cls(total_steps=exp.train.total_steps, prompts_per_step=exp.train.prompts_per_step,
+                   n_samples_per_prompt=exp.rollout.n_samples_per_prompt, max_staleness=exp.max_staleness,
+                   concurrency=exp.rollout.concurrency, checkpoint_every=exp.checkpoint.every_steps,
+                   max_infra_failure_fraction=exp.train.max_infra_failure_fraction)
+
     def __post_init__(self) -> None:
         """Validate the failure threshold."""
         if not 0.0 <= self.max_infra_failure_fraction <= 1.0:
@@ -131,9 +128,11 @@ class AsyncTrainingLoop:
     """Runs rollout producers and the learner concurrently in one process.
 
     Args:
-        learner: the :class:`TorchLearner`.
-        engine: the rollout engine (its weights are synced after each step).
-        make_env: environment factory (one env per episode).
+        learner: any :class:`~trainer.learner.base.Learner` backend.
+        engine: the rollout engine (its weights are synced after each step); unused when
+            ``run_group`` is given.
+        make_env: environment factory; episodes take environments from an
+            :class:`~trainer.rollout.groups.EnvPool` of ``cfg.concurrency`` reusable ones.
         tokenizer: the policy tokenizer.
         prompts: the :class:`PromptStream`.
         sampling: rollout sampling parameters.
@@ -142,13 +141,15 @@ class AsyncTrainingLoop:
         on_step: ``f(step, metrics, trained_uids)`` called after each step (logging).
         on_checkpoint: ``f(step, loop_state)`` called every ``checkpoint_every`` steps.
         start_step: steps already done (resume).
-        sync_weights: ``async f(actor, version)`` pushing new weights to the engine (default:
-            ``engine.update_weights(actor.state_dict(), version)``).
+        sync_weights: ``async f(learner, version)`` pushing the learner's new weights to the
+            engine(s) (default: ``engine.update_weights(dict(learner.export_policy_weights()),
+            version)``).
         run_group: ``async f(uid, sample, n) -> list[Trajectory]`` playing ``n`` episodes of one
-            prompt (default: :func:`run_episode` on ``engine`` in this process). The Ray launcher
-            passes one that calls remote rollout workers.
-        learner_step: ``async f(batch, version) -> metrics`` (default: ``learner.step`` in a
-            worker thread, so rollouts keep running while the learner trains).
+            prompt (default: :func:`trainer.rollout.groups.run_group` on ``engine`` in this
+            process). The Ray launcher passes one that calls remote rollout workers.
+        learner_step: ``async f(batch, version) -> metrics`` (default: ``learner.step(batch)``
+            in a worker thread, so rollouts keep running while the learner trains; ``version``
+            equals ``learner.policy_version``).
         counters: cumulative counters saved in a checkpoint's ``loop_state()["counters"]``
             (resume); missing ones start at 0.
 
@@ -159,7 +160,7 @@ class AsyncTrainingLoop:
     consumption semantics.
     """
 
-    def __init__(self, learner: TorchLearner, engine: InferenceEngine, make_env: Callable[[], Any],
+    def __init__(self, learner: Learner, engine: InferenceEngine | None, make_env: Callable[[], Any] | None,
                  tokenizer: Any, prompts: PromptStream, sampling: SamplingParams,
                  agent_cfg: AgentLoopConfig, cfg: LoopConfig,
                  on_step: Callable[[int, dict, list[int]], None] | None = None,
@@ -171,9 +172,13 @@ class AsyncTrainingLoop:
         self.learner, self.engine, self.make_env, self.tok = learner, engine, make_env, tokenizer
         self.prompts, self.sampling, self.agent_cfg, self.cfg = prompts, sampling, agent_cfg, cfg
         self.on_step, self.on_checkpoint = on_step, on_checkpoint
-        self.sync_weights = sync_weights or self._sync_state_dict
+        self.sync_weights = sync_weights or self._sync_engine
         self.run_group = run_group or self._local_group
+        self._pool = EnvPool(make_env, cfg.concurrency) if make_env is not None else None
         self.learner_step = learner_step or self._local_step
+        if learner.policy_version != start_step:
+            raise ValueError(f"start_step={start_step} but the learner is at policy version "
+                             f"{learner.policy_version} (restore its state first)")
         self.step = start_step
         self.version = start_step  # policy version = number of updates done
         self.in_flight: set[int] = set()  # admitted, not yet trained (running or ready)
@@ -190,7 +195,6 @@ class AsyncTrainingLoop:
         self._start_step = start_step
         self.last_checkpoint_step: int | None = None
         self._cond = asyncio.Condition()
-        self._sem = asyncio.Semaphore(cfg.concurrency)
         self._stop = False
 
     @property
@@ -203,32 +207,19 @@ class AsyncTrainingLoop:
         """Episodes finished so far (cumulative over resumes)."""
         return self.counters["episodes"]
 
-    async def _sync_state_dict(self, actor: Any, version: int) -> None:
-        await self.engine.update_weights(actor.state_dict(), version)
+    async def _sync_engine(self, learner: Learner, version: int) -> None:
+        await self.engine.update_weights(dict(learner.export_policy_weights()), version)
 
     # -- producers -----------------------------------------------------------------------------
     def _may_admit(self) -> bool:
         return len(self.in_flight) < (self.cfg.max_staleness + 1) * self.cfg.prompts_per_step
 
-    async def _episode(self, uid: int, k: int) -> Trajectory:
-        async with self._sem:
-            env = self.make_env()
-            try:
-                sample = self.prompts.row(uid)
-                sp = episode_sampling(self.sampling, uid, k)
-                tr = await run_episode(self.engine, env, self.tok, sample, sp, self.agent_cfg, group_id=uid)
-                tr.info["uid"] = uid
-                return tr
-            finally:
-                close = getattr(env, "close", None)
-                if close is not None:
-                    await asyncio.to_thread(close)
-
     async def _local_group(self, uid: int, sample: Mapping[str, Any], n: int) -> list[Trajectory]:
-        return list(await asyncio.gather(*(self._episode(uid, k) for k in range(n))))
+        return await run_group(self.engine, self._pool, self.tok, sample, n, self.sampling, self.agent_cfg,
+                               uid=uid)
 
     async def _local_step(self, batch: Any, version: int) -> dict:
-        return await asyncio.to_thread(self.learner.step, batch, version)
+        return await asyncio.to_thread(self.learner.step, batch)
 
     async def _fail(self, err: TrainingError) -> None:
         """Record the first fatal error and wake the learner side (which raises it)."""
@@ -422,7 +413,7 @@ class AsyncTrainingLoop:
                 self.version += 1
                 self.step += 1
                 t_sync = time.perf_counter()
-                await self.sync_weights(self.learner.actor, self.version)
+                await self.sync_weights(self.learner, self.version)
                 uids = [g.uid for g in groups]
                 async with self._cond:
                     for u in uids:
@@ -449,6 +440,8 @@ class AsyncTrainingLoop:
                 self._stop = True
                 self._cond.notify_all()
             await producer
+            if self._pool is not None:
+                await self._pool.close()
 
     @staticmethod
     def _dropped_metrics(dropped: list[Trajectory]) -> dict[str, float]:
@@ -481,16 +474,7 @@ class AsyncTrainingLoop:
         return out
 
 
-def make_loop_config(exp: Any, algo: copc.AlgorithmConfig) -> LoopConfig:
-    """:class:`LoopConfig` from an :class:`~trainer.config.ExperimentConfig`."""
-    own = algo.max_staleness
-    return LoopConfig(total_steps=exp.train.total_steps, prompts_per_step=exp.train.prompts_per_step,
-                      n_samples_per_prompt=exp.rollout.n_samples_per_prompt,
-                      max_staleness=exp.train.max_staleness if own is None else own,
-                      concurrency=exp.rollout.concurrency, checkpoint_every=exp.checkpoint.every_steps,
-                      max_infra_failure_fraction=exp.train.max_infra_failure_fraction)
-
-
-def sample_of(prompts: PromptStream, uid: int) -> Mapping[str, Any]:
-    """The data row of draw ``uid`` (for logs)."""
-    return prompts.row(uid)
+def make_loop_config(exp: Any, algo: copc.AlgorithmConfig | None = None) -> LoopConfig:
+    """:class:`LoopConfig` from an :class:`~trainer.config.ExperimentConfig` (``algo`` is unused;
+    kept for callers: the staleness bound is ``exp.max_staleness``, resolved once there)."""
+    return LoopConfig.from_config(exp)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,6 +45,13 @@ class AgentLoopConfig:
     engine_retries: int = 3
     retry_backoff_s: float = 0.05
     use_chat_template: bool = False
+
+    @classmethod
+    def from_config(cls, exp: Any) -> AgentLoopConfig:
+        """Budgets of an :class:`~trainer.config.ExperimentConfig`'s ``rollout`` section."""
+        r = exp.rollout
+        return cls(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
+                   max_observation_tokens=r.max_observation_tokens, use_chat_template=r.use_chat_template)
 
     def __post_init__(self) -> None:
         """Validate."""
@@ -89,6 +96,11 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
     environment's reply is tokenised and appended as observation tokens. Environment
     steps run in a worker thread (tools may block).
 
+    Every step's reward — non-terminal ones included — is recorded with
+    :meth:`Trajectory.add_reward` right after the step, before its observation is appended,
+    so it sits on the last model token of the turn it answered (the spec's fold rule);
+    :attr:`Trajectory.reward` is the episode return, their sum.
+
     Args:
         engine: an :class:`~trainer.engines.base.InferenceEngine`.
         env: a text tool environment (``reset(options={"sample": ...})`` / ``step(text)``).
@@ -103,12 +115,15 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         episode with ``finish_reason`` saying so and :attr:`Trajectory.infra_failed` set —
         ``"infra_error: ..."`` when ``reset``/``step`` raised
         :class:`~environments.errors.InfrastructureError`, ``"engine_error: ..."`` when
-        generation failed after retries; such an episode has reward 0 but must not be trained
-        on or scored as wrong. Any other exception of ``step`` (a bug in the environment) ends
-        it with ``"env_error: ..."`` (:attr:`Trajectory.env_failed`), which the training loop
-        and evaluation treat as fatal.
+        generation failed after retries; such an episode has its rewards cleared (reward 0,
+        no step rewards) but must not be trained on or scored as wrong. Any other exception of
+        ``step`` (a bug in the environment), or a step reward that cannot be recorded (not a
+        finite number, or non-zero with no model token yet), ends it with
+        ``"env_error: ..."`` (:attr:`Trajectory.env_failed`, rewards cleared), which the
+        training loop and evaluation treat as fatal.
         A turn cut by ``max_total_tokens`` is not passed to the environment (it is incomplete):
-        ``finish_reason = "max_total_tokens"``, reward 0.
+        ``finish_reason = "max_total_tokens"``; it earns no reward, the rewards of earlier
+        steps are kept.
     """
     cfg = cfg or AgentLoopConfig()
     sid = sample.get("id")
@@ -142,15 +157,20 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
             obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, action)
         except InfrastructureError as e:  # the env's machinery failed, not the policy
             traj.finish_reason = f"infra_error: {e}"
-            traj.reward = 0.0
+            traj.clear_rewards()
             break
         except Exception as e:  # recorded on the trajectory, never dropped
             traj.finish_reason = f"env_error: {type(e).__name__}: {e}"
-            traj.reward = 0.0
+            traj.clear_rewards()
             break
         traj.info = dict(info)
+        try:  # on this turn's last model token, before the observation (spec: fold)
+            traj.add_reward(reward)
+        except (TypeError, ValueError) as e:  # NaN / non-number reward: an env bug
+            traj.finish_reason = f"env_error: bad reward: {e}"
+            traj.clear_rewards()
+            break
         if terminated or truncated:
-            traj.reward = float(reward)
             traj.finish_reason = "terminated" if terminated else "truncated"
             break
         obs_ids = truncate_observation_ids(tokenizer, obs, cfg.max_observation_tokens)
@@ -158,31 +178,3 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
     else:
         traj.finish_reason = traj.finish_reason or "max_turns"
     return traj
-
-
-async def run_episodes(engine: InferenceEngine, make_env: Callable[[], Any], tokenizer: Any,
-                       samples: Sequence[Mapping[str, Any]], sampling: SamplingParams,
-                       cfg: AgentLoopConfig | None = None, concurrency: int = 32,
-                       n_per_sample: int = 1) -> list[Trajectory]:
-    """Run ``n_per_sample`` episodes per sample concurrently (at most ``concurrency`` at once).
-
-    Each concurrent episode gets its own environment from ``make_env`` (environments are
-    stateful); environments are closed afterwards.
-
-    Returns:
-        Trajectories in the order ``(sample 0, copy 0), (sample 0, copy 1), ...``.
-    """
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(sample: Mapping[str, Any], k: int) -> Trajectory:
-        async with sem:
-            env = make_env()
-            try:
-                sp = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + k)
-                return await run_episode(engine, env, tokenizer, sample, sp, cfg, group_id=sample.get("id"))
-            finally:
-                close = getattr(env, "close", None)
-                if close is not None:
-                    await asyncio.to_thread(close)
-
-    return list(await asyncio.gather(*(one(s, k) for s in samples for k in range(n_per_sample))))

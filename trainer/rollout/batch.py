@@ -30,8 +30,13 @@ class RolloutBatch:
         loss_mask: ``(B, T)`` float32, 1 on model tokens.
         logp_mu: ``(B, T)`` float32 behavior log-probs (0 off model tokens).
         versions: ``(B, T)`` int64 policy versions (:data:`NO_VERSION` off model tokens).
-        rewards: ``(B, T)`` float32, the episode reward on the last model token.
-        scores: ``(B,)`` float32 episode rewards.
+        rewards: ``(B, T)`` float32 per-token reward (:meth:`Trajectory.token_rewards`): each
+            environment step's reward on the last model token of the turn it answered (a
+            non-terminal step's reward before that step's observation, the terminal reward on
+            the episode's last model token); 0 elsewhere, never on an observation or padding
+            token. Row ``b`` sums to ``scores[b]`` (up to float32 rounding).
+        scores: ``(B,)`` float32 episode returns (:attr:`Trajectory.reward`, the sum of the
+            step rewards): the outcome score of critic-free estimators (GRPO/SAO/DAPO).
         group_ids: ``(B,)`` int64 prompt-group index (for GRPO).
         sample_ids: length-B list of data-row ids.
     """
@@ -83,8 +88,9 @@ def to_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> RolloutBa
         The batch; group ids are renumbered ``0..G−1`` in order of first appearance.
 
     Raises:
-        ValueError: on an empty list, or a trajectory with a non-zero reward but no model
-            token (its reward could not be attributed).
+        ValueError: on an empty list, or a trajectory whose rewards cannot be placed on its
+            model tokens (a non-zero reward but no model token, or a step reward recorded at an
+            index that is not a model token; see :meth:`Trajectory.token_rewards`).
     """
     if not trajectories:
         raise ValueError("to_batch: no trajectories")
@@ -108,12 +114,12 @@ def to_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> RolloutBa
             loss_mask[b, :n] = torch.tensor(tr.loss_mask, dtype=torch.float32)
             logp_mu[b, :n] = torch.tensor(tr.logp_mu, dtype=torch.float32)
             versions[b, :n] = torch.tensor(tr.versions, dtype=torch.long)
-        model_pos = [i for i, m in enumerate(tr.loss_mask) if m]
-        if model_pos:
-            rewards[b, model_pos[-1]] = float(tr.reward)
-        elif tr.reward != 0.0:
-            raise ValueError(f"trajectory {b} (sample {tr.sample_id!r}) has reward {tr.reward!r} "
-                             "but no model token to put it on")
+        try:
+            placed = tr.token_rewards()
+        except ValueError as e:
+            raise ValueError(f"trajectory {b}: {e}") from None
+        if placed:
+            rewards[b, list(placed)] = torch.tensor(list(placed.values()), dtype=torch.float32)
         key = tr.group_id if tr.group_id is not None else tr.sample_id
         group_ids[b] = groups.setdefault(key, len(groups))
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)

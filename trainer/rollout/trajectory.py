@@ -7,6 +7,14 @@ log-probs and versions can never drift out of alignment:
   the policy version that produced each;
 * observation tokens (tool output / environment text): ``loss_mask = 0``, no log-prob and
   no version; passing log-probs for them is an error.
+
+Rewards enter through one method too (:meth:`Trajectory.add_reward`): each environment
+step's reward, non-terminal or terminal, is placed on the last model token present when it
+is recorded — the last action token of the turn the step answered, so *before* that step's
+observation. That is the spec's "fold" rule (``obs_reward: fold``: reward belonging to an
+observation moves onto the preceding action token) applied at the source, so the batch
+never carries reward on an observation token and is valid under ``obs_reward: error`` too.
+:attr:`Trajectory.reward` is the episode return, the sum of all of them.
 """
 
 from __future__ import annotations
@@ -37,7 +45,17 @@ class Trajectory:
         loss_mask: per response token, 1 = model token, 0 = observation token.
         logp_mu: per response token, behavior log-prob (0.0 for observation tokens).
         versions: per response token, policy version (:data:`NO_VERSION` for observations).
-        reward: episode reward (outcome), placed on the last model token by :func:`to_batch`.
+        reward: episode return: the sum of every step's reward (for the built-in environments
+            only the terminal step rewards, so it is the outcome reward). Evaluation's
+            correctness (``reward > 0.5``), the loop's reward logging and the batch's
+            ``scores`` (GRPO/SAO/DAPO) all read this value. :meth:`add_reward` adds to it; a
+            value assigned directly (hand-built trajectories) that :attr:`step_rewards` does
+            not account for is an outcome reward on the last model token
+            (:meth:`token_rewards`).
+        step_rewards: ``(response index, reward)`` per :meth:`add_reward` call, in order: the
+            index is that of the last model token when the reward was recorded (so
+            ``loss_mask[index] == 1``). Zero rewards are recorded too (one entry per
+            environment step).
         sample_id: id of the data row; group_id: prompt group (GRPO), defaults to sample_id.
         turns: number of model turns.
         finish_reason: why the episode ended (``"terminated"``, ``"truncated"``,
@@ -53,6 +71,7 @@ class Trajectory:
     logp_mu: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     reward: float = 0.0
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)
     sample_id: Any = None
     group_id: Any = None
     turns: int = 0
@@ -102,6 +121,76 @@ class Trajectory:
         self.loss_mask.extend([mask] * n)
         self.logp_mu.extend(float(x) for x in logprobs)
         self.versions.extend(versions)
+
+    def add_reward(self, reward: float) -> None:
+        """Record one environment step's reward on the current last model token.
+
+        Call it right after the step, before appending that step's observation: the reward
+        lands on the last action token of the turn the step answered (the spec's fold rule).
+        ``reward`` (the episode return) grows by it.
+
+        Args:
+            reward: the step's reward (a real number; 0 is recorded too).
+
+        Raises:
+            TypeError, ValueError: if ``reward`` is not a finite real number (``float()``
+                refuses it, or NaN/inf), or it is non-zero and the trajectory has no model
+                token to put it on. Nothing is recorded then.
+        """
+        r = float(reward)
+        if not math.isfinite(r):
+            raise ValueError(f"reward {reward!r} is not finite")
+        last = self._last_model_index()
+        if last is None and r != 0.0:
+            raise ValueError(f"reward {r!r} but no model token to put it on (sample {self.sample_id!r})")
+        self.step_rewards.append((-1 if last is None else last, r))
+        self.reward += r
+
+    def clear_rewards(self) -> None:
+        """Forget every reward: ``reward = 0`` and no :attr:`step_rewards` (failed episodes)."""
+        self.step_rewards.clear()
+        self.reward = 0.0
+
+    def token_rewards(self) -> dict[int, float]:
+        """Non-zero reward per response index, as :func:`~trainer.rollout.batch.to_batch` places it.
+
+        Each :attr:`step_rewards` entry at its index (entries on one index add up); the part of
+        :attr:`reward` they do not account for (``reward − Σ step rewards``, exactly 0 when
+        every reward went through :meth:`add_reward`) on the last model token. The values
+        therefore always sum to :attr:`reward`, and every index is a model token.
+
+        Returns:
+            ``{response index: reward}`` in increasing index order, zeros left out.
+
+        Raises:
+            ValueError: if a step reward's index is not a model token of this trajectory, or
+                a non-zero reward (step or remainder) has no model token to go on.
+        """
+        out: dict[int, float] = {}
+        placed = 0.0
+        for i, r in self.step_rewards:
+            placed += r  # same order as add_reward's sum: the remainder is exactly 0 then
+            if r == 0.0:
+                continue
+            if not (0 <= i < len(self.loss_mask) and self.loss_mask[i] == 1):
+                raise ValueError(f"step reward {r!r} at response index {i} of sample {self.sample_id!r}: "
+                                 "not a model token (no model token to put it on)")
+            out[i] = out.get(i, 0.0) + r
+        rest = float(self.reward) - placed if self.step_rewards else float(self.reward)
+        if rest != 0.0:
+            last = self._last_model_index()
+            if last is None:
+                raise ValueError(f"sample {self.sample_id!r} has reward {self.reward!r} but no model "
+                                 "token to put it on")
+            out[last] = out.get(last, 0.0) + rest
+        return {i: out[i] for i in sorted(out) if out[i] != 0.0}
+
+    def _last_model_index(self) -> int | None:
+        """Response index of the last model token (None if there is none)."""
+        for i in range(len(self.loss_mask) - 1, -1, -1):
+            if self.loss_mask[i]:
+                return i
+        return None
 
     @property
     def infra_failed(self) -> bool:

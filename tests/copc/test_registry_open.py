@@ -1,0 +1,182 @@
+"""The registries are open: a user's estimator / loss, registered with metadata, passes config
+validation and is dispatched to; the metadata (needs_critic, needs_groups) drives validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import copc
+
+BUILTIN_ESTIMATORS = ["batch_norm", "copc", "gae", "grpo", "vtrace"]
+BUILTIN_LOSSES = ["decoupled_ppo", "dis", "icepop", "ppo", "tis"]
+
+
+def mc_return(x: copc.AdvantageInputs, cfg: copc.AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Monte-Carlo reward-to-go over action tokens, discounted by cfg.gamma per action token."""
+    mask = x.loss_mask.bool()
+    ret = torch.zeros_like(x.rewards)
+    for b in range(x.rewards.shape[0]):
+        g = 0.0
+        for t in reversed(range(x.rewards.shape[1])):
+            if mask[b, t]:
+                g = float(x.rewards[b, t]) + cfg.gamma * g
+                ret[b, t] = g
+    return ret, ret.clone()
+
+
+def reinforce(logp: torch.Tensor, x: copc.PolicyLossInputs, cfg: copc.AlgorithmConfig
+              ) -> tuple[torch.Tensor, dict]:
+    """-mean over action tokens of logp * advantage."""
+    m = x.loss_mask.float()
+    loss = -(logp * x.advantages * m).sum() / m.sum()
+    return loss, {"actor/reinforce_loss": float(loss.detach())}
+
+
+def critic_est(x: copc.AdvantageInputs, cfg: copc.AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.values, x.values
+
+
+@pytest.fixture
+def custom():
+    """Register the test's entries; always unregister them (other tests see the built-ins only)."""
+    copc.ADVANTAGE_ESTIMATORS.register("mc_return", needs_critic=False)(mc_return)
+    copc.ADVANTAGE_ESTIMATORS.register("values_as_adv", needs_critic=True)(critic_est)
+    copc.ADVANTAGE_ESTIMATORS.register("grouped_mc", needs_critic=False, needs_groups=True)(mc_return)
+    copc.POLICY_LOSSES.register("reinforce")(reinforce)
+    try:
+        yield
+    finally:
+        for name in ("mc_return", "values_as_adv", "grouped_mc"):
+            copc.ADVANTAGE_ESTIMATORS.unregister(name)
+        copc.POLICY_LOSSES.unregister("reinforce")
+
+
+def test_builtin_metadata():
+    meta = {n: dict(copc.ADVANTAGE_ESTIMATORS.metadata(n)) for n in copc.ADVANTAGE_ESTIMATORS.names()}
+    assert meta == {
+        "batch_norm": {"needs_critic": False, "needs_groups": False},
+        "copc": {"needs_critic": True, "needs_groups": False},
+        "gae": {"needs_critic": True, "needs_groups": False},
+        "grpo": {"needs_critic": False, "needs_groups": True},
+        "vtrace": {"needs_critic": True, "needs_groups": False},
+    }
+    assert copc.POLICY_LOSSES.names() == BUILTIN_LOSSES
+    assert dict(copc.POLICY_LOSSES.metadata("dis")) == {}
+    with pytest.raises(TypeError):  # read-only
+        copc.ADVANTAGE_ESTIMATORS.metadata("gae")["needs_critic"] = False  # type: ignore[index]
+
+
+def test_custom_estimator_and_loss_validate_and_dispatch(custom):
+    cfg = copc.get_preset("copc", advantage_estimator="mc_return", use_critic=False,
+                          policy_loss="reinforce", gamma=0.5)
+    assert (cfg.advantage_estimator, cfg.policy_loss, cfg.use_critic) == ("mc_return", "reinforce", False)
+    # row 0: three action tokens, reward 1 at the end: 0.25, 0.5, 1 (gamma = 0.5 per action token)
+    # row 1: token 1 is an observation (skipped, 0): [0 + 0.5 * 2, 0, 2] = [1, 0, 2]
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 2.0]])
+    mask = torch.tensor([[True, True, True], [True, False, True]])
+    adv, ret = copc.compute_advantages(copc.AdvantageInputs(rewards=rewards, loss_mask=mask), cfg)
+    torch.testing.assert_close(adv, torch.tensor([[0.25, 0.5, 1.0], [1.0, 0.0, 2.0]]))
+    torch.testing.assert_close(ret, adv)
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, -0.25]], requires_grad=True)
+    loss, metrics = copc.compute_policy_loss(
+        logp, copc.PolicyLossInputs(logp.detach(), logp.detach(), adv, mask), cfg)
+    # -(-1*.25 - 2*.5 - .5*1 - 1*1 - .25*2) / 5 = 3.25 / 5
+    assert loss.item() == pytest.approx(0.65)
+    assert metrics == {"actor/reinforce_loss": pytest.approx(0.65)}
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv * mask / 5)
+
+
+def test_registration_order_matters_and_unregister():
+    with pytest.raises(ValueError, match="advantage_estimator must be one of the registered") as ei:
+        copc.get_preset("copc", advantage_estimator="mc_return", use_critic=False)
+    assert str(BUILTIN_ESTIMATORS) in str(ei.value) and "'mc_return'" in str(ei.value)
+    copc.ADVANTAGE_ESTIMATORS.register("mc_return", needs_critic=False)(mc_return)
+    try:
+        assert copc.get_preset("copc", advantage_estimator="mc_return", use_critic=False).use_critic is False
+        assert "mc_return" in copc.ADVANTAGE_ESTIMATORS
+    finally:
+        assert copc.ADVANTAGE_ESTIMATORS.unregister("mc_return") is mc_return
+    assert copc.ADVANTAGE_ESTIMATORS.names() == BUILTIN_ESTIMATORS
+    with pytest.raises(ValueError, match="advantage_estimator must be one of"):
+        copc.get_preset("copc", advantage_estimator="mc_return", use_critic=False)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'mc_return'; known"):
+        copc.ADVANTAGE_ESTIMATORS.unregister("mc_return")
+
+
+def test_unregistered_policy_loss_lists_the_registered():
+    with pytest.raises(ValueError) as ei:
+        copc.get_preset("copc", policy_loss="reinforce")
+    msg = str(ei.value)
+    assert msg.startswith("policy_loss must be one of the registered policy losses")
+    assert str(BUILTIN_LOSSES) in msg and "'reinforce'" in msg
+
+
+def test_needs_critic_must_match_use_critic(custom):
+    with pytest.raises(ValueError, match=r"use_critic=True with advantage_estimator='mc_return'"):
+        copc.get_preset("copc", advantage_estimator="mc_return")
+    with pytest.raises(ValueError, match=r"use_critic=False is incompatible with "
+                                         r"advantage_estimator='values_as_adv'"):
+        copc.get_preset("dapo", advantage_estimator="values_as_adv")
+    assert copc.get_preset("dapo", advantage_estimator="values_as_adv", use_critic=True).use_critic
+
+
+def test_needs_groups_against_n_samples_per_prompt(custom):
+    # the built-in grpo and a custom group-relative estimator alike
+    for est in ("grpo", "grouped_mc"):
+        with pytest.raises(ValueError, match=rf"n_samples_per_prompt=1 is incompatible with "
+                                             rf"advantage_estimator='{est}'"):
+            copc.get_preset("dapo", advantage_estimator=est, n_samples_per_prompt=1)
+        cfg = copc.get_preset("dapo", advantage_estimator=est, n_samples_per_prompt=2)
+        assert cfg.n_samples_per_prompt == 2
+    assert copc.get_preset("dapo").n_samples_per_prompt is None  # any group size >= 2
+
+
+def test_sao_is_single_rollout():
+    assert copc.get_preset("sao").n_samples_per_prompt == 1
+    assert copc.get_preset("sao", n_samples_per_prompt=1).n_samples_per_prompt == 1
+    with pytest.raises(ValueError, match=r"preset 'sao' is single-rollout .*\(got n_samples_per_prompt=4\)"):
+        copc.get_preset("sao", n_samples_per_prompt=4)
+    with pytest.raises(ValueError, match=r"got n_samples_per_prompt=None"):
+        copc.get_preset("sao", n_samples_per_prompt=None)
+    for p in copc.PRESET_NAMES:
+        assert copc.get_preset(p).n_samples_per_prompt == (1 if p == "sao" else None), p
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5, "2"])
+def test_n_samples_per_prompt_type_and_range(bad):
+    with pytest.raises(ValueError, match="n_samples_per_prompt must be an int >= 1 or None"):
+        copc.get_preset("copc", n_samples_per_prompt=bad)
+
+
+def test_register_validates_metadata():
+    reg = copc.ADVANTAGE_ESTIMATORS
+    with pytest.raises(ValueError, match=r"'x': register\(\) needs metadata needs_critic=<bool>"):
+        reg.register("x")
+    with pytest.raises(ValueError, match=r"'x': unknown metadata \['need_critic'\]; known: "
+                                         r"\['needs_critic', 'needs_groups'\]"):
+        reg.register("x", need_critic=False)
+    with pytest.raises(ValueError, match="metadata needs_critic must be a bool, got 'yes'"):
+        reg.register("x", needs_critic="yes")
+    with pytest.raises(ValueError, match="metadata needs_groups must be a bool, got 1"):
+        reg.register("x", needs_critic=False, needs_groups=1)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("gae", needs_critic=True)(mc_return)
+    with pytest.raises(ValueError, match="not callable"):
+        reg.register("x", needs_critic=False)(42)
+    with pytest.raises(ValueError, match="non-empty string"):
+        copc.POLICY_LOSSES.register("")
+    assert reg.names() == BUILTIN_ESTIMATORS and reg.get("gae") is not mc_return  # nothing leaked
+
+
+def test_generic_registry_with_defaults():
+    reg = copc.Registry("thing", metadata={"size": (int, 3), "tag": (str, copc.registry.REQUIRED)})
+    reg.register("a", tag="t")(len)
+    reg.register("b", tag="u", size=7)(abs)
+    assert dict(reg.metadata("a")) == {"size": 3, "tag": "t"}
+    assert dict(reg.metadata("b")) == {"size": 7, "tag": "u"}
+    with pytest.raises(ValueError, match=r"unknown thing 'c'; known: \['a', 'b'\]"):
+        reg.metadata("c")
+    assert [] not in reg  # unhashable: not a member, no TypeError

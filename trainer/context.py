@@ -1,0 +1,202 @@
+"""The composition root of a run: :class:`RunContext` holds what every phase of ``copc train`` needs.
+
+:func:`build_context` turns a validated :class:`~trainer.config.ExperimentConfig` into a
+context: output directory, checkpoints (and the resume state), the task (data, services,
+environment factory), the policy's model directory and tokenizer (after the optional
+warm-start), the learner (``learner.backend``), the prompt stream and the cumulative
+counters. The phases in :mod:`trainer.run` take the context instead of a dozen parameters;
+each seam is chosen by name from the config: ``task.env`` → :mod:`trainer.tasks`,
+``learner.backend`` → :mod:`trainer.learner`, ``rollout.engine`` → :mod:`trainer.engines`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointManager, set_rng_state
+from .config import ExperimentConfig
+from .learner import Learner, make_learner
+from .metrics_log import MetricsLogger
+from .models.loading import load_model_and_tokenizer, load_tokenizer
+from .models.tiny import TinyModelConfig, save_tiny_checkpoint
+from .orchestration.prompts import PromptStream
+from .rollout.agent_loop import AgentLoopConfig
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def initial_model_dir(cfg: ExperimentConfig, out: Path) -> Path:
+    """``model.path``, or a tiny model built once into ``<output_dir>/init_model``."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    d = out / "init_model"
+    if not (d / "config.json").exists():
+        save_tiny_checkpoint(d, TinyModelConfig(**vars(cfg.model.tiny)))
+    return d
+
+
+@dataclass
+class RunContext:
+    """Everything the phases of a run share.
+
+    Attributes:
+        cfg: the validated config.
+        out: ``output_dir``.
+        task: the :class:`~trainer.tasks.Task` (started services; closed by :meth:`close`).
+        model_dir: ``save_pretrained`` directory of the policy the learner starts from (the
+            warm-start result when there is one): architecture + tokenizer for every engine.
+        tokenizer: the policy tokenizer.
+        learner: the :class:`~trainer.learner.base.Learner` (resumed state loaded).
+        logger: metrics logger (``metrics.jsonl``, TensorBoard).
+        checkpoints: the run's :class:`CheckpointManager`.
+        resume_state: the loaded checkpoint, or None for a fresh run.
+        prompts: the training :class:`PromptStream` (cursor restored on resume).
+        start_step: steps already done.
+        trained_uids: prompt draws trained so far (resume included).
+        counters: cumulative loop counters restored from the checkpoint.
+        summary: the run summary being built (``summary.json``).
+        t_start: wall-clock start of this invocation (seconds since the epoch).
+    """
+
+    cfg: ExperimentConfig
+    out: Path
+    task: Any
+    model_dir: Path
+    tokenizer: Any
+    learner: Learner
+    logger: MetricsLogger
+    checkpoints: CheckpointManager
+    resume_state: dict | None
+    prompts: PromptStream
+    start_step: int = 0
+    trained_uids: list[int] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    t_start: float = field(default_factory=time.time)
+
+    def agent_config(self) -> AgentLoopConfig:
+        """Episode budgets of the config (:meth:`AgentLoopConfig.from_config`)."""
+        return AgentLoopConfig.from_config(self.cfg)
+
+    def wall_s(self) -> float:
+        """Seconds spent on this run so far, earlier invocations (before a resume) included."""
+        return float(self.summary.get("wall_s_before_resume", 0.0)) + time.time() - self.t_start
+
+    def resumable_summary(self) -> dict:
+        """What a checkpoint keeps of the summary: evaluation before RL, warm-start metrics and
+        the wall time so far (as ``wall_s_before_resume``)."""
+        kept = {k: v for k, v in self.summary.items() if k in ("eval_before", "warm_start")}
+        kept["wall_s_before_resume"] = self.wall_s()
+        return kept
+
+    def close(self) -> None:
+        """Close the logger and the task's services."""
+        try:
+            self.logger.close()
+        finally:
+            self.task.close()
+
+
+def saved_counters(loop_state: dict) -> dict[str, int]:
+    """Cumulative counters of a checkpoint's loop state (older checkpoints: ``dropped_stale`` only)."""
+    counters = dict(loop_state.get("counters", {}))
+    counters.setdefault("dropped_stale", int(loop_state.get("dropped_stale", 0)))
+    return counters
+
+
+def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) -> tuple[Path, dict | None]:
+    """Supervised warm-start into ``<output_dir>/warm_start_model`` (reused when it exists: a
+    crash after it, or a resume); returns the policy directory and the SFT metrics."""
+    from .warmstart import sft_warm_start
+
+    ws_dir = out / "warm_start_model"
+    if (ws_dir / "config.json").exists():
+        metrics_file = ws_dir / "sft_metrics.json"
+        return ws_dir, json.loads(metrics_file.read_text()) if metrics_file.exists() else None
+    if not cfg.warm_start.enabled:
+        return model_dir, None
+    w = cfg.warm_start
+    t0 = time.time()
+    actor, tok = load_model_and_tokenizer(model_dir, dtype=getattr(torch, cfg.model.dtype),
+                                          attn_implementation=cfg.model.attn_implementation)
+    traces = task.warm_start_traces(w, progress=cfg.logging.progress)
+    log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
+    metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
+                             progress=cfg.logging.progress, agent_cfg=AgentLoopConfig.from_config(cfg),
+                             schedule=w.schedule)
+    actor.save_pretrained(ws_dir)
+    tok.save_pretrained(ws_dir)
+    metrics["wall_s"] = time.time() - t0
+    (ws_dir / "sft_metrics.json").write_text(json.dumps(metrics))
+    return ws_dir, metrics
+
+
+def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
+    """Build the :class:`RunContext` of ``cfg`` (starting the task's services).
+
+    Resume: the newest complete checkpoint restores the learner (models, optimizers,
+    schedulers, counters), the prompt cursor (admitted-but-untrained prompts re-queued), RNG
+    states, trained prompt draws and the cumulative counters; metrics logged after it are
+    dropped and re-done.
+
+    Raises:
+        ConfigError: settings only checkable at start-up (the message names the key).
+    """
+    from .config import to_yaml
+    from .tasks import build_task
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    if cfg.train.torch_threads:
+        torch.set_num_threads(cfg.train.torch_threads)
+    seed_everything(cfg.train.seed)
+    ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
+    state = ckpt.load() if resume else None
+    if resume and state is None:
+        log.warning("--resume: no checkpoint in %s; starting from scratch", out / "checkpoints")
+    task = build_task(cfg)
+    try:
+        summary: dict[str, Any] = {"name": cfg.name, "preset": cfg.preset, "task": cfg.task.env,
+                                   "max_staleness": cfg.max_staleness, "output_dir": str(out)}
+        model_dir = initial_model_dir(cfg, out)
+        model_dir, sft = _warm_start(cfg, task, model_dir, out) if state is None else \
+            ((out / "warm_start_model", None) if (out / "warm_start_model" / "config.json").exists()
+             else (model_dir, None))
+        if sft is not None:
+            summary["warm_start"] = sft
+        learner = make_learner(cfg, model_dir)
+        logger = MetricsLogger(out, tensorboard=cfg.logging.tensorboard, resume=state is not None)
+        ctx = RunContext(cfg=cfg, out=out, task=task, model_dir=model_dir,
+                         tokenizer=load_tokenizer(model_dir), learner=learner, logger=logger,
+                         checkpoints=ckpt, resume_state=state,
+                         prompts=PromptStream(task.train_samples, cfg.train.seed), summary=summary)
+    except BaseException:
+        task.close()
+        raise
+    if state is not None:
+        summary.update(state.get("summary", {}))
+        learner.load_state_dict(state["learner"])
+        ctx.prompts.load_state_dict(state["loop"]["prompts"])
+        ctx.start_step = int(state["loop"]["step"])
+        ctx.trained_uids = list(state["trained_uids"])
+        ctx.counters = saved_counters(state["loop"])
+        set_rng_state(state["rng"])
+        ctx.logger.truncate_after(ctx.start_step)
+    return ctx

@@ -1,0 +1,85 @@
+"""Factories of the built-in engines, registered under ``embedded`` and ``sglang``.
+
+See :mod:`trainer.engines.registry` for the protocol. Heavy imports happen inside the
+factories, so registering costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from typing import Any
+
+from .registry import EngineHandle, EngineSpec, Weights
+
+
+def embedded_engine(spec: EngineSpec) -> EngineHandle:
+    """In-process :class:`~trainer.engines.embedded.EmbeddedEngine` on its own copy of the policy.
+
+    Weight sync copies the exported tensors into the engine's model between decode rounds.
+    """
+    import torch
+
+    from ..models.loading import load_model_and_tokenizer
+    from .embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    exp = spec.exp
+    model, _ = load_model_and_tokenizer(spec.model_dir, dtype=getattr(torch, exp.model.dtype),
+                                        attn_implementation=exp.model.attn_implementation)
+    if spec.weights is not None:
+        model.load_state_dict(dict(spec.weights), strict=True)
+    engine = EmbeddedEngine(model, spec.tokenizer,
+                            EmbeddedEngineConfig(max_batch_size=exp.rollout.engine_max_batch_size),
+                            version=spec.version)
+
+    async def sync(weights: Weights, version: int) -> None:
+        await engine.update_weights(dict(weights), version)
+
+    return EngineHandle(engine, sync, engine.close)
+
+
+def sglang_preflight(exp: Any) -> None:
+    """SGLang needs a CUDA GPU and the ``sglang`` package.
+
+    Raises:
+        ConfigError: naming ``rollout.engine`` and how to fix it.
+    """
+    import torch
+
+    from ..config import ConfigError
+
+    if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
+        raise ConfigError("rollout.engine='sglang' needs a CUDA GPU and the sglang package "
+                          "(pip install -e .[gpu]); use rollout.engine=embedded on CPU")
+
+
+def sglang_engine(spec: EngineSpec) -> EngineHandle:
+    """An SGLang server launched by us (its own process group) and an HTTP client for it.
+
+    The server starts from a ``save_pretrained`` snapshot of the initial weights; weight sync
+    writes a snapshot per version under ``work_dir/sglang_weights/v<N>`` and calls
+    ``/update_weights_from_disk``.
+    """
+    from ..models.export import save_hf_weights
+    from .sglang import SGLangEngine, SGLangEngineConfig
+    from .sglang_launcher import SGLangLauncher, SGLangLauncherConfig
+
+    r = spec.exp.rollout
+    root = (spec.work_dir or spec.model_dir.parent) / "sglang_weights"
+    start_dir = spec.model_dir
+    if spec.weights is not None:
+        start_dir = save_hf_weights(spec.weights, spec.model_dir, root / f"v{spec.version}")
+    launcher = SGLangLauncher(SGLangLauncherConfig(model_path=str(start_dir), port=r.sglang_port,
+                                                   tp=r.sglang_tp, mem_fraction_static=r.sglang_mem_fraction))
+    launcher.start()
+    engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=spec.version))
+
+    async def sync(weights: Weights, version: int) -> None:
+        d = await asyncio.to_thread(save_hf_weights, weights, spec.model_dir, root / f"v{version}")
+        await engine.update_weights(str(d), version)
+
+    async def close() -> None:
+        await engine.close()
+        await asyncio.to_thread(launcher.close)
+
+    return EngineHandle(engine, sync, close)

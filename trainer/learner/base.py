@@ -1,0 +1,107 @@
+"""The learner seam: what the training loop needs from a learner backend, and nothing more.
+
+A backend (plain torch today; FSDP2 and Megatron-core next) implements :class:`Learner` and
+registers a factory under a name; ``learner.backend`` in the config picks it and
+:func:`make_learner` builds it. The loop (:mod:`trainer.orchestration.loop`), the Ray launcher
+and ``run.py`` use only this protocol. The RL maths a backend reuses lives in
+:mod:`trainer.learner.algorithm` (which calls :mod:`copc`).
+
+Adding a backend = one file defining the class + one :func:`register_learner` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..rollout.batch import RolloutBatch
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """A trainable actor (+ optional critic) behind one interface.
+
+    ``policy_version`` counts updates: the weights after ``n`` calls of :meth:`step` are
+    policy version ``n`` (restored by :meth:`load_state_dict`).
+    """
+
+    @property
+    def policy_version(self) -> int:
+        """Policy version of the current weights (number of :meth:`step` calls, resumes included)."""
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train on one batch; return scalar metrics (``actor/…``, ``critic/…``, ``perf/…``).
+
+        The batch's tokens carry the policy versions that produced them; staleness is measured
+        against :attr:`policy_version` before the update.
+        """
+
+    def export_policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's weights as ``(name, tensor)`` in Hugging Face names (``save_pretrained``
+        layout), gathered on one process; for engine weight sync and export."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (models, optimizers, schedulers, counters)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+
+
+#: ``factory(exp_cfg, model_dir) -> Learner``: ``exp_cfg`` is the
+#: :class:`~trainer.config.ExperimentConfig`, ``model_dir`` a ``save_pretrained`` directory with
+#: the actor's architecture and initial weights.
+LearnerFactory = Callable[[Any, Path], Learner]
+
+
+class LearnerRegistry:
+    """Name → learner factory (``learner.backend``)."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, LearnerFactory] = {}
+
+    def register(self, name: str, factory: LearnerFactory, overwrite: bool = False) -> None:
+        """Register ``factory`` as backend ``name``.
+
+        Raises:
+            ValueError: empty name, or ``name`` taken and ``overwrite`` is False.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"learner backend name must be a non-empty str, got {name!r}")
+        if name in self._factories and not overwrite:
+            raise ValueError(f"learner backend {name!r} is already registered (pass overwrite=True)")
+        self._factories[name] = factory
+
+    def names(self) -> list[str]:
+        """Registered backend names, sorted."""
+        return sorted(self._factories)
+
+    def make(self, name: str, exp_cfg: Any, model_dir: str | Path) -> Learner:
+        """Build backend ``name``.
+
+        Raises:
+            KeyError: unknown backend (the message lists the registered ones).
+        """
+        if name not in self._factories:
+            raise KeyError(f"learner.backend={name!r}: not registered; known: {self.names()}")
+        return self._factories[name](exp_cfg, Path(model_dir))
+
+
+#: The default registry; ``torch`` is registered by :mod:`trainer.learner`.
+LEARNERS = LearnerRegistry()
+
+
+def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False) -> None:
+    """Register a learner backend in :data:`LEARNERS` (see :meth:`LearnerRegistry.register`)."""
+    LEARNERS.register(name, factory, overwrite=overwrite)
+
+
+def make_learner(exp_cfg: Any, model_dir: str | Path) -> Learner:
+    """The learner of ``exp_cfg.learner.backend``, initialised from ``model_dir``.
+
+    Raises:
+        KeyError: unknown backend.
+    """
+    return LEARNERS.make(exp_cfg.learner.backend, exp_cfg, model_dir)

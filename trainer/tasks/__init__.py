@@ -1,0 +1,107 @@
+"""Tasks as plug-ins: what ``copc train`` needs from an environment besides the model.
+
+:func:`build_task` turns ``cfg.task`` into a started :class:`Task` (data splits, services,
+environment factory, optional warm-start traces). The task class is chosen by environment id:
+
+* ``math_tool`` → :class:`~trainer.tasks.math_tool.MathToolTask` (sandbox pool; datasets or
+  generated arithmetic; ``retool_arithmetic`` warm start),
+* ``search`` → :class:`~trainer.tasks.search.SearchTask` (retriever server; QA sets;
+  ``search_r1`` warm start),
+* any other registered environment → :class:`~trainer.tasks.generic.GenericTask` (rows from the
+  JSONL files of ``task.train_data`` / ``task.eval_data``; no edit to ``trainer/`` needed),
+
+unless a class was registered for that id with :func:`register_task`. ``task.env`` may also name
+the module that registers the environment (``"my_pkg.envs:calc"`` or ``"calc_env.py:calc"``,
+see :func:`environments.resolve`); that module can register a task class as well.
+"""
+
+from __future__ import annotations
+
+import environments
+
+from ..config import ConfigError, ExperimentConfig
+from .base import Task, check_env_settings
+from .generic import GenericTask
+from .math_tool import MathToolTask
+from .search import SearchTask, start_retriever
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = False) -> None:
+    """Use ``task_cls`` for environment ``env_name`` (instead of :class:`GenericTask`).
+
+    Args:
+        env_name: a registered environment id (it may be registered later, before
+            :func:`build_task`).
+        task_cls: a :class:`Task` subclass, constructed as ``task_cls(cfg, env_id)``.
+        overwrite: replace a class already registered for ``env_name``.
+
+    Raises:
+        TypeError: ``task_cls`` is not a :class:`Task` subclass.
+        ValueError: empty ``env_name``, or a class is already registered for it and
+            ``overwrite`` is False.
+    """
+    if not isinstance(task_cls, type) or not issubclass(task_cls, Task):
+        raise TypeError(f"register_task({env_name!r}, ...): expected a Task subclass, got {task_cls!r}")
+    if not isinstance(env_name, str) or not env_name:
+        raise ValueError(f"register_task: env name must be a non-empty str, got {env_name!r}")
+    if env_name in _TASKS and not overwrite and _TASKS[env_name] is not task_cls:
+        raise ValueError(f"a task class is already registered for env {env_name!r} "
+                         f"({_TASKS[env_name].__qualname__}); pass overwrite=True")
+    _TASKS[env_name] = task_cls
+
+
+def unregister_task(env_name: str) -> None:
+    """Forget the task class registered for ``env_name`` (no error if there is none)."""
+    _TASKS.pop(env_name, None)
+
+
+def task_class(env_name: str) -> type[Task]:
+    """The task class used for environment ``env_name``: the registered one, else
+    :class:`GenericTask`."""
+    return _TASKS.get(env_name, GenericTask)
+
+
+def build_task(cfg: ExperimentConfig) -> Task:
+    """Construct and start the task of ``cfg`` (its services running; close it when done).
+
+    Steps: resolve ``task.env`` (importing its module if it names one), construct the task
+    class of that id, :meth:`Task.start` it, then build one environment to check
+    ``task.env_kwargs`` (:func:`check_env_settings`). On any failure the task is closed.
+
+    Args:
+        cfg: the experiment config.
+
+    Returns:
+        The started :class:`Task`.
+
+    Raises:
+        ConfigError: unknown or unimportable environment, bad data, or settings the environment
+            rejects (the message names the key).
+    """
+    ref = cfg.task.env
+    try:
+        env_id = environments.resolve(ref)
+    except KeyError:
+        raise ConfigError(f"task.env={ref!r}: not registered; known: {environments.names()} (register it "
+                          "with environments.register in a module named here as "
+                          "'package.module:id' or 'path/to/file.py:id')") from None
+    except (ImportError, OSError, ValueError) as e:
+        raise ConfigError(f"task.env={ref!r}: cannot load the environment's module: "
+                          f"{type(e).__name__}: {e}") from e
+    task = task_class(env_id)(cfg, env_id)
+    try:
+        task.start()
+        check_env_settings(task.make_env, env_id, task.env_kwargs)
+    except BaseException:
+        task.close()
+        raise
+    return task
+
+
+register_task("math_tool", MathToolTask)
+register_task("search", SearchTask)
+
+__all__ = ["GenericTask", "MathToolTask", "SearchTask", "Task", "build_task", "check_env_settings",
+           "register_task", "start_retriever", "task_class", "unregister_task"]

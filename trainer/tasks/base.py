@@ -1,0 +1,215 @@
+"""The :class:`Task` base class and :func:`check_env_settings`.
+
+A task is what ``copc train`` needs from an environment besides the model: its data splits
+(``train_samples`` / ``eval_samples``, disjoint lists of rows, each row passed to the env as
+``reset(options={"sample": row})``), the services its environments use (a sandbox pool, a
+retriever server) with their start and stop, an environment factory (``make_env``, one env per
+episode), an ``info`` dict for the run's summary, and optionally a generator of supervised
+warm-start traces.
+
+Lifecycle: ``task = SomeTask(cfg, env_id)`` (cheap, starts nothing), ``task.start()`` (loads the
+data, starts the services; each service registers its stop function with :meth:`Task.add_closer`),
+then ``task.close()`` (stops them in reverse order; idempotent, also after a failed ``start``).
+:func:`trainer.tasks.build_task` does all of it and checks the env settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import environments
+
+from ..config import ConfigError
+
+if TYPE_CHECKING:
+    import gymnasium
+
+    from ..config import ExperimentConfig, WarmStartConfig
+    from ..warmstart.traces import Trace
+
+log = logging.getLogger(__name__)
+
+
+class Task:
+    """A trainable task: data splits, services, an environment factory (subclass to customise).
+
+    The base class serves any registered environment whose data comes ready-made: subclasses
+    override :meth:`start` (fill ``train_samples`` / ``eval_samples`` / ``info``, start services
+    and register their stop functions with :meth:`add_closer`), and where needed
+    :meth:`make_env`, ``warm_start_kinds`` and :meth:`warm_start_traces`. Register a subclass for
+    an env id with :func:`trainer.tasks.register_task`.
+
+    Args:
+        cfg: the experiment config (``cfg.task`` above all).
+        env_id: the registered environment id (``cfg.task.env`` with any ``module:`` prefix
+            removed); default ``cfg.task.env``.
+
+    Attributes:
+        cfg: the experiment config.
+        env_id: registered environment id that :meth:`make_env` builds.
+        env_kwargs: keyword overrides passed to ``environments.make`` (``task.env_kwargs``).
+        train_samples: training rows (``list[dict]``), disjoint from ``eval_samples``.
+        eval_samples: held-out rows for evaluation.
+        info: facts about the task for logs and the summary (e.g. ``retriever_url``).
+        warm_start_kinds: the ``warm_start.kind`` values :meth:`warm_start_traces` can generate
+            (empty: none).
+    """
+
+    warm_start_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.env_id = env_id or cfg.task.env
+        self.env_kwargs: dict[str, Any] = dict(cfg.task.env_kwargs)
+        self.train_samples: list[dict] = []
+        self.eval_samples: list[dict] = []
+        self.info: dict[str, Any] = {}
+        self._closers: list[Callable[[], None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the data splits and start the services (the base class has none of either).
+
+        Raises:
+            ConfigError: bad data or service settings (the message names the key).
+        """
+
+    def add_closer(self, fn: Callable[[], None]) -> None:
+        """Register ``fn`` (no arguments) to be called by :meth:`close`, last registered first."""
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        """Stop the task's services, last started first; idempotent, never raises (a failing
+        stop function is logged and the others still run)."""
+        while self._closers:
+            fn = self._closers.pop()
+            try:
+                fn()
+            except Exception:
+                log.warning("task %r: a service failed to stop", self.env_id, exc_info=True)
+
+    def __enter__(self) -> Task:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- environments ------------------------------------------------------------------------
+    def make_env(self) -> gymnasium.Env:
+        """A new environment for one episode (zero arguments: usable as an env factory).
+
+        Returns:
+            ``environments.make(self.env_id, **self.env_kwargs)``.
+
+        Raises:
+            Whatever the environment's constructor raises for bad settings (see
+            :func:`check_env_settings`).
+        """
+        return environments.make(self.env_id, **self.env_kwargs)
+
+    # -- warm start --------------------------------------------------------------------------
+    def check_warm_start(self, ws: WarmStartConfig) -> None:
+        """Fail early if ``ws`` asks for warm-start traces this task cannot generate.
+
+        Args:
+            ws: the ``warm_start`` config section.
+
+        Raises:
+            ConfigError: ``ws.enabled`` and ``ws.kind`` not in :attr:`warm_start_kinds`.
+        """
+        if not ws.enabled or ws.kind in self.warm_start_kinds:
+            return
+        if not self.warm_start_kinds:
+            raise ConfigError(f"warm_start.enabled=True: the task of env {self.env_id!r} has no warm-start "
+                              "trace generator; set warm_start.enabled=false (or register a Task with "
+                              "warm_start_traces, see trainer/tasks/base.py)")
+        raise ConfigError(f"warm_start.kind={ws.kind!r}: the task of env {self.env_id!r} generates "
+                          f"{list(self.warm_start_kinds)}")
+
+    def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
+        """Supervised warm-start traces played through this task's real environments, never of
+        an ``eval_samples`` row.
+
+        Args:
+            ws: the ``warm_start`` config section (``kind``, ``num_examples``, ``seed``,
+                ``tool_use_fraction``).
+            progress: show a progress bar.
+
+        Returns:
+            The traces (:class:`~trainer.warmstart.traces.Trace`), in training order.
+
+        Raises:
+            ConfigError: this task cannot generate ``ws.kind`` traces (the base class: none).
+        """
+        self.check_warm_start(ws)
+        raise ConfigError(f"warm_start.kind={ws.kind!r}: not implemented by the task of env {self.env_id!r}")
+
+    # -- helpers for subclasses ---------------------------------------------------------------
+    def cap_train(self, rows: Sequence[dict]) -> list[dict]:
+        """``rows`` cut to ``task.max_train_samples`` (0: all)."""
+        n = self.cfg.task.max_train_samples
+        return list(rows[:n] if n else rows)
+
+    def cap_eval(self, rows: Sequence[dict]) -> list[dict]:
+        """``rows`` cut to ``task.max_eval_samples``, else ``eval.num_samples`` (0: all)."""
+        n = self.cfg.task.max_eval_samples or self.cfg.eval.num_samples
+        return list(rows[:n] if n else rows)
+
+
+_UNEXPECTED_KW = re.compile(r"unexpected keyword argument '([^']+)'")
+_FIELD_VALUE = re.compile(r"\b\w+\.(\w+)=(.+?): (.*)$", re.DOTALL)
+
+
+def _find_key(tree: Any, key: str, value: Any = None, path: str = "") -> str | None:
+    """Dotted path of ``key`` in nested mappings ``tree`` (whose value's repr is ``value``, if given)."""
+    if not isinstance(tree, dict):
+        return None
+    for k, v in tree.items():
+        here = f"{path}.{k}" if path else str(k)
+        if k == key and (value is None or repr(v) == value):
+            return here
+        found = _find_key(v, key, value, here)
+        if found:
+            return found
+    return None
+
+
+def check_env_settings(make_env: Callable[[], Any], env_id: str, env_kwargs: dict[str, Any]) -> None:
+    """Build (and close) one environment so bad ``task.env_kwargs`` fail at load, not in rollouts.
+
+    Environments validate their settings in their constructor (``TypeError`` for an unknown
+    keyword, ``ValueError`` naming ``Config.field=value``, ``OSError`` for missing data); all become a
+    :class:`ConfigError` naming the key under ``task.env_kwargs`` when it can be found in
+    ``env_kwargs`` (e.g. ``task.env_kwargs.reward.mode='math-verify': must be one of ...``).
+
+    Args:
+        make_env: the task's environment factory.
+        env_id: the environment id (for messages).
+        env_kwargs: the ``task.env_kwargs`` mapping (to find the offending key).
+
+    Raises:
+        ConfigError: the environment rejected its settings.
+    """
+    try:
+        env = make_env()
+    except TypeError as e:
+        m = _UNEXPECTED_KW.search(str(e))
+        if m is None:
+            raise ConfigError(f"task.env_kwargs: env {env_id!r} rejected its settings: {e}") from e
+        path = _find_key(env_kwargs, m.group(1)) or m.group(1)
+        raise ConfigError(f"task.env_kwargs.{path}: not a setting of env {env_id!r} ({e})") from e
+    except OSError as e:  # e.g. task.env_kwargs.dataset naming a file that does not exist
+        where = "task.env_kwargs.dataset" if "dataset" in env_kwargs else "task.env_kwargs"
+        raise ConfigError(f"{where}: env {env_id!r} could not load its data: {type(e).__name__}: {e}") from e
+    except ValueError as e:
+        m = _FIELD_VALUE.search(str(e))
+        path = _find_key(env_kwargs, m.group(1), m.group(2)) if m else None
+        if path is None:
+            raise ConfigError(f"task.env_kwargs: env {env_id!r} rejected its settings: {e}") from e
+        raise ConfigError(f"task.env_kwargs.{path}={m.group(2)}: {m.group(3)}") from e
+    close = getattr(env, "close", None)
+    if close is not None:
+        close()

@@ -1,0 +1,111 @@
+"""The ``math_tool`` task: ReTool-style math with a Python sandbox.
+
+Data: ``task.train_data`` (``math_train``, a JSONL path, ...; read from the data directory,
+see :func:`environments.data.data_root`) with ``task.eval_data`` (default ``math500``) held
+out; or, when ``task.train_data`` is empty, generated arithmetic problems (the CPU main job):
+``task.max_train_samples`` (default 2000) training rows and the next ``task.max_eval_samples``
+(default ``eval.num_samples``) rows of the same seeded stream held out. Service: one shared
+bwrap :class:`~environments.sandbox.Sandbox` pool (2 workers) for all episodes. Warm start:
+``retool_arithmetic`` traces.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import environments
+from environments.data import data_root
+
+from .base import Task
+
+if TYPE_CHECKING:
+    import gymnasium
+
+    from environments.sandbox import Sandbox
+
+    from ..config import ExperimentConfig, WarmStartConfig
+    from ..warmstart.traces import Trace
+
+#: Generated-problem kinds when ``task.arithmetic_kinds`` is empty.
+DEFAULT_KINDS = ("mul", "sum_of_products", "mul_minus")
+
+
+class MathToolTask(Task):
+    """``math_tool``: math datasets or generated arithmetic, a shared sandbox pool.
+
+    ``info``: ``{"sandbox": <what the sandbox enforces>}``.
+    """
+
+    warm_start_kinds = ("retool_arithmetic",)
+
+    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
+        super().__init__(cfg, env_id)
+        #: the shared sandbox pool (started by :meth:`start`; ``None`` before: envs start their own)
+        self.sandbox: Sandbox | None = None
+
+    def start(self) -> None:
+        """Load (or generate) the splits and start the sandbox pool.
+
+        Raises:
+            FileNotFoundError / ValueError: a dataset is missing or malformed (see
+                :func:`environments.math_tool.load_math`).
+            SandboxUnavailableError: the sandbox cannot start.
+        """
+        from environments.math_tool import load_math
+        from environments.sandbox import Sandbox, SandboxConfig
+
+        cfg, t = self.cfg, self.cfg.task
+        data_dir = str(data_root(t.data_dir))
+        if t.train_data:
+            train = [r for name in t.train_data for r in load_math(name, data_dir)]
+            evals = [r for name in (t.eval_data or ["math500"]) for r in load_math(name, data_dir)]
+        else:
+            from ..warmstart import arithmetic_splits
+            n_train = t.max_train_samples or 2000
+            n_eval = t.max_eval_samples or cfg.eval.num_samples
+            kinds = tuple(t.arithmetic_kinds) or DEFAULT_KINDS
+            train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed, kinds=kinds)
+        self.train_samples = self.cap_train(train)
+        self.eval_samples = self.cap_eval(evals)
+        self.sandbox = Sandbox(SandboxConfig(workers=2))
+        self.add_closer(self.sandbox.close)
+        self.info = {"sandbox": self.sandbox.enforced}
+
+    def make_env(self) -> gymnasium.Env:
+        """A ``MathToolEnv`` on the task's shared sandbox pool, with ``task.env_kwargs``."""
+        return environments.make(self.env_id, sandbox=self.sandbox, **self.env_kwargs)
+
+    def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
+        """``retool_arithmetic`` traces: generated problems from their own seed stream
+        (``10_000 + ws.seed``; problems of ``eval_samples`` filtered out), ``ws.num_examples``
+        of them; a ``ws.tool_use_fraction`` solved with one ``<code>`` call whose output is
+        copied into ``\\boxed{}``, the rest answered from the head (an estimate), shuffled with
+        ``ws.seed``. Problem kinds: ``task.arithmetic_kinds`` (empty: all).
+
+        Args:
+            ws: the ``warm_start`` section. progress: show progress bars.
+
+        Returns:
+            ``ws.num_examples`` traces.
+
+        Raises:
+            ConfigError: ``ws.kind`` is not ``retool_arithmetic``.
+            TraceError: the environment did not score a scripted trace as expected.
+        """
+        from ..warmstart import direct_answer_traces, retool_arithmetic_samples, retool_traces
+
+        self.check_warm_start(ws)
+        n, seed = ws.num_examples, ws.seed
+        held = {s.get("problem", s.get("question")) for s in self.eval_samples}
+        pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed,
+                                         kinds=tuple(self.cfg.task.arithmetic_kinds) or DEFAULT_KINDS)
+        samples = [s for s in pool if s["problem"] not in held][:n]
+        n_tool = round(ws.tool_use_fraction * len(samples))
+        traces = retool_traces(samples[:n_tool], self.make_env, progress=progress)
+        traces += direct_answer_traces(samples[n_tool:], self.make_env, progress=progress)
+        random.Random(seed).shuffle(traces)
+        return traces
+
+
+__all__ = ["DEFAULT_KINDS", "MathToolTask"]

@@ -1,0 +1,151 @@
+"""The ``search`` task: Search-R1 question answering against a retriever server.
+
+Data: ``task.train_data`` QA sets (default ``[nq, hotpotqa]``, ``<data dir>/qa/<name>.jsonl``);
+evaluation on ``task.eval_data`` (default: the training sets): when those are among the
+training sets, every 5th row is held out (deterministic, disjoint), else the other sets are read
+and any training row with the same id dropped. Service: a BM25 retriever server started on
+127.0.0.1 (index of ``task.retriever_corpus`` built on first use in ``task.retriever_index_dir``,
+reused after), unless ``task.retriever_url`` names a running one. Warm start: ``search_r1``
+traces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import environments
+from environments.data import data_root
+
+from .base import Task
+
+if TYPE_CHECKING:
+    import gymnasium
+
+    from ..config import ExperimentConfig, WarmStartConfig
+    from ..warmstart.traces import Trace
+
+log = logging.getLogger(__name__)
+
+#: The corpus indexed when ``task.retriever_corpus`` is empty, relative to the data directory.
+DEFAULT_CORPUS = "wiki/corpus.jsonl"
+
+
+def corpus_path(retriever_corpus: str, data_dir: str) -> Path:
+    """The retriever corpus file: ``retriever_corpus`` (relative: to the current working
+    directory), or, when empty, ``<data directory>/wiki/corpus.jsonl``.
+
+    Args:
+        retriever_corpus: ``task.retriever_corpus``.
+        data_dir: ``task.data_dir`` (see :func:`environments.data.data_root`).
+
+    Returns:
+        An absolute path (it need not exist).
+    """
+    if retriever_corpus:
+        return Path(retriever_corpus).expanduser().resolve()
+    return data_root(data_dir) / DEFAULT_CORPUS
+
+
+class SearchTask(Task):
+    """``search``: QA splits and a (possibly self-started) retriever server.
+
+    ``info``: ``{"retriever_url": <base URL>}``.
+    """
+
+    warm_start_kinds = ("search_r1",)
+
+    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
+        super().__init__(cfg, env_id)
+        #: base URL of the retriever server (``task.retriever_url`` until :meth:`start` sets it)
+        self.retriever_url: str = cfg.task.retriever_url
+
+    def start(self) -> None:
+        """Load the QA splits and start (or connect to) the retriever.
+
+        Raises:
+            FileNotFoundError / ValueError: a QA set is missing or malformed.
+            RuntimeError / TimeoutError: the retriever server did not become healthy.
+        """
+        from environments.search.env import load_qa
+
+        t = self.cfg.task
+        data_dir = str(data_root(t.data_dir))
+        names = t.train_data or ["nq", "hotpotqa"]
+        rows = [dict(r, id=f"{n}:{r['id']}", dataset=n) for n in names for r in load_qa(n, data_dir)]
+        eval_names = t.eval_data or names
+        if set(eval_names) <= set(names):
+            # evaluate on held-out rows of the training sets: every 5th row (deterministic, disjoint)
+            evals = [r for i, r in enumerate(rows) if i % 5 == 0 and r["dataset"] in eval_names]
+            held = {r["id"] for r in evals}
+            train = [r for r in rows if r["id"] not in held and rows.index(r) % 5]
+        else:
+            evals = [dict(r, id=f"{n}:{r['id']}", dataset=n)
+                     for n in eval_names for r in load_qa(n, data_dir)]
+            held = {r["id"] for r in evals}
+            train = [r for r in rows if r["id"] not in held]
+        self.train_samples = self.cap_train(train)
+        self.eval_samples = self.cap_eval(evals)
+        url = t.retriever_url
+        if not url:
+            url, stop = start_retriever(corpus_path(t.retriever_corpus, t.data_dir),
+                                        Path(t.retriever_index_dir).expanduser().resolve())
+            self.add_closer(stop)
+        self.retriever_url = url
+        self.info = {"retriever_url": url}
+
+    def make_env(self) -> gymnasium.Env:
+        """A ``SearchEnv`` querying the task's retriever, with ``task.env_kwargs``."""
+        return environments.make(self.env_id, retriever_url=self.retriever_url, **self.env_kwargs)
+
+    def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
+        """``search_r1`` traces: the first ``ws.num_examples`` training questions not asked in
+        ``eval_samples``, each searched for and answered with its first usable golden answer.
+
+        Args:
+            ws: the ``warm_start`` section. progress: show a progress bar.
+
+        Returns:
+            At most ``ws.num_examples`` traces (rows with no usable golden answer give none).
+
+        Raises:
+            ConfigError: ``ws.kind`` is not ``search_r1``.
+            TraceError: the environment did not score a scripted trace as expected.
+        """
+        from ..warmstart import search_r1_traces
+
+        self.check_warm_start(ws)
+        held = {s.get("problem", s.get("question")) for s in self.eval_samples}
+        samples = [s for s in self.train_samples if s["question"] not in held][:ws.num_examples]
+        return search_r1_traces(samples, self.make_env, progress=progress)
+
+
+def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0
+                    ) -> tuple[str, Callable[[], None]]:
+    """Start a BM25 retriever server on 127.0.0.1 (building the index on first use).
+
+    Args:
+        corpus: JSONL corpus path.
+        index_dir: index directory (built if it has no ``meta.json``; reused otherwise).
+        timeout_s: how long to wait for ``/health`` (seconds).
+
+    Returns:
+        ``(url, stop)``: the base URL and a function that stops the server.
+
+    Raises:
+        RuntimeError / TimeoutError: if the server exits or is not healthy in time (the
+            message includes the server's output, also kept in ``<index_dir>/../server-*.log``).
+    """
+    from retriever.launch import ensure_bm25_index, start_server
+
+    log.info("retriever: BM25 index of %s in %s", corpus, index_dir)
+    ensure_bm25_index(corpus, index_dir, show_progress=True)
+    server = start_server(index_dir, timeout_s=timeout_s,
+                          log_path=index_dir.parent / f"server-{os.getpid()}.log")
+    return server.url, server.stop
+
+
+__all__ = ["DEFAULT_CORPUS", "SearchTask", "corpus_path", "start_retriever"]
