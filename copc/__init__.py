@@ -24,15 +24,8 @@ from .policy_losses import (
     tis_policy_loss,
 )
 from .presets import PRESET_NAMES, AlgorithmConfig, get_preset
-from .registry import (
-    ADVANTAGE_ESTIMATORS,
-    POLICY_LOSSES,
-    AdvantageInputs,
-    PolicyLossInputs,
-    Registry,
-    compute_advantages,
-    compute_policy_loss,
-)
+from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry
+from .registry import AdvantageInputs, PolicyLossInputs, compute_advantages, compute_policy_loss
 from .value_loss import value_loss
 
 __all__ = [

@@ -17,7 +17,7 @@ from ._checks import check_number
 from .advantages import OBS_DISCOUNT_MODES
 from .aggregation import LOSS_AGG_MODES
 from .margins import EPS_HIGH, EPS_LOW, ETA
-from .registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 OBS_REWARD_MODES = ("fold", "error")
 

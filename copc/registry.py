@@ -19,16 +19,15 @@ An advantage estimator carries metadata, read by config validation (here and in 
 * ``needs_groups`` (bool, default False): it compares samples of the same prompt (``grpo``),
   so a run needs ``n_samples_per_prompt >= 2``.
 
-This module imports :class:`AlgorithmConfig` for type hints only (``presets`` imports this
-module to validate names, so importing either registers the built-ins first).
+The :class:`Registry` class and the two (empty) registries live in :mod:`copc.registries`
+(which :mod:`copc.presets` reads to validate names); this module fills them with the built-in
+adapters when ``copc`` is imported, so the import graph stays one-way
+(``registry -> presets -> registries``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -47,116 +46,10 @@ from .policy_losses import (
     ppo_clip_policy_loss,
     tis_policy_loss,
 )
-
-if TYPE_CHECKING:
-    from .presets import AlgorithmConfig
+from .presets import AlgorithmConfig
+from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 Tensor = torch.Tensor
-F = TypeVar("F", bound=Callable)
-
-#: Marks a metadata key without a default in a :class:`Registry` schema: ``register`` must give it.
-REQUIRED: Any = type("_Required", (), {"__repr__": lambda self: "REQUIRED"})()
-
-
-class Registry(Generic[F]):
-    """A name → function table with per-entry metadata, a decorator and clear errors.
-
-    Args:
-        kind: what is registered, used in error messages (e.g. ``"advantage estimator"``).
-        metadata: the metadata schema, ``{key: (type, default)}``; a default of
-            :data:`REQUIRED` makes the key mandatory at registration. Keys outside the schema
-            are rejected (catches typos such as ``need_critic``). None: no metadata.
-    """
-
-    def __init__(self, kind: str, metadata: Mapping[str, tuple[type, Any]] | None = None) -> None:
-        self.kind = kind
-        self._schema: dict[str, tuple[type, Any]] = dict(metadata or {})
-        self._entries: dict[str, F] = {}
-        self._metadata: dict[str, Mapping[str, Any]] = {}
-
-    def register(self, name: str, **metadata: Any) -> Callable[[F], F]:
-        """Decorator registering ``fn`` under ``name`` with ``metadata``.
-
-        Args:
-            name: a non-empty string, not yet registered.
-            **metadata: values for the schema's keys (defaults fill the rest).
-
-        Returns:
-            The decorator; it registers ``fn`` and returns it unchanged.
-
-        Raises:
-            ValueError: (when called) for an empty/non-string name, a metadata key outside the
-                schema, a missing required key or a value of the wrong type; (when the decorator
-                is applied) if ``name`` is already registered or ``fn`` is not callable.
-        """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
-        unknown = sorted(set(metadata) - set(self._schema))
-        if unknown:
-            raise ValueError(f"{self.kind} {name!r}: unknown metadata {unknown}; "
-                             f"known: {sorted(self._schema)}")
-        resolved: dict[str, Any] = {}
-        for key, (typ, default) in self._schema.items():
-            if key not in metadata and default is REQUIRED:
-                raise ValueError(f"{self.kind} {name!r}: register() needs metadata "
-                                 f"{key}=<{typ.__name__}>")
-            value = metadata.get(key, default)
-            if not isinstance(value, typ):
-                raise ValueError(f"{self.kind} {name!r}: metadata {key} must be a {typ.__name__}, "
-                                 f"got {value!r}")
-            resolved[key] = value
-        frozen = MappingProxyType(resolved)
-
-        def deco(fn: F) -> F:
-            if name in self._entries:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            if not callable(fn):
-                raise ValueError(f"{self.kind} {name!r}: {fn!r} is not callable")
-            self._entries[name] = fn
-            self._metadata[name] = frozen
-            return fn
-        return deco
-
-    def unregister(self, name: str) -> F:
-        """Remove ``name`` (e.g. a test's temporary entry) and return its function.
-
-        Raises:
-            ValueError: for an unknown name, listing the known ones.
-        """
-        fn = self.get(name)
-        del self._entries[name], self._metadata[name]
-        return fn
-
-    def get(self, name: str) -> F:
-        """Return the function registered as ``name``.
-
-        Raises:
-            ValueError: for an unknown name, listing the known ones.
-        """
-        try:
-            return self._entries[name]
-        except (KeyError, TypeError):
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}") from None
-
-    def metadata(self, name: str) -> Mapping[str, Any]:
-        """Read-only metadata of ``name`` (every schema key, defaults filled in).
-
-        Raises:
-            ValueError: for an unknown name, listing the known ones.
-        """
-        self.get(name)
-        return self._metadata[name]
-
-    def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            return name in self._entries
-        except TypeError:  # unhashable
-            return False
-
 
 @dataclass
 class AdvantageInputs:
@@ -200,13 +93,6 @@ class PolicyLossInputs:
 
 #: Advantage estimators, with metadata ``needs_critic`` (bool, required) and ``needs_groups``
 #: (bool, default False); see the module docstring.
-ADVANTAGE_ESTIMATORS: Registry[Callable[[AdvantageInputs, AlgorithmConfig], tuple[Tensor, Tensor]]] = \
-    Registry("advantage estimator", metadata={"needs_critic": (bool, REQUIRED),
-                                              "needs_groups": (bool, False)})
-#: Policy losses (no metadata).
-POLICY_LOSSES: Registry[Callable[[Tensor, PolicyLossInputs, AlgorithmConfig], tuple[Tensor, dict]]] = \
-    Registry("policy loss")
-
 
 @ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True)
 def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:

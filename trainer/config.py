@@ -22,11 +22,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 import copc
 
+from .errors import ConfigError
+
 _ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
 
 
-class ConfigError(ValueError):
-    """A configuration error; the message names the key (e.g. ``train.total_steps``)."""
 
 
 def _require(cond: bool, key: str, value: Any, why: str) -> None:

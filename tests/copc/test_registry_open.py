@@ -172,7 +172,7 @@ def test_register_validates_metadata():
 
 
 def test_generic_registry_with_defaults():
-    reg = copc.Registry("thing", metadata={"size": (int, 3), "tag": (str, copc.registry.REQUIRED)})
+    reg = copc.Registry("thing", metadata={"size": (int, 3), "tag": (str, copc.registries.REQUIRED)})
     reg.register("a", tag="t")(len)
     reg.register("b", tag="u", size=7)(abs)
     assert dict(reg.metadata("a")) == {"size": 3, "tag": "t"}

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from search_server import retriever_url  # noqa: F401 - pytest fixture (tests/trainer on sys.path)
 
 import environments
 from environments import ToolEnv
@@ -20,6 +21,7 @@ from trainer.tasks import (
     MathToolTask,
     SearchTask,
     Task,
+    absolute_task_paths,
     build_task,
     check_env_settings,
     register_task,
@@ -95,6 +97,21 @@ def test_retriever_corpus_default_follows_the_data_directory(tmp_path, monkeypat
     assert corpus_path("", "") == tmp_path / "d" / "wiki" / "corpus.jsonl"
     assert corpus_path("", "other") == tmp_path / "other" / "wiki" / "corpus.jsonl"
     assert corpus_path("c/corpus.jsonl", "other") == tmp_path / "c" / "corpus.jsonl"  # cwd-relative
+
+
+def test_absolute_task_paths_pins_paths_for_other_processes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(DATA_DIR_ENV, "from_env")
+    cfg = cfg_of("task.env=envs/calc_env.py:calc", "task.retriever_corpus=c.jsonl",
+                 "task.retriever_index_dir=idx", data_dir="''")
+    pinned = absolute_task_paths(cfg)
+    assert pinned.task.env == f"{tmp_path}/envs/calc_env.py:calc"
+    assert pinned.task.data_dir == str(tmp_path / "from_env")
+    assert pinned.task.retriever_corpus == str(tmp_path / "c.jsonl")
+    assert pinned.task.retriever_index_dir == str(tmp_path / "idx")
+    assert cfg.task.data_dir == "" and cfg.task.env == "envs/calc_env.py:calc"  # the original is untouched
+    assert absolute_task_paths(cfg_of("task.env=my_pkg.envs:calc")).task.env == "my_pkg.envs:calc"
+    assert absolute_task_paths(cfg_of("task.retriever_corpus=''")).task.retriever_corpus == ""
 
 
 @needs_shared
@@ -191,7 +208,7 @@ def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
 
 @pytest.mark.slow
 @needs_shared
-def test_search_warm_start_traces_real_retriever(retriever_url):
+def test_search_warm_start_traces_real_retriever(retriever_url):  # noqa: F811
     from trainer.config import WarmStartConfig
 
     cfg = cfg_of("task.env=search", f"task.retriever_url={retriever_url}", "eval.num_samples=10",

@@ -46,7 +46,7 @@ def sglang_preflight(exp: Any) -> None:
     """
     import torch
 
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
         raise ConfigError("rollout.engine='sglang' needs a CUDA GPU and the sglang package "
