@@ -12,13 +12,19 @@ import argparse
 import os
 import sys
 
-DEFAULT_CORPUS = "../shared/data/wiki/corpus.jsonl"
+
+def default_corpus() -> str:
+    """``$COPC_DATA_DIR/wiki/corpus.jsonl``, else ``../shared/data/wiki/corpus.jsonl`` (from the
+    current working directory): the same data-directory rule as the trainer's ``task.data_dir``."""
+    return os.path.join(os.environ.get("COPC_DATA_DIR") or "../shared/data", "wiki", "corpus.jsonl")
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Add ``build`` and ``serve`` parsers to ``sub`` (each sets ``func``)."""
     b = sub.add_parser("build", help="build a BM25 / dense / pyserini index directory")
-    b.add_argument("--corpus", default=DEFAULT_CORPUS, help="JSONL corpus {id, contents}")
+    b.add_argument("--corpus", default=None,
+                   help="JSONL corpus {id, contents} (default: $COPC_DATA_DIR/wiki/corpus.jsonl, else "
+                        "../shared/data/wiki/corpus.jsonl)")
     b.add_argument("--kind", choices=("bm25", "dense", "pyserini"), default="bm25")
     b.add_argument("--out", required=True, help="output index directory")
     b.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")
@@ -92,7 +98,7 @@ def _build(args: argparse.Namespace) -> int:
 
     cfg = BuildConfig(
         kind=args.kind,
-        corpus=args.corpus,
+        corpus=args.corpus or default_corpus(),
         out=args.out,
         bm25=BM25Config(k1=args.k1, b=args.b),
         encoder=EncoderConfig(

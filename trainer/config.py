@@ -83,17 +83,19 @@ class TaskConfig:
     """Environment and data.
 
     Attributes:
-        env: registered environment id (``math_tool``, ``search`` or a user's).
+        env: registered environment id (``math_tool``, ``search`` or a user's), or
+            ``pkg.module:id`` / ``path/file.py:id`` (imported first, so it can register ``id``).
         env_kwargs: keyword overrides for ``environments.make`` (e.g. ``prompt_template``).
         train_data: dataset names/paths the env understands (e.g. ``[math_train]`` or
             ``[nq, hotpotqa]``), read from ``data_dir``; empty: generated problems.
         eval_data: held-out dataset(s) for evaluation.
-        data_dir: directory of the shared data (relative paths: from the repository root).
+        data_dir: data directory; empty: ``$COPC_DATA_DIR``, else ``../shared/data``. Relative
+            paths (here and in the other path keys) resolve against the current working directory.
         max_train_samples / max_eval_samples: caps (0 = all).
         retriever_url: search tasks: an existing server; empty: start one (BM25 index built
             on first use in ``retriever_index_dir``, reused after).
         retriever_index_dir / retriever_corpus: where the auto-started server's index lives
-            and which corpus it indexes.
+            and which corpus it indexes (empty: ``<data dir>/wiki/corpus.jsonl``).
         arithmetic_kinds: generated math problems' kinds (``mul``, ``sum_of_products``,
             ``mul_minus``; empty = all), for math_tool runs without ``train_data``.
     """
@@ -102,12 +104,12 @@ class TaskConfig:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     train_data: list[str] = field(default_factory=list)
     eval_data: list[str] = field(default_factory=list)
-    data_dir: str = "../shared/data"
+    data_dir: str = ""
     max_train_samples: int = 0
     max_eval_samples: int = 0
     retriever_url: str = ""
     retriever_index_dir: str = "runs/retriever_index/bm25"
-    retriever_corpus: str = "../shared/data/wiki/corpus.jsonl"
+    retriever_corpus: str = ""
     arithmetic_kinds: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -228,7 +230,8 @@ class WarmStartConfig:
 
     Attributes:
         enabled: run it (skipped when ``model.path`` is a real, already fine-tuned model).
-        kind: ``retool_arithmetic`` | ``search_r1``.
+        kind: a warm-start kind the task supports (``retool_arithmetic`` for math_tool,
+            ``search_r1`` for search; checked by the task's ``check_warm_start``).
         num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
         lr: learning rate. seed: generator seed.
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
@@ -252,8 +255,8 @@ class WarmStartConfig:
                  "must be 'cosine' or 'constant'")
         _require(0.0 <= self.tool_use_fraction <= 1.0, "warm_start.tool_use_fraction",
                  self.tool_use_fraction, "must be in [0, 1]")
-        _require(self.kind in ("retool_arithmetic", "search_r1"), "warm_start.kind", self.kind,
-                 "must be 'retool_arithmetic' or 'search_r1'")
+        _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
+                 "must be a non-empty string (the task checks it supports it)")
         for k in ("num_examples", "steps", "batch_size"):
             _require(getattr(self, k) >= 1, f"warm_start.{k}", getattr(self, k), "must be >= 1")
         _require(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")

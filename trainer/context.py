@@ -173,6 +173,8 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
         log.warning("--resume: no checkpoint in %s; starting from scratch", out / "checkpoints")
     task = build_task(cfg)
     try:
+        if cfg.warm_start.enabled:
+            task.check_warm_start(cfg.warm_start)  # before any model is loaded
         summary: dict[str, Any] = {"name": cfg.name, "preset": cfg.preset, "task": cfg.task.env,
                                    "max_staleness": cfg.max_staleness, "output_dir": str(out)}
         model_dir = initial_model_dir(cfg, out)

@@ -95,17 +95,20 @@ def test_paper_configs_ask_for_the_model_path(task):
     assert PLACEHOLDER[task] in msg and "fill in" in msg
 
 
-def test_paper_data_names_resolve():
+def test_paper_data_names_resolve(monkeypatch):
+    monkeypatch.chdir(ROOT)  # empty task.data_dir: $COPC_DATA_DIR, else ../shared/data from the cwd
+    monkeypatch.delenv("COPC_DATA_DIR", raising=False)
     cfg = load_config(CONFIGS / "math_tool" / "_paper.yaml", ["model.path=."])
     assert cfg.task.train_data == ["math_train"] and cfg.task.eval_data == ["aime2025"]
     assert (cfg.eval.k, cfg.eval.num_samples) == (32, 30)  # avg@32 on AIME 2025's 30 problems
-    assert len(load_math("aime2025", data_dir=ROOT / cfg.task.data_dir)) == 30
-    assert load_math("math_train", data_dir=ROOT / cfg.task.data_dir, limit=2)
+    assert cfg.task.data_dir == ""
+    assert len(load_math("aime2025", data_dir=cfg.task.data_dir)) == 30
+    assert load_math("math_train", data_dir=cfg.task.data_dir, limit=2)
     cfg = load_config(CONFIGS / "search" / "_paper.yaml", ["model.path=."])
     assert cfg.task.train_data == ["nq", "hotpotqa"]
     assert cfg.eval.temperature == 0.0 and cfg.eval.k == 1  # greedy exact match
     for name in cfg.task.eval_data:
-        assert load_qa(name, data_dir=str(ROOT / cfg.task.data_dir), limit=1), name
+        assert load_qa(name, data_dir=cfg.task.data_dir, limit=1), name
 
 
 def test_cpu_tiny_math_is_the_main_job():
@@ -127,18 +130,23 @@ def test_cpu_tiny_math_is_the_main_job():
     assert len(text.encode()) < len(MathToolConfig().prompt_template.encode()) // 2
 
 
-def test_cpu_tiny_search():
+def test_cpu_tiny_search(monkeypatch):
+    from trainer.tasks.search import corpus_path
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("COPC_DATA_DIR", raising=False)
     cfg = load_config(CONFIGS / "search" / "cpu_tiny.yaml")
     assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 14, "search")
     assert cfg.task.train_data == ["nq", "hotpotqa"]
     assert cfg.task.retriever_url == ""  # copc train starts the retriever itself
-    assert (ROOT / cfg.task.retriever_corpus).is_file()
+    assert cfg.task.retriever_corpus == ""  # <data dir>/wiki/corpus.jsonl
+    assert corpus_path(cfg.task.retriever_corpus, cfg.task.data_dir).is_file()
     assert cfg.warm_start.enabled and cfg.warm_start.kind == "search_r1"
     env_cfg = SearchConfig(**cfg.task.env_kwargs)
     assert env_cfg.topk == 1
     assert env_cfg.prompt_template.format(question="who?").endswith("Question: who?\n")
     for name in cfg.task.train_data + cfg.task.eval_data:
-        assert load_qa(name, data_dir=str(ROOT / cfg.task.data_dir), limit=1), name
+        assert load_qa(name, data_dir=cfg.task.data_dir, limit=1), name
 
 
 def test_composition_of_the_repo_configs(tmp_path):

@@ -269,11 +269,14 @@ class RayTrainer:
 
 
 def worker_experiment_config(cfg: Any, task: Any) -> Any:
-    """``cfg`` for the workers' own :func:`build_task`: reuse the driver's retriever server if it has one."""
+    """``cfg`` for the workers' own :func:`build_task`: the driver's retriever server (if it has one)
+    and absolute data paths."""
+    from ..tasks import absolute_task_paths
+
     url = getattr(task, "info", {}).get("retriever_url")
     if url and not cfg.task.retriever_url:
-        return dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, retriever_url=url))
-    return cfg
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, retriever_url=url))
+    return absolute_task_paths(cfg)  # workers may run in another working directory
 
 
 async def run_ray_rl(cfg: Any, learner: Learner, model_dir: str | Path, task: Any, tokenizer: Any,
