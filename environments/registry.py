@@ -123,7 +123,8 @@ class Registry:
 
 def import_env_module(module: str) -> Any:
     """Import ``module``: a dotted module name, or a ``.py`` file (relative to the current
-    working directory unless absolute) loaded once per process under its file stem.
+    working directory unless absolute) loaded once per process under its file stem, with its
+    directory put on ``sys.path`` (so it can import the modules next to it).
 
     Returns:
         The module.
@@ -145,6 +146,8 @@ def import_env_module(module: str) -> Any:
             return loaded
         raise ValueError(f"environment module file {module!r}: a different module named {name!r} "
                          f"is already imported ({getattr(loaded, '__file__', None)}); rename the file")
+    if str(path.parent) not in sys.path:  # so the file can import its sibling modules
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {module!r} as a module")

@@ -87,7 +87,8 @@ class TaskConfig:
             ``pkg.module:id`` / ``path/file.py:id`` (imported first, so it can register ``id``).
         env_kwargs: keyword overrides for ``environments.make`` (e.g. ``prompt_template``).
         train_data: dataset names/paths the env understands (e.g. ``[math_train]`` or
-            ``[nq, hotpotqa]``), read from ``data_dir``; empty: generated problems.
+            ``[nq, hotpotqa]``), read from ``data_dir``; empty: generated problems (math_tool;
+            other environments need JSONL files here).
         eval_data: held-out dataset(s) for evaluation.
         data_dir: data directory; empty: ``$COPC_DATA_DIR``, else ``../shared/data``. Relative
             paths (here and in the other path keys) resolve against the current working directory.
@@ -351,6 +352,9 @@ class ExperimentConfig:
 
     Attributes:
         name: run name. output_dir: where checkpoints, metrics, plots and summary go.
+        plugins: modules (dotted names or ``.py`` files) imported before validation and in
+            every worker process; their imports register a user's environments, tasks,
+            estimators, losses, engines or learner backends (:mod:`trainer.plugins`).
         preset: ``copc`` | ``copc_wo_rc`` | ``ppo`` | ``ppo_async`` | ``areal`` | ``sao`` |
             ``vtrace`` | ``dapo``.
         algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{eta_a: 0.25}``);
@@ -361,6 +365,7 @@ class ExperimentConfig:
 
     name: str = "copc"
     output_dir: str = "runs/copc"
+    plugins: list[str] = field(default_factory=list)
     preset: str = "copc"
     algorithm: dict[str, Any] = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -486,6 +491,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         msg = str(e).split("\n")[0]
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
     assert isinstance(obj, ExperimentConfig)
+    from .plugins import import_plugins
+
+    import_plugins(obj.plugins)  # they may register what the config names (estimators, engines...)
     return obj.validate()
 
 

@@ -161,6 +161,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
     from .config import to_yaml
     from .tasks import build_task
 
+    t_start = time.time()  # wall time counts set-up and warm-start too
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
@@ -188,7 +189,8 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
         ctx = RunContext(cfg=cfg, out=out, task=task, model_dir=model_dir,
                          tokenizer=load_tokenizer(model_dir), learner=learner, logger=logger,
                          checkpoints=ckpt, resume_state=state,
-                         prompts=PromptStream(task.train_samples, cfg.train.seed), summary=summary)
+                         prompts=PromptStream(task.train_samples, cfg.train.seed), summary=summary,
+                         t_start=t_start)
     except BaseException:
         task.close()
         raise

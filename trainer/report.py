@@ -22,7 +22,8 @@ def print_report(summary: dict) -> None:
     con = Console()
     table = Table(title=f"{summary.get('name')} — {summary.get('preset')} on {summary.get('task')}")
     table.add_column("metric")
-    table.add_column("after warm-start (before RL)", justify="right")
+    table.add_column("after warm-start (before RL)" if summary.get("warm_start") else "before RL",
+                     justify="right")
     table.add_column("after RL", justify="right")
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     for k in sorted(set(before) | set(after)):

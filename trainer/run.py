@@ -205,9 +205,15 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     print(f"copc eval: evaluating {path}")
     weights, model_dir = None, path
     if not (path / "config.json").exists():  # a training checkpoint directory
-        state = CheckpointManager(path.parent, 1).load(path)
+        try:
+            state = CheckpointManager(path.parent, 1).load(path)
+        except (FileNotFoundError, ValueError) as e:
+            state, why = None, f" ({e})"
+        else:
+            why = ""
         if state is None:
-            raise ConfigError(f"{path}: neither a model directory nor a complete checkpoint")
+            raise ConfigError(f"--checkpoint={str(path)!r}: neither a model directory (config.json) nor a "
+                              f"complete training checkpoint{why}")
         model_dir = ws if (ws / "config.json").exists() else initial_model_dir(cfg, out)
         learner = make_learner(cfg, model_dir)
         learner.load_state_dict(state["learner"])

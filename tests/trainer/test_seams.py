@@ -4,6 +4,7 @@ weight export; each extension is one registration and works end to end through `
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +167,56 @@ def test_a_registered_engine_is_used_by_copc_train(tmp_path):
     assert calls["generate"] >= 4 and calls["sync"] == [1, 2]  # weights pushed after each step
     with pytest.raises(ConfigError, match=r"rollout.engine='counting': not a registered engine"):
         load_config(None, ["rollout.engine=counting"])
+
+
+PLUGIN = '''
+import copc
+import torch
+
+
+@copc.ADVANTAGE_ESTIMATORS.register("plugin_mc", needs_critic=False)
+def plugin_mc(inputs, cfg):
+    """Undiscounted reward-to-go over action tokens (a user's estimator)."""
+    r = torch.where(inputs.loss_mask.bool(), inputs.rewards, torch.zeros_like(inputs.rewards))
+    ret = r.flip(-1).cumsum(-1).flip(-1) * inputs.loss_mask
+    return ret, ret
+'''
+
+
+def test_plugins_register_before_validation_and_train(tmp_path, monkeypatch):
+    """``plugins: [file.py]``: imported before the config is validated (the CLI has no other hook)."""
+    from trainer.run import run_experiment
+
+    (tmp_path / "my_algos.py").write_text(PLUGIN)
+    monkeypatch.setenv("COPC_DATA_DIR", str(Path("../shared/data").resolve()))  # before leaving the repo
+    monkeypatch.chdir(tmp_path)
+    algo = "algorithm={advantage_estimator: plugin_mc, use_critic: false}"
+    with pytest.raises(ConfigError, match=r"algorithm.advantage_estimator.*plugin_mc"):
+        load_config(None, [*overrides(tmp_path / "no", "copc"), algo])
+    with pytest.raises(ConfigError, match=r"plugins\[0\]='missing.py': cannot import it: FileNotFoundError"):
+        load_config(None, ["plugins=[missing.py]"])
+    try:
+        cfg = load_config(None, [*overrides(tmp_path / "r", "copc", steps=2), algo, "plugins=[my_algos.py]"])
+        summary = run_experiment(cfg)
+        assert cfg.algorithm_config().use_critic is False
+    finally:
+        copc.ADVANTAGE_ESTIMATORS.unregister("plugin_mc")
+    assert summary["steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2]
+    assert not any("critic/value_loss" in r for r in rows)
+
+
+def test_missing_data_and_bad_eval_checkpoint_are_config_errors(tmp_path, monkeypatch):
+    from trainer.run import run_evaluation, run_experiment
+
+    data = str(Path("../shared/data").resolve())
+    monkeypatch.chdir(tmp_path)  # no ../shared/data from here
+    monkeypatch.delenv("COPC_DATA_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"task.data_dir='': .*math_train.*set task.data_dir or "
+                                          r"\$COPC_DATA_DIR"):
+        run_experiment(load_config(None, overrides(tmp_path / "m", "copc")))
+    (tmp_path / "junk").mkdir()
+    cfg = load_config(None, overrides(tmp_path / "e", "copc", **{"task.data_dir": data}))
+    with pytest.raises(ConfigError, match=r"--checkpoint='.*junk': neither a model directory"):
+        run_evaluation(cfg, checkpoint=str(tmp_path / "junk"))

@@ -70,7 +70,9 @@ class RolloutWorker:
                  env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8) -> None:
         from ..engines import EngineSpec, make_engine
         from ..models.loading import load_tokenizer
+        from ..plugins import import_plugins
 
+        import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
         self.tok = load_tokenizer(model_dir)
         self.handle = make_engine(exp_cfg.rollout.engine, EngineSpec(exp_cfg, Path(model_dir), self.tok,
                                                                      version, weights.items()))
@@ -127,7 +129,9 @@ class LearnerActor:
 
     def __init__(self, exp_cfg: Any, model_dir: str, state: dict) -> None:
         from ..learner import make_learner
+        from ..plugins import import_plugins
 
+        import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
         self.learner = make_learner(exp_cfg, model_dir)
         self.learner.load_state_dict(state)
 
@@ -271,11 +275,13 @@ class RayTrainer:
 def worker_experiment_config(cfg: Any, task: Any) -> Any:
     """``cfg`` for the workers' own :func:`build_task`: the driver's retriever server (if it has one)
     and absolute data paths."""
+    from ..plugins import absolute_plugins
     from ..tasks import absolute_task_paths
 
     url = getattr(task, "info", {}).get("retriever_url")
     if url and not cfg.task.retriever_url:
         cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, retriever_url=url))
+    cfg = dataclasses.replace(cfg, plugins=absolute_plugins(cfg.plugins))
     return absolute_task_paths(cfg)  # workers may run in another working directory
 
 

@@ -96,7 +96,14 @@ def build_task(cfg: ExperimentConfig) -> Task:
                           f"{type(e).__name__}: {e}") from e
     task = task_class(env_id)(cfg, env_id)
     try:
-        task.start()
+        try:
+            task.start()
+        except FileNotFoundError as e:  # a data file of train_data / eval_data / the corpus
+            from environments.data import data_root
+
+            raise ConfigError(f"task.data_dir={cfg.task.data_dir!r}: {e} (data directory: "
+                              f"{data_root(cfg.task.data_dir)}; set task.data_dir or $COPC_DATA_DIR, "
+                              "default ../shared/data from the working directory)") from e
         check_env_settings(task.make_env, env_id, task.env_kwargs)
     except BaseException:
         task.close()
