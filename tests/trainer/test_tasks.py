@@ -128,7 +128,7 @@ def test_math_datasets_from_copc_data_dir_in_another_directory(tmp_path, monkeyp
         assert task.train_samples[0]["problem"] == first["problem"]
     monkeypatch.delenv(DATA_DIR_ENV)
     missing = tmp_path.parent / "shared/data/aime2024.jsonl"  # the fallback, relative to the cwd
-    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+    with pytest.raises(ConfigError, match=r"task.data_dir='': .*" + re.escape(str(missing))):
         build_task(cfg)
 
 
