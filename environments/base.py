@@ -133,6 +133,23 @@ def with_overrides(config: Any, overrides: Mapping[str, Any]) -> Any:
     return dataclasses.replace(config, **kwargs)
 
 
+def check_prompt_template(owner: str, template: str, field_name: str) -> None:
+    """Check that ``template`` is a ``str.format`` template whose only field is ``{field_name}``.
+
+    Raises:
+        ValueError: ``"<owner>.prompt_template=...: ..."`` when the field is missing or the
+            template has other fields / unbalanced braces.
+    """
+    if "{" + field_name + "}" not in template:
+        raise ValueError(f"{owner}.prompt_template must contain '{{{field_name}}}'")
+    try:
+        template.format(**{field_name: ""})
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{owner}.prompt_template={template!r}: not a str.format template with only "
+                         f"{{{field_name}}} ({type(e).__name__}: {e}); "
+                         "write literal braces as {{ }}") from None
+
+
 def truncate_observation(text: str, max_chars: int) -> str:
     """Cut ``text`` to about ``max_chars`` characters keeping head and tail, with a marker."""
     if len(text) <= max_chars:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..base import EnvLimits, ToolCall, ToolEnv, with_overrides
+from ..base import EnvLimits, ToolCall, ToolEnv, check_prompt_template, with_overrides
 from ..data import DEFAULT_DATA_DIR
 from ..sandbox import Sandbox, SandboxConfig
 from .data import load_math
@@ -51,14 +51,7 @@ class MathToolConfig:
     prompt_template: str = PROMPT
 
     def __post_init__(self) -> None:
-        if "{problem}" not in self.prompt_template:
-            raise ValueError("MathToolConfig.prompt_template must contain '{problem}'")
-        try:
-            self.prompt_template.format(problem="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"MathToolConfig.prompt_template={self.prompt_template!r}: not a str.format "
-                             f"template with only {{problem}} ({type(e).__name__}: {e}); write literal "
-                             "braces as {{ }}") from None
+        check_prompt_template("MathToolConfig", self.prompt_template, "problem")
         if not isinstance(self.code_timeout_s, int | float) or not self.code_timeout_s > 0:
             raise ValueError(f"MathToolConfig.code_timeout_s={self.code_timeout_s!r}: must be a number > 0")
         if isinstance(self.code_memory_mb, bool) or not isinstance(self.code_memory_mb, int) \

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..base import EnvLimits, RegexTool, ToolEnv, with_overrides
+from ..base import EnvLimits, RegexTool, ToolEnv, check_prompt_template, with_overrides
 from ..data import DEFAULT_DATA_DIR, load_jsonl, resolve_data_path
 from ..errors import InfrastructureError
 from .reward import exact_match, f1_score, substring_match
@@ -139,14 +139,7 @@ class SearchConfig:
                 or not 1 <= self.topk <= MAX_TOPK:
             raise ValueError(f"SearchConfig.topk={self.topk!r}: must be an int in [1, {MAX_TOPK}] "
                              "(the retriever server's default max_topk)")
-        if "{question}" not in self.prompt_template:
-            raise ValueError("SearchConfig.prompt_template must contain '{question}'")
-        try:
-            self.prompt_template.format(question="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"SearchConfig.prompt_template={self.prompt_template!r}: not a str.format "
-                             f"template with only {{question}} ({type(e).__name__}: {e}); write literal "
-                             "braces as {{ }}") from None
+        check_prompt_template("SearchConfig", self.prompt_template, "question")
 
 
 def load_qa(dataset: str, data_dir: str = DEFAULT_DATA_DIR, limit: int | None = None

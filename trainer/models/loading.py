@@ -30,10 +30,7 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.flo
         FileNotFoundError: if ``path`` is not a directory with a ``config.json``.
     """
     p = Path(path)
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={str(path)!r}: no config.json there (a checkpoint "
-                                "directory saved with save_pretrained is expected)")
-    tok = load_tokenizer(p)
+    tok = load_tokenizer(p)  # checks the directory
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype,
                                                  attn_implementation=attn_implementation)
     return model.eval(), tok
