@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """
     if name not in ("train", "eval"):
         raise ValueError(f"trainer.cli_train serves the 'train' and 'eval' groups, not {name!r}")
-    parser.add_argument("--config", required=True, metavar="PATH",
+    parser.add_argument("--config", required=(name == "train"), default=None, metavar="PATH",
                         help="YAML config (e.g. configs/math_tool/cpu_tiny.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted config overrides, e.g. train.total_steps=3 model.path=/ckpt")
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("--checkpoint", default=None, metavar="DIR",
                             help="model or checkpoint directory to evaluate (default: the run's "
                                  "latest checkpoint, else its warm-start / initial model)")
+        from trainer.evaluate.command import add_benchmark_arguments
+
+        add_benchmark_arguments(parser)
         parser.set_defaults(func=eval_command)
 
 
@@ -110,6 +113,22 @@ def eval_command(args: argparse.Namespace) -> int:
     Returns:
         0 on success, 2 for a bad config, 130 after Ctrl-C.
     """
+    if args.benchmarks is not None:  # standalone evaluation on named benchmarks
+        from trainer.evaluate.command import benchmarks_command
+
+        try:
+            benchmarks_command(args)
+        except ConfigError as e:
+            print(f"copc eval: config error: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        except KeyboardInterrupt:
+            print("copc eval: interrupted; continue with --resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return 0
+    if args.config is None:
+        print("copc eval: config error: --config is required (or use --benchmarks with --model / "
+              "--checkpoint / --endpoint)", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     cfg = _load(args, "eval")
     if cfg is None:
         return EXIT_CONFIG_ERROR

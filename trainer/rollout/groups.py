@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..engines.base import InferenceEngine, SamplingParams
@@ -85,16 +85,18 @@ class EnvPool:
 
 async def run_group(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, sample: Mapping[str, Any],
                     n: int, sampling: SamplingParams, agent_cfg: AgentLoopConfig | None, *, uid: int,
-                    group_id: Any = None) -> list[Trajectory]:
-    """Play the ``n`` episodes of prompt draw ``uid`` on ``sample`` concurrently.
+                    group_id: Any = None, episodes: Sequence[int] | None = None) -> list[Trajectory]:
+    """Play the ``n`` episodes of prompt draw ``uid`` on ``sample`` concurrently (or only the
+    episode indices ``episodes`` of them: a resumed evaluation re-plays what is missing, with the
+    same seeds).
 
     Episode ``k`` samples with :func:`episode_sampling` (``seed + 7919·uid + k``), takes an
     environment from ``pool`` and returns it afterwards. Each trajectory gets
     ``info["uid"] = uid`` and ``group_id`` (default ``uid``).
 
     Returns:
-        The ``n`` trajectories in episode order (infrastructure failures included, marked by
-        :attr:`Trajectory.infra_failed`).
+        The trajectories in episode order (infrastructure failures included, marked by
+        :attr:`Trajectory.infra_failed`); ``info["episode"]`` is the episode index.
 
     Raises:
         ValueError: ``n < 1``. Exceptions of ``env.reset`` other than an infrastructure
@@ -111,9 +113,13 @@ async def run_group(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, samp
         finally:
             pool.release(env)
         tr.info["uid"] = uid
+        tr.info["episode"] = k
         return tr
 
-    return list(await asyncio.gather(*(one(k) for k in range(n))))
+    ks = range(n) if episodes is None else list(episodes)
+    if any(not 0 <= k < n for k in ks):
+        raise ValueError(f"run_group: episodes={list(ks)!r} must be in [0, {n})")
+    return list(await asyncio.gather(*(one(k) for k in ks)))
 
 
 async def run_groups(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, samples: list[Mapping[str, Any]],

@@ -1,0 +1,185 @@
+"""``copc eval --benchmarks``: real benchmarks, real envs (BM25 retriever, bwrap sandbox), a
+scripted policy registered through ``plugins`` (an engine that answers from a key file), resume
+and infrastructure failures.
+
+The scripted engine is a legitimate user engine (one registration): it answers the question it
+finds in the prompt — right for even question indices, wrong for odd ones — and fails
+(``EngineError``) on a question listed as broken, so every number in the report is known.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import main as cli_main
+from trainer.evaluate.metrics import summarize_benchmark
+from trainer.evaluate.runner import latest_records, read_results
+from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+
+DATA = Path("../shared/data").resolve()
+
+PLUGIN = '''
+import asyncio, json, os
+from trainer.engines import EngineHandle, register_engine
+from trainer.engines.base import EngineError, GenerationResult
+
+KEY = json.load(open(os.environ["COPC_TEST_ANSWER_KEY"]))   # question text -> [answer, right?, broken?]
+
+
+class ScriptedEngine:
+    version = 0
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    async def generate(self, prompt_ids, params):
+        await asyncio.sleep(float(os.environ.get("COPC_TEST_DELAY_S", "0")))
+        prompt = self.tok.decode(prompt_ids, skip_special_tokens=True)
+        for q, (answer, right, broken) in KEY.items():
+            if q in prompt:
+                if broken:
+                    raise EngineError("scripted engine: this question breaks the engine")
+                text = answer
+                ids = self.tok.encode(text, add_special_tokens=False)
+                return GenerationResult(ids, [-0.1] * len(ids), [0] * len(ids), "stop", text)
+        raise AssertionError("question not in the key: " + prompt[-200:])
+
+    async def update_weights(self, source, version): ...
+    async def pause(self): ...
+    async def resume(self): ...
+    async def close(self): ...
+
+
+def factory(spec):
+    eng = ScriptedEngine(spec.tokenizer)
+
+    async def sync(weights, version):
+        pass
+
+    return EngineHandle(eng, sync, eng.close)
+
+
+register_engine("scripted", factory, overwrite=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Tiny model (tokenizer), plugin, answer key for 4 NQ + 4 HotpotQA + 4 AIME-2024 questions."""
+    from environments.math_tool import load_math
+    from environments.search.env import load_qa
+
+    d = tmp_path_factory.mktemp("evalcli")
+    model = save_tiny_checkpoint(d / "tiny", TinyModelConfig(hidden_size=32, intermediate_size=64,
+                                                             num_layers=1))
+    (d / "scripted_engine.py").write_text(PLUGIN)
+    key = {}  # question -> [the scripted reply, right?, breaks the engine?]
+    for name in ("nq", "hotpotqa"):
+        for i, row in enumerate(load_qa(name, str(DATA), limit=4)):
+            reply = row["golden_answers"][0] if i % 2 == 0 else "certainly not this"
+            key[row["question"]] = [f"<answer>{reply}</answer>", i % 2 == 0, False]
+    for i, row in enumerate(load_math("aime2024", str(DATA), 4)):
+        reply = row["answer"] if i % 2 == 0 else "-1"
+        key[row["problem"]] = ["The answer is \\boxed{" + str(reply) + "}.", i % 2 == 0, i == 3]
+    (d / "key.json").write_text(json.dumps(key))
+    index = tmp_path_factory.getbasetemp() / "trainer_bm25_index"  # shared with the other search tests
+    return {"dir": d, "model": str(model), "plugin": str(d / "scripted_engine.py"), "key": d / "key.json",
+            "index": str(index)}
+
+
+def _eval(setup, out, *extra):
+    return cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq,hotpotqa,aime2024",
+                     "--max-samples", "4", "--out", str(out), *extra,
+                     f"plugins=[{setup['plugin']}]", "rollout.engine=scripted", "logging.progress=false",
+                     f"task.data_dir={DATA}", f"task.retriever_index_dir={setup['index']}"])
+
+
+def test_report_equals_recomputation_resume_and_failures(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(setup["key"]))
+    out = tmp_path / "ev"
+    assert _eval(setup, out, "--k", "2") == 0
+    report = json.loads((out / "report.json").read_text())["benchmarks"]
+    records = read_results(out / "results.jsonl")
+    # 4 questions x 2 episodes per benchmark; AIME question 3 breaks the engine: retried, then failed
+    assert len(records) == 3 * 4 * 2
+    for name in ("nq", "hotpotqa"):
+        assert report[name]["em"] == pytest.approx(0.5)            # right on questions 0 and 2
+        assert report[name]["failed_episodes"] == 0
+    aime = report["aime2024"]
+    assert aime["failed_episodes"] == 2 and aime["questions"] == 3  # excluded, not scored 0
+    assert aime["avg@2"] == pytest.approx(2 / 3)                      # questions 0, 2 right; 1 wrong
+    failed = [r for r in records if r["failed"]]
+    assert {(r["sample_index"], r["attempts"]) for r in failed} == {(3, 3)}  # 1 try + 2 retries
+    assert all(r["finish_reason"].startswith("engine_error") for r in failed)
+    for name, summary in report.items():  # every number recomputed from results.jsonl
+        recs = [r for r in records if r["benchmark"] == name]
+        again = summarize_benchmark(recs, "qa" if name != "aime2024" else "math")
+        assert {k: v for k, v in again.items()} == {k: v for k, v in summary.items() if k in again}
+    assert (out / "report.md").read_text().count("| nq ") == 1 and (out / "report.png").stat().st_size > 0
+    ep = next(r for r in records if r["benchmark"] == "nq" and r["sample_index"] == 0)
+    assert ep["correct"] and ep["score_components"]["em"] == 1.0 and ep["prompt"] and ep["answer"]
+
+    # the same --out without --resume is refused; a killed run (half the lines left) resumes
+    assert _eval(setup, out, "--k", "2") == 2
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    (out / "results.jsonl").write_text("".join(lines[: len(lines) // 2]) + lines[len(lines) // 2][:7])
+    assert _eval(setup, out, "--k", "2", "--resume") == 0
+    latest = latest_records(read_results(out / "results.jsonl"))
+    assert len(latest) == 24  # nothing missing, nothing twice
+    assert json.loads((out / "report.json").read_text())["benchmarks"] == report
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--benchmarks", "nq,nope"], "--benchmarks='nope': unknown benchmark 'nope'"),
+    (["--benchmarks", "nq", "--k", "0"], "--k=0: must be an int >= 1"),
+    (["--benchmarks", "nq", "--model", "/no/such/dir"], "--model='/no/such/dir': not a save_pretrained"),
+    (["--benchmarks", "nq", "--endpoint", "http://127.0.0.1:9"],
+     "--endpoint='http://127.0.0.1:9': does not answer"),
+    (["--benchmarks", "nq", "--model", "x", "--endpoint", "http://127.0.0.1:9"], "give exactly one"),
+])
+def test_bad_input_is_one_line_exit_2(setup, tmp_path, capsys, args, needle):
+    argv = ["eval", *args, "--out", str(tmp_path / "o")]
+    if "--model" not in args and "--endpoint" not in args:
+        argv += ["--model", setup["model"]]
+    if "--endpoint" in args and "--model" not in args:
+        argv += ["--tokenizer", setup["model"]]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("copc eval: config error: ") and needle in err[-1], err
+
+
+def test_sigkill_mid_run_then_resume_loses_nothing(setup, tmp_path):
+    """A real kill -9 of ``copc eval`` while episodes are being written, then ``--resume``."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "killed"
+    argv = [sys.executable, "-m", "trainer.cli", "eval", "--model", setup["model"], "--benchmarks", "nq",
+            "--max-samples", "4", "--k", "4", "--out", str(out), f"plugins=[{setup['plugin']}]",
+            "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
+            f"task.retriever_index_dir={setup['index']}", "rollout.concurrency=1"]
+    env = {**os.environ, "COPC_TEST_ANSWER_KEY": str(setup["key"]), "COPC_TEST_DELAY_S": "0.3",
+           "PYTHONPATH": str(Path.cwd())}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "results.jsonl").exists() or len((out / "results.jsonl").read_text().splitlines()) < 4:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = len((out / "results.jsonl").read_text().splitlines())
+    assert 4 <= written < 16  # killed mid-run
+    env["COPC_TEST_DELAY_S"] = "0"
+    res = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = read_results(out / "results.jsonl")
+    latest = latest_records(records)
+    assert len(latest) == 16 and len(records) == 16  # none lost, none played twice
+    assert json.loads((out / "report.json").read_text())["benchmarks"]["nq"]["em"] == pytest.approx(0.5)

@@ -1,0 +1,1 @@
+"""Standalone evaluation of agents on named benchmarks (``copc eval --benchmarks ...``)."""

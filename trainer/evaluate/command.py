@@ -1,0 +1,208 @@
+"""``copc eval --benchmarks ...``: evaluate a model, a training checkpoint or a served model.
+
+Usage::
+
+    copc eval --model DIR --benchmarks aime2025,nq [--k 32] [--temperature 1.0] [--max-samples N]
+              [--out DIR] [--resume] [--engine embedded|sglang] [--retriever-url URL] [key=value ...]
+    copc eval --checkpoint RUN/checkpoints/step_N --benchmarks nq
+    copc eval --endpoint http://host:30000 --tokenizer DIR --benchmarks hotpotqa
+
+The policy is loaded through the engine registry (``--engine``, default ``rollout.engine``), or
+reached at ``--endpoint`` (an SGLang server already running: its native ``/generate`` with token
+ids, as in training). Search benchmarks start a BM25 retriever unless ``--retriever-url`` is
+given; math benchmarks share one sandbox pool. Outputs in ``--out``: ``results.jsonl`` (one line
+per episode), ``report.json``, ``report.md`` and ``report.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+
+def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--benchmarks`` form's options (added to the ``copc eval`` parser)."""
+    parser.add_argument("--benchmarks", default=None, metavar="LIST",
+                        help="comma-separated benchmarks (nq,hotpotqa,aime2025,... or file.jsonl:env)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="save_pretrained directory to evaluate")
+    parser.add_argument("--endpoint", default=None, metavar="URL", help="a running SGLang server to evaluate")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="tokenizer directory (with --endpoint; default --model)")
+    parser.add_argument("--k", type=int, default=None, help="episodes per question (default per benchmark)")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default per benchmark)")
+    parser.add_argument("--max-samples", type=int, default=0,
+                        help="first N questions per benchmark (0 = all)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/eval)")
+    parser.add_argument("--resume", action="store_true", help="re-run only missing or failed episodes")
+    parser.add_argument("--engine", default=None, help="engine name (default rollout.engine)")
+    parser.add_argument("--retriever-url", default="", help="search benchmarks: an existing retriever")
+    parser.add_argument("--seed", type=int, default=0, help="base sampling seed")
+
+
+def _fail(flag: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{flag}={value!r}: {why}")
+
+
+def _policy(args: argparse.Namespace, cfg: Any) -> tuple[Path, Any]:
+    """``(model_dir, weights or None)`` of ``--model`` / ``--checkpoint``."""
+    if args.model:
+        path = Path(args.model)
+        if not (path / "config.json").is_file():
+            raise _fail("--model", args.model, "not a save_pretrained directory (no config.json)")
+        return path, None
+    from ..checkpoint import CheckpointManager
+    from ..learner import make_learner
+
+    ckpt = Path(args.checkpoint)
+    if not ckpt.is_dir():
+        raise _fail("--checkpoint", args.checkpoint, "no such directory")
+    if (ckpt / "config.json").is_file():
+        return ckpt, None
+    run_dir = ckpt.parent.parent
+    model_dir = next((d for d in (run_dir / "warm_start_model", run_dir / "init_model")
+                      if (d / "config.json").is_file()), None)
+    if model_dir is None and cfg.model.path:
+        model_dir = Path(cfg.model.path)
+    if model_dir is None:
+        raise _fail("--checkpoint", args.checkpoint, f"no model architecture next to it ({run_dir}/"
+                    "warm_start_model or init_model) and no model.path")
+    try:
+        state = CheckpointManager(ckpt.parent, 1).load(ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        raise _fail("--checkpoint", args.checkpoint, f"not a complete training checkpoint ({e})") from None
+    learner = make_learner(cfg, model_dir)
+    learner.load_state_dict(state["learner"])
+    return model_dir, dict(learner.export_policy_weights())
+
+
+def _experiment_config(args: argparse.Namespace) -> Any:
+    from ..config import load_config
+
+    base = args.config
+    if base is None and args.checkpoint and (Path(args.checkpoint).parent.parent / "config.yaml").is_file():
+        base = str(Path(args.checkpoint).parent.parent / "config.yaml")  # the run's own settings
+    overrides = list(args.overrides)
+    if args.engine:
+        overrides.append(f"rollout.engine={args.engine}")
+    return load_config(base, overrides)
+
+
+async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[Any, Any, dict]:
+    """``(engine, close, description)``."""
+    from ..models.loading import load_tokenizer
+
+    if args.endpoint:
+        import httpx
+
+        from ..engines.sglang import SGLangEngine, SGLangEngineConfig
+
+        tok_dir = args.tokenizer or args.model
+        if not tok_dir:
+            raise _fail("--endpoint", args.endpoint, "needs --tokenizer DIR (or --model) for token ids")
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                (await client.get(args.endpoint.rstrip("/") + "/health")).raise_for_status()
+        except httpx.HTTPError as e:
+            raise _fail("--endpoint", args.endpoint,
+                        f"does not answer /health ({type(e).__name__}: {e})") from None
+        engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint))
+        return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir),
+                                      "_tokenizer": load_tokenizer(tok_dir)}
+    from ..engines import ENGINES, EngineSpec, make_engine
+
+    try:
+        ENGINES.preflight(cfg.rollout.engine, cfg)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    model_dir, weights = await asyncio.to_thread(_policy, args, cfg)
+    tok = load_tokenizer(model_dir)
+    spec = EngineSpec(cfg, model_dir, tok, 0, None if weights is None else weights.items(), out)
+    handle = await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
+    what = {"model": str(args.model or args.checkpoint), "engine": cfg.rollout.engine, "_tokenizer": tok}
+    return handle.engine, handle.close, what
+
+
+async def _run(args: argparse.Namespace, cfg: Any, out: Path) -> dict:
+    from tqdm.auto import tqdm
+
+    from ..rollout.agent_loop import AgentLoopConfig
+    from .benchmarks import BenchmarkServices, load_rows, resolve_benchmark
+    from .metrics import summarize_benchmark
+    from .report import write_report
+    from .runner import RESULTS_FILE, EvalSettings, ResultsWriter, latest_records, read_results, run_benchmark
+
+    specs = []
+    for name in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
+        try:
+            specs.append(resolve_benchmark(name))
+        except (ValueError, KeyError) as e:
+            raise _fail("--benchmarks", name, str(e)) from None
+    if not specs:
+        raise _fail("--benchmarks", args.benchmarks, "names no benchmark")
+    try:
+        settings = EvalSettings(k=args.k, temperature=args.temperature, max_samples=args.max_samples,
+                                seed=args.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                                agent=AgentLoopConfig.from_config(cfg), concurrency=cfg.rollout.concurrency)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    results = out / RESULTS_FILE
+    if results.exists() and not args.resume:
+        raise _fail("--out", str(out), f"already has {RESULTS_FILE}; pass --resume to continue it or "
+                    "choose another --out")
+    done = latest_records(read_results(results)) if args.resume else {}
+    engine, close, what = await _open_engine(args, cfg, out)
+    tok = what.pop("_tokenizer")
+    services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, retriever_url=args.retriever_url,
+                                 index_dir=cfg.task.retriever_index_dir)
+    writer = ResultsWriter(results)
+    per_benchmark: dict[str, dict] = {}
+    try:
+        await asyncio.to_thread(services.start)
+        for spec in specs:
+            rows = load_rows(spec, cfg.task.data_dir, settings.max_samples)
+            n = settings.k or spec.default_k
+            temp = spec.default_temperature if settings.temperature is None else settings.temperature
+            bar = tqdm(total=len(rows) * n, desc=spec.name, disable=not cfg.logging.progress)
+            try:
+                recs = await run_benchmark(engine, tok, spec.name, spec.kind, rows,
+                                           services.env_factory(spec), settings, n, temp, writer, done,
+                                           progress=bar)
+            finally:
+                bar.close()
+            per_benchmark[spec.name] = {**summarize_benchmark(recs, spec.kind), "k": n, "temperature": temp}
+    finally:
+        writer.close()
+        await asyncio.to_thread(services.close)
+        await close()
+    header = {**what, "benchmarks": [s.name for s in specs], "k": args.k, "temperature": args.temperature,
+              "max_samples": args.max_samples, "seed": args.seed,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    write_report(out, header, per_benchmark)
+    return {"header": header, "benchmarks": per_benchmark}
+
+
+def benchmarks_command(args: argparse.Namespace) -> dict:
+    """Run the ``--benchmarks`` form of ``copc eval``; return the report (also written to ``--out``).
+
+    Raises:
+        ConfigError: a bad flag (the message names it): no or several model sources, an unknown
+            benchmark, ``--k < 1``, a missing directory, an endpoint that does not answer.
+    """
+    sources = [f for f in ("model", "checkpoint", "endpoint") if getattr(args, f)]
+    if len(sources) != 1:
+        raise ConfigError(f"--model / --checkpoint / --endpoint: give exactly one (got {sources or 'none'})")
+    cfg = _experiment_config(args)
+    out = Path(args.out or "runs/eval")
+    out.mkdir(parents=True, exist_ok=True)
+    report = asyncio.run(_run(args, cfg, out))
+    print(json.dumps({b: {k: v for k, v in m.items() if not isinstance(v, dict)}
+                      for b, m in report["benchmarks"].items()}, indent=1))
+    print(f"copc eval: report in {out / 'report.md'}")
+    return report
