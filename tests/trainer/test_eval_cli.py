@@ -183,3 +183,43 @@ def test_sigkill_mid_run_then_resume_loses_nothing(setup, tmp_path):
     latest = latest_records(records)
     assert len(latest) == 16 and len(records) == 16  # none lost, none played twice
     assert json.loads((out / "report.json").read_text())["benchmarks"]["nq"]["em"] == pytest.approx(0.5)
+
+
+def test_same_command_twice_gives_the_same_report_with_the_embedded_engine(setup, tmp_path):
+    """Reproducible: fixed seeds per (question, episode); a real (random tiny) model, sampled."""
+    reports, episodes = [], []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq,aime2024",
+                         "--max-samples", "2", "--k", "2", "--temperature", "1.0", "--out", str(out),
+                         "logging.progress=false", "rollout.max_new_tokens=16", f"task.data_dir={DATA}",
+                         f"task.retriever_index_dir={setup['index']}"]) == 0
+        reports.append(json.loads((out / "report.json").read_text())["benchmarks"])
+        latest = latest_records(read_results(out / "results.jsonl"))
+        episodes.append({key: (r["response"], r["seed"]) for key, r in latest.items()})
+        assert len(latest) == 8 and len({t for t, _ in episodes[-1].values()}) > 1  # sampled, not constant
+    assert reports[0] == reports[1] and episodes[0] == episodes[1]
+
+
+def test_retriever_outage_is_reported_as_failed_not_wrong(setup, tmp_path, monkeypatch):
+    """The policy searches but the retriever is down: those episodes are failures, excluded."""
+    import socket
+
+    from environments.search.env import load_qa
+
+    key = json.loads(setup["key"].read_text())
+    row = load_qa("nq", str(DATA), limit=4)[1]
+    key[row["question"]] = ["<search>who is it</search>", False, False]   # question 1 searches
+    (tmp_path / "key.json").write_text(json.dumps(key))
+    monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(tmp_path / "key.json"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "down"
+    assert cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq", "--max-samples", "4",
+                     "--out", str(out), "--retriever-url", dead, f"plugins=[{setup['plugin']}]",
+                     "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}"]) == 0
+    nq = json.loads((out / "report.json").read_text())["benchmarks"]["nq"]
+    assert nq["failed_episodes"] == 1 and nq["questions"] == 3 and nq["em"] == pytest.approx(2 / 3)
+    (failed,) = [r for r in read_results(out / "results.jsonl") if r["failed"]]
+    assert failed["sample_index"] == 1 and failed["finish_reason"].startswith("infra_error: retriever failed")

@@ -1,0 +1,120 @@
+"""Benchmark: evaluation-runner throughput, 32 concurrent episodes vs one at a time.
+
+A tiny randomly initialised Qwen2 model (byte tokenizer, hidden 128, 2 layers, fp32, CPU) is
+saved with :func:`trainer.models.tiny.save_tiny_checkpoint` into a temporary directory, loaded
+through the ``model.path`` code path and served by the embedded engine. The first 64 NQ
+questions (``resolve_benchmark("nq")``, ``load_rows``) are played by
+:func:`trainer.evaluate.runner.run_benchmark` (what ``copc eval --benchmarks nq`` runs) against
+the real BM25 retriever started by :class:`~trainer.evaluate.benchmarks.BenchmarkServices`
+(index built on first use in ``--index-dir``, reused after; not timed), k = 1, greedy,
+``max_new_tokens`` = 32, ``AgentLoopConfig(max_turns=2)``:
+
+* ours: ``EvalSettings.concurrency`` = 32 (episodes in flight, batched decoding), and
+* reference: the same 64 episodes played one at a time (``concurrency`` = 1), same engine,
+
+in episodes per second (best of ``--repeats``), and prints the ratio. Each arm writes its own
+``results.jsonl`` in a temporary directory. Goal: ratio >= 4x at 32 concurrent episodes.
+Run: ``python benchmarks/bench_eval.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from trainer.evaluate.benchmarks import DEFAULT_INDEX_DIR, BenchmarkServices, load_rows, resolve_benchmark
+from trainer.evaluate.runner import EvalSettings, ResultsWriter, run_benchmark
+from trainer.models.loading import load_model_and_tokenizer
+from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.rollout.agent_loop import AgentLoopConfig
+
+GOAL_RATIO = 4.0
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+
+
+def run_arm(engine: EmbeddedEngine, tok, spec, rows: list[dict], make_env, concurrency: int,
+            max_new_tokens: int, max_turns: int, out_dir: Path) -> tuple[float, list[dict]]:
+    """Seconds and records for all ``rows`` (k = 1, greedy) at ``concurrency`` episodes in flight."""
+    settings = EvalSettings(k=1, temperature=0.0, seed=0, max_new_tokens=max_new_tokens,
+                            agent=AgentLoopConfig(max_turns=max_turns), concurrency=concurrency)
+    writer = ResultsWriter(out_dir / f"c{concurrency}-{time.monotonic_ns()}.jsonl")
+    t0 = time.perf_counter()
+    try:
+        recs = asyncio.run(run_benchmark(engine, tok, spec.name, spec.kind, rows, make_env, settings,
+                                         1, 0.0, writer, {}))
+    finally:
+        writer.close()
+    return time.perf_counter() - t0, recs
+
+
+def main() -> int:
+    """Run the benchmark and print the table; exit status 0 (the goal is reported, not enforced)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--questions", type=int, default=64, help="first N NQ questions")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-turns", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1, help="best of this many runs per arm")
+    ap.add_argument("--data-dir", default=str(DATA))
+    ap.add_argument("--index-dir", default=DEFAULT_INDEX_DIR,
+                    help="BM25 index directory (built on first use; relative: to the current directory)")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    cfg = TinyModelConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_layers=args.layers,
+                          num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
+    with tempfile.TemporaryDirectory() as d:
+        model, tok = load_model_and_tokenizer(save_tiny_checkpoint(d, cfg))
+    n_params = sum(p.numel() for p in model.parameters())
+    spec = resolve_benchmark("nq")
+    rows = load_rows(spec, args.data_dir, args.questions)
+    print(f"tiny qwen2: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {n_params / 1e6:.2f} M params; "
+          f"{len(rows)} NQ questions, k 1, greedy, {args.max_new_tokens} new tokens, "
+          f"max_turns {args.max_turns}, torch threads {torch.get_num_threads()}", flush=True)
+
+    engine = EmbeddedEngine(model, tok, EmbeddedEngineConfig(max_batch_size=args.concurrency))
+    t0 = time.perf_counter()
+    with BenchmarkServices([spec], data_dir=args.data_dir, index_dir=args.index_dir) as services, \
+            tempfile.TemporaryDirectory() as out:
+        print(f"BM25 retriever up in {time.perf_counter() - t0:.1f} s ({services.info['retriever_url']})",
+              flush=True)
+        make_env = services.env_factory(spec)
+        run_arm(engine, tok, spec, rows[:4], make_env, 4, 8, args.max_turns, Path(out))  # warm-up
+        arms = {}
+        for c in (args.concurrency, 1):
+            best = min((run_arm(engine, tok, spec, rows, make_env, c, args.max_new_tokens, args.max_turns,
+                                Path(out)) for _ in range(args.repeats)), key=lambda x: x[0])
+            arms[c] = best
+            recs = best[1]
+            failed = sum(r["failed"] for r in recs)
+            print(f"  concurrency {c:>3}: {len(recs)} episodes in {best[0]:.2f} s "
+                  f"({sum(r['turns'] for r in recs)} turns, {sum(r['tool_calls'] for r in recs)} searches, "
+                  f"{sum(r['response_tokens'] for r in recs)} model tokens, {failed} failed)", flush=True)
+    asyncio.run(engine.close())
+
+    (t_ours, ours), (t_ref, ref) = arms[args.concurrency], arms[1]
+    same = sum(a["response"] == b["response"] for a, b in zip(ours, ref, strict=True))
+    ours_eps, ref_eps = len(ours) / t_ours, len(ref) / t_ref
+    ratio = ours_eps / ref_eps
+    print(f"\n{'arm':>20} | {'episodes/s':>10}")
+    print(f"{'-' * 20}-+-{'-' * 10}")
+    print(f"{f'concurrency {args.concurrency}':>20} | {ours_eps:>10.2f}")
+    print(f"{'one at a time':>20} | {ref_eps:>10.2f}")
+    print(f"{'ratio':>20} | {ratio:>9.2f}x")
+    print(f"\nidentical greedy responses in both arms: {same}/{len(ours)}")
+    verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
+    print(f"goal: >= {GOAL_RATIO:.0f}x at {args.concurrency} concurrent episodes: {verdict} ({ratio:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
