@@ -41,7 +41,8 @@ GROUPS: tuple[Group, ...] = (
     Group("retriever", "build retrieval indexes and serve them (Search-R1 API)", "retriever.cli"),
     Group("train", "train an agent: copc train --config PATH [key=value ...] [--resume]",
           "trainer.cli_train"),
-    Group("eval", "evaluate a run: copc eval --config PATH [key=value ...] [--checkpoint DIR]",
+    Group("eval", "evaluate: copc eval --model DIR|--checkpoint DIR|--endpoint URL --benchmarks nq,aime2025 "
+          "[--k N] [--out DIR] [--resume], or a run: copc eval --config PATH [--checkpoint DIR]",
           "trainer.cli_train"),
 )
 

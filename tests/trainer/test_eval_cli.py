@@ -81,6 +81,8 @@ def setup(tmp_path_factory):
         for i, row in enumerate(load_qa(name, str(DATA), limit=4)):
             reply = row["golden_answers"][0] if i % 2 == 0 else "certainly not this"
             key[row["question"]] = [f"<answer>{reply}</answer>", i % 2 == 0, False]
+            if name == "hotpotqa" and i == 3:  # never answers: cut by the turn budget, scores 0
+                key[row["question"]][0] = "I do not know."
     for i, row in enumerate(load_math("aime2024", str(DATA), 4)):
         reply = row["answer"] if i % 2 == 0 else "-1"
         key[row["problem"]] = ["The answer is \\boxed{" + str(reply) + "}.", i % 2 == 0, i == 3]

@@ -181,7 +181,9 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path) -> dict:
         writer.close()
         await asyncio.to_thread(services.close)
         await close()
-    header = {**what, "benchmarks": [s.name for s in specs], "k": args.k, "temperature": args.temperature,
+    header = {**what, "benchmarks": [s.name for s in specs],
+              "k": args.k if args.k is not None else "per benchmark",
+              "temperature": args.temperature if args.temperature is not None else "per benchmark",
               "max_samples": args.max_samples, "seed": args.seed,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_report(out, header, per_benchmark)

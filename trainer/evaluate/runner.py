@@ -96,10 +96,13 @@ def episode_record(benchmark: str, kind: str, index: int, sample: Mapping[str, A
                    tokenizer: Any, seed: int | None, attempts: int) -> dict[str, Any]:
     """The ``results.jsonl`` line of one episode.
 
-    ``correct``: for ``qa``, exact match (``score_components["em"] == 1``); for ``math``, reward
-    > 0.5. ``failed``: an infrastructure failure (excluded from the metrics).
+    ``correct``: for ``qa``, exact match (``score_components["em"] == 1``; an episode cut before
+    it answered has EM / cover-EM / F1 0); for ``math``, reward > 0.5. ``failed``: an
+    infrastructure failure (excluded from the metrics).
     """
     comps = dict(tr.info.get("reward_components") or {})
+    if kind == "qa":  # an episode that never answered (cut by a budget) scores 0 on every metric
+        comps = {"em": 0.0, "substring_em": 0.0, "f1": 0.0, **comps}
     correct = comps.get("em", 0.0) >= 1.0 if kind == "qa" else tr.reward > 0.5
     turns = _segments(tr, tokenizer)
     return {"benchmark": benchmark, "sample_id": sample.get("id"), "sample_index": index,
