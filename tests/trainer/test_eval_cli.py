@@ -121,6 +121,8 @@ def test_report_equals_recomputation_resume_and_failures(setup, tmp_path, monkey
         again = summarize_benchmark(recs, "qa" if name != "aime2024" else "math")
         assert {k: v for k, v in again.items()} == {k: v for k, v in summary.items() if k in again}
     assert (out / "report.md").read_text().count("| nq ") == 1 and (out / "report.png").stat().st_size > 0
+    cut = next(r for r in records if r["benchmark"] == "hotpotqa" and r["sample_index"] == 3)
+    assert cut["answer"] is None and cut["score_components"]["f1"] == 0.0 and not cut["failed"]
     ep = next(r for r in records if r["benchmark"] == "nq" and r["sample_index"] == 0)
     assert ep["correct"] and ep["score_components"]["em"] == 1.0 and ep["prompt"] and ep["answer"]
 
