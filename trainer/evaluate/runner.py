@@ -186,7 +186,10 @@ async def run_benchmark(engine: InferenceEngine, tokenizer: Any, name: str, kind
     """
     sampling = eval_sampling_params(temperature, settings.max_new_tokens, seed=settings.seed)
     pool = EnvPool(make_env, min(settings.concurrency, max(len(rows) * n, 1)))
-    records = {key: rec for key, rec in done.items() if key[0] == name and not rec.get("failed")}
+    # resume: keep earlier results of this benchmark's questions/episodes (not failed ones, and
+    # not those outside the current --max-samples / --k)
+    records = {key: rec for key, rec in done.items()
+               if key[0] == name and not rec.get("failed") and key[1] < len(rows) and key[2] < n}
 
     async def question(i: int, sample: Mapping[str, Any]) -> None:
         todo = [j for j in range(n) if (name, i, j) not in records]
