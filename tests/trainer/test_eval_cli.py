@@ -26,19 +26,18 @@ import asyncio, json, os
 from trainer.engines import EngineHandle, register_engine
 from trainer.engines.base import EngineError, GenerationResult
 
-KEY = json.load(open(os.environ["COPC_TEST_ANSWER_KEY"]))   # question text -> [answer, right?, broken?]
-
-
 class ScriptedEngine:
     version = 0
 
     def __init__(self, tok):
         self.tok = tok
+        # question text -> [reply, right?, broken?]; read per engine (the module is imported once)
+        self.key = json.load(open(os.environ["COPC_TEST_ANSWER_KEY"]))
 
     async def generate(self, prompt_ids, params):
         await asyncio.sleep(float(os.environ.get("COPC_TEST_DELAY_S", "0")))
         prompt = self.tok.decode(prompt_ids, skip_special_tokens=True)
-        for q, (answer, right, broken) in KEY.items():
+        for q, (answer, right, broken) in self.key.items():
             if q in prompt:
                 if broken:
                     raise EngineError("scripted engine: this question breaks the engine")
