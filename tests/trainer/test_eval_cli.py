@@ -39,6 +39,8 @@ class ScriptedEngine:
         prompt = self.tok.decode(prompt_ids, skip_special_tokens=True)
         for q, (answer, right, broken) in self.key.items():
             if q in prompt:
+                if answer.startswith("<search>") and os.environ.get("COPC_TEST_KILL_PID"):
+                    os.kill(int(os.environ.pop("COPC_TEST_KILL_PID")), 9)  # the retriever dies now
                 if broken:
                     raise EngineError("scripted engine: this question breaks the engine")
                 text = answer
@@ -142,16 +144,36 @@ def test_report_equals_recomputation_resume_and_failures(setup, tmp_path, monkey
     (["--benchmarks", "nq", "--endpoint", "http://127.0.0.1:9"],
      "--endpoint='http://127.0.0.1:9': does not answer"),
     (["--benchmarks", "nq", "--model", "x", "--endpoint", "http://127.0.0.1:9"], "give exactly one"),
+    (["--benchmarks", "nq,nq"], "--benchmarks='nq': a benchmark named 'nq' is already in the list"),
+    (["--benchmarks", "/no/such.jsonl:search"], "--benchmarks='/no/such.jsonl:search'"),
+    (["--benchmarks", "nq", "--temperature", "inf"], "--temperature=inf: must be a finite number"),
 ])
-def test_bad_input_is_one_line_exit_2(setup, tmp_path, capsys, args, needle):
+def test_bad_input_is_one_line_exit_2(setup, tmp_path, capsys, args, needle, monkeypatch):
     argv = ["eval", *args, "--out", str(tmp_path / "o")]
     if "--model" not in args and "--endpoint" not in args:
         argv += ["--model", setup["model"]]
     if "--endpoint" in args and "--model" not in args:
         argv += ["--tokenizer", setup["model"]]
-    assert cli_main(argv) == 2
+    monkeypatch.chdir(tmp_path)
+    assert cli_main([*argv, f"task.data_dir={DATA}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("copc eval: config error: ") and needle in err[-1], err
+    assert not (tmp_path / "o").exists()  # nothing written for a bad command
+
+
+def test_rows_the_env_cannot_read_and_resume_with_other_settings(setup, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(setup["key"]))
+    qa = tmp_path / "myqa.jsonl"
+    qa.write_text(json.dumps({"id": "u0", "question": "who?", "golden_answers": ["x"]}) + "\n")
+    base = ["eval", "--model", setup["model"], "--out", str(tmp_path / "o"), f"plugins=[{setup['plugin']}]",
+            "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
+            f"task.retriever_index_dir={setup['index']}"]
+    assert cli_main([*base, "--benchmarks", f"{qa}:math_tool"]) == 2  # QA rows in the math env
+    assert "env 'math_tool' cannot read its rows" in capsys.readouterr().err
+    assert cli_main([*base, "--benchmarks", "nq", "--max-samples", "2"]) == 0
+    assert cli_main([*base, "--benchmarks", "nq", "--max-samples", "2", "--resume", "--seed", "5"]) == 2
+    assert "--seed=5: the run in" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert cli_main([*base, "--benchmarks", "nq", "--max-samples", "2", "--resume"]) == 0
 
 
 def test_sigkill_mid_run_then_resume_loses_nothing(setup, tmp_path):
@@ -205,23 +227,34 @@ def test_same_command_twice_gives_the_same_report_with_the_embedded_engine(setup
 
 
 def test_retriever_outage_is_reported_as_failed_not_wrong(setup, tmp_path, monkeypatch):
-    """The policy searches but the retriever is down: those episodes are failures, excluded."""
+    """The retriever dies mid-run (killed when question 1 searches): those episodes are failures,
+    excluded and counted, never wrong answers; a dead --retriever-url is refused up front."""
     import socket
 
     from environments.search.env import load_qa
+    from retriever.launch import ensure_bm25_index, start_server
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq", "--retriever-url", dead,
+                     "--out", str(tmp_path / "refused"), f"task.data_dir={DATA}"]) == 2
     key = json.loads(setup["key"].read_text())
     row = load_qa("nq", str(DATA), limit=4)[1]
     key[row["question"]] = ["<search>who is it</search>", False, False]   # question 1 searches
     (tmp_path / "key.json").write_text(json.dumps(key))
+    index = Path(setup["index"])
+    ensure_bm25_index(DATA / "wiki" / "corpus.jsonl", index, show_progress=False)
+    server = start_server(index, log_path=tmp_path / "server.log")
     monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(tmp_path / "key.json"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("COPC_TEST_KILL_PID", str(server.proc.pid))
     out = tmp_path / "down"
-    assert cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq", "--max-samples", "4",
-                     "--out", str(out), "--retriever-url", dead, f"plugins=[{setup['plugin']}]",
-                     "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}"]) == 0
+    try:
+        assert cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq", "--max-samples", "4",
+                         "--out", str(out), "--retriever-url", server.url, f"plugins=[{setup['plugin']}]",
+                         "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}"]) == 0
+    finally:
+        server.stop()
     nq = json.loads((out / "report.json").read_text())["benchmarks"]["nq"]
     assert nq["failed_episodes"] == 1 and nq["questions"] == 3 and nq["em"] == pytest.approx(2 / 3)
     (failed,) = [r for r in read_results(out / "results.jsonl") if r["failed"]]

@@ -34,7 +34,7 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save_pretrained directory to evaluate")
     parser.add_argument("--endpoint", default=None, metavar="URL", help="a running SGLang server to evaluate")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="tokenizer directory (with --endpoint; default --model)")
+                        help="tokenizer directory of the served model (with --endpoint)")
     parser.add_argument("--k", type=int, default=None, help="episodes per question (default per benchmark)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default per benchmark)")
     parser.add_argument("--max-samples", type=int, default=0,
@@ -99,19 +99,12 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
     from ..models.loading import load_tokenizer
 
     if args.endpoint:
-        import httpx
-
         from ..engines.sglang import SGLangEngine, SGLangEngineConfig
 
-        tok_dir = args.tokenizer or args.model
+        tok_dir = args.tokenizer
         if not tok_dir:
-            raise _fail("--endpoint", args.endpoint, "needs --tokenizer DIR (or --model) for token ids")
-        try:
-            async with httpx.AsyncClient(timeout=10.0) as client:
-                (await client.get(args.endpoint.rstrip("/") + "/health")).raise_for_status()
-        except httpx.HTTPError as e:
-            raise _fail("--endpoint", args.endpoint,
-                        f"does not answer /health ({type(e).__name__}: {e})") from None
+            raise _fail("--endpoint", args.endpoint, "needs --tokenizer DIR (the served model's tokenizer)")
+        await _check_health("--endpoint", args.endpoint)
         engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint))
         return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir),
                                       "_tokenizer": load_tokenizer(tok_dir)}
@@ -129,44 +122,103 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
     return handle.engine, handle.close, what
 
 
-async def _run(args: argparse.Namespace, cfg: Any, out: Path) -> dict:
+SETTINGS_FILE = "eval_settings.json"
+
+
+def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[Any, list[dict]]]:
+    """Resolve ``--benchmarks`` and load each one's rows, before any model is loaded.
+
+    Raises:
+        ConfigError: naming ``--benchmarks`` (unknown, duplicate name, missing file, rows the
+            environment cannot read).
+    """
+    from .benchmarks import load_rows, resolve_benchmark
+
+    out: list[tuple[Any, list[dict]]] = []
+    names: set[str] = set()
+    for ref in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
+        try:
+            spec = resolve_benchmark(ref)
+            if spec.name in names:
+                raise ValueError(f"a benchmark named {spec.name!r} is already in the list (each name once; "
+                                 "rename a user file whose stem clashes)")
+            rows = load_rows(spec, cfg.task.data_dir, max_samples)
+        except (ValueError, KeyError, OSError) as e:
+            raise _fail("--benchmarks", ref, str(e.args[0] if isinstance(e, KeyError) else e)) from None
+        names.add(spec.name)
+        out.append((spec, rows))
+    if not out:
+        raise _fail("--benchmarks", args.benchmarks, "names no benchmark")
+    return out
+
+
+def _preflight_policy(args: argparse.Namespace) -> None:
+    """Check ``--model`` / ``--checkpoint`` / ``--endpoint`` before anything is written.
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise _fail("--model", args.model, "not a save_pretrained directory (no config.json)")
+    if args.checkpoint and not Path(args.checkpoint).is_dir():
+        raise _fail("--checkpoint", args.checkpoint, "no such directory")
+    if args.endpoint:
+        if not args.tokenizer:
+            raise _fail("--endpoint", args.endpoint, "needs --tokenizer DIR (the served model's tokenizer)")
+        asyncio.run(_check_health("--endpoint", args.endpoint))
+
+
+def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
+    """Refuse ``--resume`` with settings that change what the episodes mean (seed, temperature,
+    k, budgets, benchmark definitions); return the settings to record for the run."""
+    path = out / SETTINGS_FILE
+    if resume and path.exists():
+        before = json.loads(path.read_text())
+        for key in ("seed", "temperature", "k", "max_new_tokens", "agent", "benchmarks"):
+            old, new = before.get(key), settings.get(key)
+            if key == "benchmarks":  # a resumed run may evaluate fewer or more benchmarks
+                clash = [n for n in set(old or {}) & set(new) if old[n] != new[n]]
+                if clash:
+                    raise _fail("--benchmarks", clash[0], f"defined differently in the run being resumed "
+                                f"({old[clash[0]]} vs {new[clash[0]]})")
+            elif old != new:
+                flag = {"agent": "rollout budgets",
+                        "max_new_tokens": "rollout.max_new_tokens"}.get(key, f"--{key}")
+                raise _fail(flag, new, f"the run in {out} used {old!r}; --resume must use the same settings")
+        settings = {**settings, "benchmarks": {**before.get("benchmarks", {}), **settings["benchmarks"]}}
+    return settings
+
+
+async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
+               benchmarks: list[tuple[Any, list[dict]]], record: dict) -> dict:
     from tqdm.auto import tqdm
 
-    from ..rollout.agent_loop import AgentLoopConfig
-    from .benchmarks import BenchmarkServices, load_rows, resolve_benchmark
+    from .benchmarks import BenchmarkServices
     from .metrics import summarize_benchmark
     from .report import write_report
-    from .runner import RESULTS_FILE, EvalSettings, ResultsWriter, latest_records, read_results, run_benchmark
+    from .runner import RESULTS_FILE, ResultsWriter, latest_records, read_results, run_benchmark
 
-    specs = []
-    for name in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
-        try:
-            specs.append(resolve_benchmark(name))
-        except (ValueError, KeyError) as e:
-            raise _fail("--benchmarks", name, str(e)) from None
-    if not specs:
-        raise _fail("--benchmarks", args.benchmarks, "names no benchmark")
-    try:
-        settings = EvalSettings(k=args.k, temperature=args.temperature, max_samples=args.max_samples,
-                                seed=args.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                                agent=AgentLoopConfig.from_config(cfg), concurrency=cfg.rollout.concurrency)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     results = out / RESULTS_FILE
-    if results.exists() and not args.resume:
-        raise _fail("--out", str(out), f"already has {RESULTS_FILE}; pass --resume to continue it or "
-                    "choose another --out")
     done = latest_records(read_results(results)) if args.resume else {}
+    specs = [spec for spec, _ in benchmarks]
+    try:
+        services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, retriever_url=args.retriever_url,
+                                     index_dir=cfg.task.retriever_index_dir)
+    except (KeyError, ImportError, OSError, ValueError) as e:
+        raise _fail("--benchmarks", args.benchmarks, f"{type(e).__name__}: {e}") from None
+    if args.retriever_url:
+        await _check_health("--retriever-url", args.retriever_url)
     engine, close, what = await _open_engine(args, cfg, out)
     tok = what.pop("_tokenizer")
-    services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, retriever_url=args.retriever_url,
-                                 index_dir=cfg.task.retriever_index_dir)
-    writer = ResultsWriter(results)
+    writer = None
     per_benchmark: dict[str, dict] = {}
     try:
         await asyncio.to_thread(services.start)
-        for spec in specs:
-            rows = load_rows(spec, cfg.task.data_dir, settings.max_samples)
+        for spec, rows in benchmarks:  # before anything is written: rows the env cannot read
+            await asyncio.to_thread(_probe, services.env_factory(spec), spec, rows)
+        (out / SETTINGS_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+        writer = ResultsWriter(results)
+        for spec, rows in benchmarks:
             n = settings.k or spec.default_k
             temp = spec.default_temperature if settings.temperature is None else settings.temperature
             bar = tqdm(total=len(rows) * n, desc=spec.name, disable=not cfg.logging.progress)
@@ -178,7 +230,8 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path) -> dict:
                 bar.close()
             per_benchmark[spec.name] = {**summarize_benchmark(recs, spec.kind), "k": n, "temperature": temp}
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         await asyncio.to_thread(services.close)
         await close()
     header = {**what, "benchmarks": [s.name for s in specs],
@@ -188,6 +241,34 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path) -> dict:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_report(out, header, per_benchmark)
     return {"header": header, "benchmarks": per_benchmark}
+
+
+def _probe(make_env: Any, spec: Any, rows: list[dict]) -> None:
+    """Reset one environment on the first row: rows the env cannot read fail here, named.
+
+    Raises:
+        ConfigError: naming ``--benchmarks``.
+    """
+    env = make_env()
+    try:
+        env.reset(options={"sample": dict(rows[0])})
+    except (ValueError, KeyError, TypeError) as e:
+        raise _fail("--benchmarks", spec.name, f"env {spec.env!r} cannot read its rows: {type(e).__name__}: "
+                    f"{e}") from None
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            close()
+
+
+async def _check_health(flag: str, url: str) -> None:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            (await client.get(url.rstrip("/") + "/health")).raise_for_status()
+    except httpx.HTTPError as e:
+        raise _fail(flag, url, f"does not answer /health ({type(e).__name__}: {e})") from None
 
 
 def benchmarks_command(args: argparse.Namespace) -> dict:
@@ -201,9 +282,27 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
     if len(sources) != 1:
         raise ConfigError(f"--model / --checkpoint / --endpoint: give exactly one (got {sources or 'none'})")
     cfg = _experiment_config(args)
+    from ..rollout.agent_loop import AgentLoopConfig
+    from .runner import RESULTS_FILE, EvalSettings
+
+    try:
+        settings = EvalSettings(k=args.k, temperature=args.temperature, max_samples=args.max_samples,
+                                seed=args.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                                agent=AgentLoopConfig.from_config(cfg), concurrency=cfg.rollout.concurrency)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    benchmarks = _specs(args, cfg, settings.max_samples)
+    _preflight_policy(args)
     out = Path(args.out or "runs/eval")
+    results = out / RESULTS_FILE
+    if results.exists() and results.stat().st_size and not args.resume:
+        raise _fail("--out", str(out), f"already has {RESULTS_FILE}; pass --resume to continue it or "
+                    "choose another --out")
+    record = _check_resume(out, {"seed": settings.seed, "temperature": settings.temperature, "k": settings.k,
+                                 "max_new_tokens": settings.max_new_tokens, "agent": repr(settings.agent),
+                                 "benchmarks": {s.name: repr(s) for s, _ in benchmarks}}, args.resume)
     out.mkdir(parents=True, exist_ok=True)
-    report = asyncio.run(_run(args, cfg, out))
+    report = asyncio.run(_run(args, cfg, out, settings, benchmarks, record))
     print(json.dumps({b: {k: v for k, v in m.items() if not isinstance(v, dict)}
                       for b, m in report["benchmarks"].items()}, indent=1))
     print(f"copc eval: report in {out / 'report.md'}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,8 +65,8 @@ class EvalSettings:
         """Validate."""
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
             raise ValueError(f"--k={self.k!r}: must be an int >= 1")
-        if self.temperature is not None and not self.temperature >= 0:
-            raise ValueError(f"--temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
         for name in ("max_samples", "retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: must be >= 0")
