@@ -56,6 +56,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("serve", help="serve an index with the Search-R1 /retrieve API")
     s.add_argument("--index", required=True, help="index directory from 'build'")
+    s.add_argument("--parent-pid", type=int, default=0,
+                   help="exit when this process (the one that started the server) is gone")
     s.add_argument("--corpus", default=None, help="corpus (default: the one used to build)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -130,9 +132,26 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Exit this process soon after ``parent_pid`` dies (even by SIGKILL): a daemon thread polls
+    the parent pid (re-parenting changes ``os.getppid()``)."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _serve(args: argparse.Namespace) -> int:
     from retriever.index import load_index
     from retriever.server import ServerConfig, serve
+
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
 
     cfg = ServerConfig(
         default_topk=args.default_topk,

@@ -101,7 +101,7 @@ def start_server(index_dir: str | Path, *, port: int | None = None, extra_args: 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     index_dir = Path(index_dir).expanduser().resolve()  # the server runs in another directory
     args = [sys.executable, "-m", "retriever.cli", "serve", "--index", str(index_dir), "--port", str(port),
-            *extra_args]
+            "--parent-pid", str(os.getpid()), *extra_args]  # never outlives us, even after a kill -9
     log = Path(log_path).open("w") if log_path else None  # noqa: SIM115 - owned by the returned handle
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log or subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -199,6 +199,22 @@ def test_sigkill_mid_run_then_resume_loses_nothing(setup, tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+    def children_of_killed() -> list[str]:  # the BM25 server it started, found by its --parent-pid
+        found = []
+        for d in Path("/proc").iterdir():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--parent-pid" in cmd and cmd[cmd.index(b"--parent-pid") + 1] == str(proc.pid).encode():
+                found.append(d.name)
+        return found
+
+    t0 = time.monotonic()
+    while children_of_killed() and time.monotonic() - t0 < 15:
+        time.sleep(0.2)
+    assert children_of_killed() == []  # the retriever server did not outlive the killed run
     written = len((out / "results.jsonl").read_text().splitlines())
     assert 4 <= written < 16  # killed mid-run
     env["COPC_TEST_DELAY_S"] = "0"
