@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import environments
-from environments.data import data_root
+from environments.data import data_root, iter_jsonl
 
 if TYPE_CHECKING:
     import gymnasium
@@ -158,27 +157,17 @@ def infer_kind(path: str | Path) -> str:
         FileNotFoundError: no such file.
         ValueError: the file is empty, its first row is not a JSON object, or has neither shape.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"benchmark file {str(p)!r} not found")
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            if "golden_answers" in row:
-                return "qa"
-            if "problem" in row and "answer" in row:
-                return "math"
-            raise ValueError(f"{p}:{lineno}: cannot infer the benchmark kind: rows need "
-                             "'golden_answers' (qa) or 'problem' and 'answer' (math); or name it: "
-                             f"'{path}:<env>:qa|math'")
-    raise ValueError(f"benchmark file {str(p)!r} has no rows")
+    first = iter_jsonl(path, limit=1)  # the project's JSONL reader: same errors everywhere
+    if not first:
+        raise ValueError(f"benchmark file {str(Path(path))!r} has no rows")
+    lineno, row = first[0]
+    if "golden_answers" in row:
+        return "qa"
+    if "problem" in row and "answer" in row:
+        return "math"
+    raise ValueError(f"{Path(path)}:{lineno}: cannot infer the benchmark kind: rows need "
+                     "'golden_answers' (qa) or 'problem' and 'answer' (math); or name it: "
+                     f"'{path}:<env>:qa|math'")
 
 
 def resolve_benchmark(ref: str) -> BenchmarkSpec:
