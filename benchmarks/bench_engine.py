@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
 
 import torch
+from tiny_bench_model import tiny_bench_model  # benchmarks/ is on sys.path when a script runs
 
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from trainer.models.loading import load_model_and_tokenizer
-from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 
 GOAL_RATIO = 4.0
 
@@ -82,12 +80,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per cell")
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    cfg = TinyModelConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_layers=args.layers,
-                          num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
-    with tempfile.TemporaryDirectory() as d:
-        model, tok = load_model_and_tokenizer(save_tiny_checkpoint(d, cfg))
-    n_params = sum(p.numel() for p in model.parameters())
+    model, tok, cfg, n_params = tiny_bench_model(args.hidden, args.layers)
     print(f"tiny qwen2: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {n_params / 1e6:.2f} M params, "
           f"prompt ~{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
           f"torch threads {torch.get_num_threads()}", flush=True)

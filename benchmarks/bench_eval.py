@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 
 import torch
+from tiny_bench_model import tiny_bench_model  # benchmarks/ is on sys.path when a script runs
 
 from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from trainer.evaluate.benchmarks import DEFAULT_INDEX_DIR, BenchmarkServices, load_rows, resolve_benchmark
 from trainer.evaluate.runner import EvalSettings, ResultsWriter, run_benchmark
-from trainer.models.loading import load_model_and_tokenizer
-from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.rollout.agent_loop import AgentLoopConfig
 
 GOAL_RATIO = 4.0
@@ -74,12 +73,7 @@ def main() -> int:
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(0)
-    cfg = TinyModelConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_layers=args.layers,
-                          num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128))
-    with tempfile.TemporaryDirectory() as d:
-        model, tok = load_model_and_tokenizer(save_tiny_checkpoint(d, cfg))
-    n_params = sum(p.numel() for p in model.parameters())
+    model, tok, cfg, n_params = tiny_bench_model(args.hidden, args.layers)
     spec = resolve_benchmark("nq")
     rows = load_rows(spec, args.data_dir, args.questions)
     print(f"tiny qwen2: hidden {cfg.hidden_size}, {cfg.num_layers} layers, {n_params / 1e6:.2f} M params; "
