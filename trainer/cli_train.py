@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from trainer.config import ConfigError, ExperimentConfig, load_config
 
@@ -116,15 +117,7 @@ def eval_command(args: argparse.Namespace) -> int:
     if args.benchmarks is not None:  # standalone evaluation on named benchmarks
         from trainer.evaluate.command import benchmarks_command
 
-        try:
-            benchmarks_command(args)
-        except ConfigError as e:
-            print(f"copc eval: config error: {e}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
-        except KeyboardInterrupt:
-            print("copc eval: interrupted; continue with --resume", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        return 0
+        return _eval_guarded(lambda: benchmarks_command(args), "interrupted; continue with --resume")
     if args.config is None:
         print("copc eval: config error: --config is required (or use --benchmarks with --model / "
               "--checkpoint / --endpoint)", file=sys.stderr)
@@ -134,13 +127,20 @@ def eval_command(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     from trainer.run import run_evaluation  # heavy: only once the config is valid
 
+    rc = _eval_guarded(lambda: run_evaluation(cfg, checkpoint=args.checkpoint), "interrupted")
+    if rc == 0:
+        _report(cfg)
+    return rc
+
+
+def _eval_guarded(run: Callable[[], object], interrupted: str) -> int:
+    """Run an evaluation: 0, or 2 after printing its config error, or 130 after Ctrl-C."""
     try:
-        run_evaluation(cfg, checkpoint=args.checkpoint)
+        run()
     except ConfigError as e:
         print(f"copc eval: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:
-        print("copc eval: interrupted", file=sys.stderr)
+        print(f"copc eval: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    _report(cfg)
     return 0
