@@ -160,11 +160,7 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
                                  start_step=ctx.start_step, sync_weights=sync, counters=ctx.counters)
         with progress:
             await loop.run()
-    c = loop.counters
-    return {"rl_wall_s": time.time() - t0, "steps": loop.step, "dropped_stale": c["dropped_stale"],
-            "episodes": c["episodes"], "episodes_trained": c["episodes_trained"],
-            "tokens_generated": c["tokens_generated"], "tokens_trained": c["tokens_trained"],
-            "infra_failed": c["infra_failed"], "infra_failed_groups": c["infra_failed_groups"],
+    return {"rl_wall_s": time.time() - t0, "steps": loop.step, **loop.counters,  # cumulative (COUNTERS)
             "trained_uids": len(ctx.trained_uids),
             "duplicate_trained_uids": len(ctx.trained_uids) - len(set(ctx.trained_uids))}
 

@@ -362,8 +362,7 @@ class AsyncTrainingLoop:
         """Resumable state: prompt stream (admitted-but-untrained prompts re-queued), step,
         version and the cumulative :data:`COUNTERS` (``"counters"``)."""
         return {"prompts": self.prompts.state_dict(sorted(self.in_flight)), "step": self.step,
-                "version": self.version, "dropped_stale": self.dropped_stale,
-                "counters": dict(self.counters)}
+                "version": self.version, "counters": dict(self.counters)}
 
     def _save_checkpoint(self) -> None:
         if self.on_checkpoint is not None:
