@@ -190,7 +190,7 @@ class AsyncTrainingLoop:
         self._infra_since_step = 0  # infrastructure-failed episodes since the last step
         # infra-failed flags of the last step's worth of finished episodes (the stop rule's window)
         self._recent: deque[bool] = deque(maxlen=cfg.prompts_per_step * cfg.n_samples_per_prompt)
-        self._dropped_since_step: list[Trajectory] = []
+        self._dropped_since_step: list[_Group] = []  # dropped as stale since the last step
         self._failure: TrainingError | None = None
         self._start_step = start_step
         self.last_checkpoint_step: int | None = None
@@ -326,7 +326,7 @@ class AsyncTrainingLoop:
                 stale = [g for g in self.ready if self._stale(g)]
                 if stale:
                     self.counters["dropped_stale"] += len(stale)
-                    self._dropped_since_step.extend(t for g in stale for t in g.trajs)
+                    self._dropped_since_step.extend(stale)
                     self._check_not_stuck(stale)
                     log.warning("dropping %d group(s) older than %d versions; prompts re-queued",
                                 len(stale), self.cfg.max_staleness)
@@ -349,7 +349,7 @@ class AsyncTrainingLoop:
         Raises:
             TrainingError: the engine's policy version lags the learner's.
         """
-        groups_since = len({id(t) for t in self._dropped_since_step}) // max(self.cfg.n_samples_per_prompt, 1)
+        groups_since = len(self._dropped_since_step)
         if groups_since > 2 * (self.cfg.max_staleness + 1) * self.cfg.prompts_per_step:
             oldest = min(t.min_version() for g in stale for t in g.trajs if t.min_version() is not None)
             raise TrainingError(
@@ -423,7 +423,7 @@ class AsyncTrainingLoop:
                     dropped, self._dropped_since_step = self._dropped_since_step, []
                     self._cond.notify_all()
                 metrics.update(self._rollout_metrics(trajs))
-                metrics.update(self._dropped_metrics(dropped))
+                metrics.update(self._dropped_metrics([t for g in dropped for t in g.trajs]))
                 metrics.update({"perf/wait_for_rollouts_s": wait_s,
                                 "perf/weight_sync_s": time.perf_counter() - t_sync,
                                 "rollout/in_flight": float(len(self.in_flight)),
