@@ -22,7 +22,7 @@ import numpy as np
 
 from .checkpoint import CheckpointManager, rng_state
 from .config import ConfigError, ExperimentConfig
-from .context import RunContext, build_context, initial_model_dir
+from .context import RunContext, build_context, checkpoint_policy_weights, initial_model_dir
 from .engines import ENGINES, EngineHandle, EngineSpec, make_engine
 from .engines.base import SamplingParams
 from .metrics_log import write_summary
@@ -174,7 +174,6 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     Raises:
         ConfigError: no model to evaluate, or a bad ``--checkpoint``.
     """
-    from .learner import make_learner
     from .models.loading import load_tokenizer
     from .tasks import build_task
 
@@ -201,19 +200,8 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     print(f"copc eval: evaluating {path}")
     weights, model_dir = None, path
     if not (path / "config.json").exists():  # a training checkpoint directory
-        try:
-            state = CheckpointManager(path.parent, 1).load(path)
-        except (FileNotFoundError, ValueError) as e:
-            state, why = None, f" ({e})"
-        else:
-            why = ""
-        if state is None:
-            raise ConfigError(f"--checkpoint={str(path)!r}: neither a model directory (config.json) nor a "
-                              f"complete training checkpoint{why}")
         model_dir = ws if (ws / "config.json").exists() else initial_model_dir(cfg, out)
-        learner = make_learner(cfg, model_dir)
-        learner.load_state_dict(state["learner"])
-        weights = dict(learner.export_policy_weights())
+        weights = checkpoint_policy_weights(cfg, path, model_dir)
     task = build_task(cfg)
     try:
         res = asyncio.run(_standalone_eval(cfg, model_dir, load_tokenizer(model_dir), weights, task, out))

@@ -57,8 +57,7 @@ def _policy(args: argparse.Namespace, cfg: Any) -> tuple[Path, Any]:
         if not (path / "config.json").is_file():
             raise _fail("--model", args.model, "not a save_pretrained directory (no config.json)")
         return path, None
-    from ..checkpoint import CheckpointManager
-    from ..learner import make_learner
+    from ..context import checkpoint_policy_weights
 
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
@@ -73,13 +72,7 @@ def _policy(args: argparse.Namespace, cfg: Any) -> tuple[Path, Any]:
     if model_dir is None:
         raise _fail("--checkpoint", args.checkpoint, f"no model architecture next to it ({run_dir}/"
                     "warm_start_model or init_model) and no model.path")
-    try:
-        state = CheckpointManager(ckpt.parent, 1).load(ckpt)
-    except (FileNotFoundError, ValueError) as e:
-        raise _fail("--checkpoint", args.checkpoint, f"not a complete training checkpoint ({e})") from None
-    learner = make_learner(cfg, model_dir)
-    learner.load_state_dict(state["learner"])
-    return model_dir, dict(learner.export_policy_weights())
+    return model_dir, checkpoint_policy_weights(cfg, ckpt, model_dir)
 
 
 def _experiment_config(args: argparse.Namespace) -> Any:
