@@ -7,6 +7,7 @@ response tokens plus a ``loss_mask`` (1 = action token, 0 = observation/padding)
 from .advantages import clipped_ratio, coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import LOSS_AGG_MODES, Denominators, aggregate_loss, batch_denominators
 from .analysis import TabularMDP, corrected_return_operator, solve_value, target_policy
+from .coupling import CouplingGrid, CouplingTerms, coordination_reversal, coupling_grid, coupling_terms
 from .margins import margins
 from .metrics import advantage_channel_metrics, interval_fractions, ratio_statistics, staleness_metrics
 from .outcome import (
@@ -26,6 +27,7 @@ from .policy_losses import (
 from .presets import PRESET_NAMES, AlgorithmConfig, get_preset
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry
 from .registry import AdvantageInputs, PolicyLossInputs, compute_advantages, compute_policy_loss
+from .token_tree import TokenTree
 from .value_loss import value_loss
 
 __all__ = [
@@ -35,10 +37,13 @@ __all__ = [
     "PRESET_NAMES",
     "AdvantageInputs",
     "AlgorithmConfig",
+    "CouplingGrid",
+    "CouplingTerms",
     "Denominators",
     "PolicyLossInputs",
     "Registry",
     "TabularMDP",
+    "TokenTree",
     "advantage_channel_metrics",
     "aggregate_loss",
     "batch_denominators",
@@ -47,8 +52,11 @@ __all__ = [
     "clipped_ratio",
     "compute_advantages",
     "compute_policy_loss",
+    "coordination_reversal",
     "corrected_return_operator",
     "coupled_advantage_return",
+    "coupling_grid",
+    "coupling_terms",
     "decoupled_ppo_policy_loss",
     "dis_policy_loss",
     "gae_advantage_return",

@@ -44,6 +44,8 @@ GROUPS: tuple[Group, ...] = (
     Group("eval", "evaluate: copc eval --model DIR|--checkpoint DIR|--endpoint URL --benchmarks nq,aime2025 "
           "[--k N] [--out DIR] [--resume], or a run: copc eval --config PATH [--checkpoint DIR]",
           "trainer.cli_train"),
+    Group("analyze", "exact Prop. 2-3 bias/variance/MSE grid on a token tree (--out DIR)", "trainer.analyze"),
+    Group("sweep", "grid of runs + heatmaps: copc sweep --config C --grid k=v1,v2", "trainer.sweep.command"),
 )
 
 

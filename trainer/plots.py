@@ -16,6 +16,13 @@ masked_fraction.png   fraction of tokens masked by each channel vs step: ``actor
                       ``advantage/clipped_frac`` and any other ``*masked_frac`` / ``*clipped_frac``
 ratio.png             importance-ratio statistics vs step: ``actor/ratio_mean``, ``_max``, ``_min``
 value_loss.png        ``critic/value_loss`` vs step
+diagnostics.png       off-policy diagnostics vs step, one panel per group present:
+                      (1) fraction masked/clipped below and above each channel's interval
+                      (``diag/policy_masked_{low,high}_frac``, else ``actor/dis_masked_*``;
+                      ``advantage/clipped_{low,high}_frac``); (2) Kish ESS/N per channel
+                      (``diag/policy_ess_frac``, ``diag/advantage_ess_frac``); (3) mean |log ρ|
+                      per staleness level (``diag/abs_log_ratio_s<k>``, one curve per k);
+                      (4) critic value bias, |bias| and drift (``critic/value_bias*``)
 ===================== ===================================================================
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, so no global figure
@@ -31,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -40,6 +48,12 @@ _MASK_RE = re.compile(r"(masked_frac|clipped_frac)$")
 _HIST_KEY_RE = re.compile(r"^staleness/hist_(\d+)$")
 MASK_KEYS = ("actor/dis_masked_frac", "advantage/clipped_frac")
 RATIO_KEYS = ("actor/ratio_mean", "actor/ratio_max", "actor/ratio_min")
+_ABS_LOG_RATIO_RE = re.compile(r"^diag/abs_log_ratio_s(\d+)$")
+POLICY_MASK_KEYS = ("diag/policy_masked_low_frac", "diag/policy_masked_high_frac")
+POLICY_MASK_FALLBACK = ("actor/dis_masked_low_frac", "actor/dis_masked_high_frac")
+ADVANTAGE_CLIP_KEYS = ("advantage/clipped_low_frac", "advantage/clipped_high_frac")
+ESS_KEYS = ("diag/policy_ess_frac", "diag/advantage_ess_frac")
+VALUE_BIAS_KEYS = ("critic/value_bias", "critic/value_bias_abs", "critic/value_bias_drift")
 
 
 def _is_number(v: Any) -> bool:
@@ -168,6 +182,43 @@ def _simple(
     return _save(fig, path)
 
 
+def _present(metrics: list[dict], keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if _keys(metrics, lambda q, k=k: q == k)]
+
+
+def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
+    """The off-policy diagnostics figure (module docstring, ``diagnostics.png``); None if no key."""
+    policy = _present(metrics, POLICY_MASK_KEYS) or _present(metrics, POLICY_MASK_FALLBACK)
+    level_keys = _keys(metrics, lambda q: bool(_ABS_LOG_RATIO_RE.match(q)))
+    level_keys.sort(key=lambda k: int(_ABS_LOG_RATIO_RE.match(k).group(1)))
+    panels = [
+        (policy + _present(metrics, ADVANTAGE_CLIP_KEYS), "fraction of action tokens",
+         "masked (policy) / clipped (advantage) below and above the interval"),
+        (_present(metrics, ESS_KEYS), "Kish ESS / N", "effective sample size of each channel's weights"),
+        (level_keys, "mean |log ρ|  (π_old vs µ)", "mean |log ρ| by staleness level k"),
+        (_present(metrics, VALUE_BIAS_KEYS), "V(first action) − return", "critic value bias and drift"),
+    ]
+    panels = [p for p in panels if p[0]]
+    if not panels:
+        return None
+    fig = Figure(figsize=(7, 3.2 * len(panels)))
+    for i, (keys, ylabel, title) in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, i + 1)
+        _line_plot(ax, metrics, keys, ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        if keys is not level_keys and "critic/value_bias" not in keys:  # fractions and ESS/N ∈ [0, 1]
+            ax.set_ylim(-0.02, 1.05 if any("ess_frac" in k for k in keys) else None)
+        if keys is level_keys and len(keys) > 1:  # staleness levels coloured along a colour map
+            cmap = matplotlib.colormaps["viridis"]
+            for j, line in enumerate(ax.get_lines()):
+                line.set_color(cmap(j / (len(keys) - 1)))
+            ax.legend(fontsize=8)
+        if "critic/value_bias" in keys:
+            ax.axhline(0.0, color="gray", linewidth=0.8)
+    return _save(fig, path)
+
+
 def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
     """Write the PNG plots of a run (see the module docstring) into ``output_dir``.
 
@@ -216,5 +267,6 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
             log_if_positive=True,
         ),
         _simple(metrics, out / "value_loss.png", value, "value loss", "critic value loss"),
+        _plot_diagnostics(metrics, out / "diagnostics.png"),
     ]
     return [p for p in written if p is not None]

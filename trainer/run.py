@@ -147,17 +147,20 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
         await handle.sync(lrn.export_policy_weights(), version)
 
     loop_cfg, sampling, agent_cfg = LoopConfig.from_config(cfg), rollout_sampling(cfg), ctx.agent_config()
+    history = (ctx.resume_state or {}).get("loop", {}).get("weight_history")  # fixed lag's kept versions
     if cfg.launcher.kind == "ray":  # rollout workers + learner as Ray actors (same loop semantics)
         from .orchestration.ray_launcher import run_ray_rl
         with progress:
             loop = await run_ray_rl(cfg, learner, ctx.model_dir, ctx.task, ctx.tokenizer, ctx.prompts,
                                     sampling, agent_cfg, loop_cfg, start_step=ctx.start_step,
-                                    on_step=on_step, on_checkpoint=on_checkpoint, counters=ctx.counters)
+                                    on_step=on_step, on_checkpoint=on_checkpoint, counters=ctx.counters,
+                                    weight_history=history)
         await sync(learner, loop.version)  # the driver's engine (evaluation) gets the final weights
     else:
         loop = AsyncTrainingLoop(learner, handle.engine, ctx.task.make_env, ctx.tokenizer, ctx.prompts,
                                  sampling, agent_cfg, loop_cfg, on_step=on_step, on_checkpoint=on_checkpoint,
-                                 start_step=ctx.start_step, sync_weights=sync, counters=ctx.counters)
+                                 start_step=ctx.start_step, sync_weights=sync, counters=ctx.counters,
+                                 weight_history=history)
         with progress:
             await loop.run()
     return {"rl_wall_s": time.time() - t0, "steps": loop.step, **loop.counters,  # cumulative (COUNTERS)

@@ -26,10 +26,20 @@ from dataclasses import dataclass
 import torch
 
 import copc
+from copc.metrics import (
+    abs_log_ratio_by_staleness,
+    advantage_channel_ess,
+    ema_drift,
+    policy_channel_diagnostics,
+    value_bias_metrics,
+)
 
 from ..rollout.batch import RolloutBatch
 
 Tensor = torch.Tensor
+
+#: EMA decay of the value-bias drift probe (:class:`ValueBiasTracker`).
+VALUE_BIAS_EMA_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,47 @@ class MetricAccumulator:
         return out
 
 
+class ValueBiasTracker:
+    """Drift of the critic's start-of-episode bias: ``critic/value_bias`` minus its EMA.
+
+    ``critic/value_bias_drift = bias − EMA(previous steps' bias)`` (0 at the first step), then the
+    EMA (decay :data:`VALUE_BIAS_EMA_DECAY`) takes in this step's bias (:func:`copc.metrics.ema_drift`).
+    The EMA is learner state: :meth:`state_dict` goes into the learner's checkpoint.
+
+    Args:
+        decay: EMA decay in [0, 1).
+    """
+
+    def __init__(self, decay: float = VALUE_BIAS_EMA_DECAY) -> None:
+        ema_drift(0.0, None, decay)  # validates decay
+        self.decay = decay
+        self.ema: float | None = None
+
+    def update(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``{"critic/value_bias_drift": d}`` from ``metrics["critic/value_bias"]`` (advancing the EMA);
+        ``{}`` (EMA unchanged) when the step has no bias (no critic or no episode)."""
+        if "critic/value_bias" not in metrics:
+            return {}
+        drift, self.ema = ema_drift(metrics["critic/value_bias"], self.ema, self.decay)
+        return {"critic/value_bias_drift": drift}
+
+    def state_dict(self) -> dict[str, float | None]:
+        """``{"value_bias_ema": float | None}`` (None before the first step with a bias)."""
+        return {"value_bias_ema": self.ema}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: ``state`` is not a dict with ``value_bias_ema`` a number or None.
+        """
+        ema = state.get("value_bias_ema", "missing") if isinstance(state, dict) else "missing"
+        if ema is not None and (isinstance(ema, bool) or not isinstance(ema, int | float)):
+            raise ValueError("value-bias state must be {'value_bias_ema': float | None}, "
+                             f"got {state!r:.100}")
+        self.ema = None if ema is None else float(ema)
+
+
 class ActorCriticAlgorithm:
     """The algorithm part of a learner step, configured by a :class:`copc.AlgorithmConfig`.
 
@@ -128,6 +179,7 @@ class ActorCriticAlgorithm:
                              f"{micro_batch_size!r} must be >= 1")
         self.algo, self.num_mini_batches, self.micro_batch_size = algo, num_mini_batches, micro_batch_size
         self.critic_warmup_steps, self.seed = critic_warmup_steps, seed
+        self.value_bias = ValueBiasTracker()
 
     def advantages(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
                    version: int) -> tuple[StepInputs, dict[str, float]]:
@@ -140,8 +192,10 @@ class ActorCriticAlgorithm:
             version: the learner's policy version before this update (staleness reference).
 
         Returns:
-            ``(StepInputs, metrics)``; metrics: advantage-channel clip fractions, staleness,
+            ``(StepInputs, metrics)``; metrics: :meth:`off_policy_diagnostics`,
             ``advantage/mean``, ``advantage/returns_mean``, ``perf/advantage_s``.
+
+        Call it once per learner step: it advances the value-bias EMA (:class:`ValueBiasTracker`).
         """
         algo, mask = self.algo, batch.loss_mask
         t0 = time.perf_counter()
@@ -149,9 +203,7 @@ class ActorCriticAlgorithm:
             rewards=batch.rewards, loss_mask=mask, values=values_old, logp_old=logp_old,
             logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), algo)
         metrics: dict[str, float] = {"perf/advantage_s": time.perf_counter() - t0}
-        low_a, high_a = copc.margins(algo.eta_a, algo.eps_low, algo.eps_high)
-        metrics.update(copc.advantage_channel_metrics(logp_old, batch.logp_mu, mask, low_a, high_a))
-        metrics.update(copc.staleness_metrics(batch.versions, version, mask))
+        metrics.update(self.off_policy_diagnostics(batch, logp_old, values_old, version))
         m = mask.bool()
         metrics["advantage/mean"] = float(adv[m].mean()) if m.any() else 0.0
         metrics["advantage/returns_mean"] = float(returns[m].mean()) if m.any() else 0.0
@@ -197,3 +249,51 @@ class ActorCriticAlgorithm:
                                     clip_eps=self.algo.value_clip_eps,
                                     loss_agg_mode=self.algo.value_loss_agg_mode, denominators=den)
         return loss, {**met, "critic/value_loss": float(loss.detach())}
+
+    # -- per-step off-policy diagnostics (kept apart from the loss/estimator code) -----------
+    def policy_channel_interval(self) -> tuple[float, float] | None:
+        """(ℓ_P, u_P) of the DIS policy channel, or None when the preset's loss has none (not ``dis``)."""
+        a = self.algo
+        return copc.margins(a.eta_p, a.eps_low, a.eps_high) if a.policy_loss == "dis" else None
+
+    def advantage_channel_interval(self) -> tuple[float, float] | None:
+        """(ℓ_A, u_A) of the clipped-ratio advantage channel, or None when the preset's estimator
+        has none (not ``copc``; ``copc_wo_rc`` has it with η_A = 0, i.e. ρ̄ ≡ 1)."""
+        a = self.algo
+        return copc.margins(a.eta_a, a.eps_low, a.eps_high) if a.advantage_estimator == "copc" else None
+
+    def off_policy_diagnostics(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
+                               version: int) -> dict[str, float]:
+        """The step's staleness / off-policy diagnostics (all from the weights before the update).
+
+        * ``advantage/ratio_*``: statistics of ``π_old/µ`` (every preset); with an advantage
+          channel also ``advantage/clipped_{,low_,high_}frac`` and ``diag/advantage_ess_frac``;
+        * with a policy channel: ``diag/policy_masked_{,low_,high_}frac``, ``diag/policy_ess_frac``;
+        * ``staleness/mean|max|min`` and ``diag/abs_log_ratio_s{k}`` per staleness level k;
+        * with a critic: ``critic/value_bias``, ``critic/value_bias_abs``,
+          ``critic/value_bias_drift`` (advances :attr:`value_bias`).
+
+        Args:
+            batch: the rollout batch (loss mask, behavior log-probs, token versions, rewards).
+            logp_old: ``(B, T)`` proximal-policy log-probs. values_old: ``(B, T)`` or None.
+            version: the learner's policy version before this update.
+
+        Raises:
+            ValueError: a token version newer than ``version``, or bad shapes.
+        """
+        mask, mu = batch.loss_mask, batch.logp_mu
+        adv_iv, pol_iv = self.advantage_channel_interval(), self.policy_channel_interval()
+        if adv_iv is not None:
+            out = copc.advantage_channel_metrics(logp_old, mu, mask, *adv_iv)
+            out.update(advantage_channel_ess(logp_old, mu, mask, *adv_iv))
+        else:
+            m = mask.bool()
+            out = copc.ratio_statistics(torch.where(m, logp_old - mu, 0.0), m, "advantage")
+        if pol_iv is not None:
+            out.update(policy_channel_diagnostics(logp_old, mu, mask, *pol_iv))
+        out.update(copc.staleness_metrics(batch.versions, version, mask))
+        out.update(abs_log_ratio_by_staleness(logp_old, mu, batch.versions, version, mask))
+        if values_old is not None:
+            out.update(value_bias_metrics(values_old, batch.rewards, mask, self.algo.gamma))
+            out.update(self.value_bias.update(out))
+        return out

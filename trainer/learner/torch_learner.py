@@ -127,20 +127,24 @@ class TorchLearner:
         yield from self.actor.state_dict().items()
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: models, optimizers, schedulers, step counter."""
+        """Everything needed to resume: models, optimizers, schedulers, step counter, and the
+        diagnostics' state (``diagnostics``: the value-bias EMA, :class:`~.algorithm.ValueBiasTracker`)."""
         out = {"actor": self.actor.state_dict(), "actor_opt": self.actor_opt.state_dict(),
-               "actor_sched": self.actor_sched.state_dict(), "steps_done": self.steps_done}
+               "actor_sched": self.actor_sched.state_dict(), "steps_done": self.steps_done,
+               "diagnostics": self.algorithm.value_bias.state_dict()}
         if self.critic is not None:
             out.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict(),
                        critic_sched=self.critic_sched.state_dict())
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (a checkpoint from before ``diagnostics`` existed
+        loads too: the value-bias EMA then restarts, drift 0 at the next step)."""
         self.actor.load_state_dict(state["actor"])
         self.actor_opt.load_state_dict(state["actor_opt"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         self.steps_done = int(state["steps_done"])
+        self.algorithm.value_bias.load_state_dict(state.get("diagnostics", {"value_bias_ema": None}))
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_opt.load_state_dict(state["critic_opt"])

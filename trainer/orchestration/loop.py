@@ -9,6 +9,14 @@ counted in ``rollout/dropped_stale`` and its prompt re-queued, never silently lo
 ``s = 0`` is synchronous on-policy training. Weights are synced to the engine after
 every step (the engine swaps them between decode rounds).
 
+Fixed lag (``staleness_mode="fixed"``, lag ``k``): batches are generated in order, batch ``n``
+entirely by policy version ``max(n − k, 0)`` (kept in a :class:`~.lag.WeightHistory`; the engine
+is synced to that version before the batch starts and never changes weights inside it), so the
+staleness of every token trained at step ``n ≥ k`` is exactly ``k`` — an experimental condition
+independent of machine speed. With ``k ≥ 1`` generating batch ``n + 1`` overlaps training step
+``n``; ``k = 0`` is synchronous training, step for step the same as bounded mode with ``s = 0``.
+Batches are ordered by prompt draw in both modes (reproducible, whatever the completion order).
+
 Failures never hang the run and never become rewards:
 
 * an episode ended by an infrastructure failure (:attr:`Trajectory.infra_failed`: the
@@ -47,7 +55,10 @@ from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.batch import to_batch
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
+from .fixed_lag import FixedLagScheduling
+from .lag import WeightHistory
 from .prompts import PromptStream
+from .step_metrics import dropped_metrics, rollout_metrics
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +104,8 @@ class LoopConfig:
         max_infra_failure_fraction: stop the run when more than this fraction of a step's
             episodes (``prompts_per_step × n_samples_per_prompt``) ended by an infrastructure
             failure since the previous step (0: stop at the first one).
+        staleness_mode: ``bounded`` (``max_staleness`` is a bound) or ``fixed`` (exact lag).
+        fixed_lag: ``k`` of fixed mode (``max_staleness`` must equal it there).
     """
 
     total_steps: int
@@ -102,6 +115,8 @@ class LoopConfig:
     concurrency: int
     checkpoint_every: int = 10
     max_infra_failure_fraction: float = 0.5
+    staleness_mode: str = "bounded"
+    fixed_lag: int = 0
 
     @classmethod
     def from_config(cls, exp: Any) -> LoopConfig:
@@ -109,22 +124,35 @@ class LoopConfig:
         return cls(total_steps=exp.train.total_steps, prompts_per_step=exp.train.prompts_per_step,
                    n_samples_per_prompt=exp.rollout.n_samples_per_prompt, max_staleness=exp.max_staleness,
                    concurrency=exp.rollout.concurrency, checkpoint_every=exp.checkpoint.every_steps,
-                   max_infra_failure_fraction=exp.train.max_infra_failure_fraction)
+                   max_infra_failure_fraction=exp.train.max_infra_failure_fraction,
+                   staleness_mode=exp.train.staleness_mode, fixed_lag=exp.train.fixed_lag)
 
     def __post_init__(self) -> None:
-        """Validate the failure threshold."""
+        """Validate the failure threshold and the staleness mode."""
         if not 0.0 <= self.max_infra_failure_fraction <= 1.0:
             raise ValueError("LoopConfig.max_infra_failure_fraction="
                              f"{self.max_infra_failure_fraction!r}: must be in [0, 1]")
+        if self.staleness_mode not in ("bounded", "fixed"):
+            raise ValueError(f"LoopConfig.staleness_mode={self.staleness_mode!r}: must be 'bounded' or "
+                             "'fixed'")
+        if self.staleness_mode == "fixed" and not 0 <= self.fixed_lag == self.max_staleness:
+            raise ValueError(f"LoopConfig.fixed_lag={self.fixed_lag!r}: must be >= 0 and equal max_staleness="
+                             f"{self.max_staleness!r} in fixed mode")
+
+    @property
+    def fixed(self) -> bool:
+        """Whether staleness is a fixed lag (``staleness_mode == "fixed"``)."""
+        return self.staleness_mode == "fixed"
 
 
 @dataclass
 class _Group:
     uid: int
     trajs: list[Trajectory] = field(default_factory=list)
+    batch: int = -1  # fixed lag: the step this group is generated for
 
 
-class AsyncTrainingLoop:
+class AsyncTrainingLoop(FixedLagScheduling):
     """Runs rollout producers and the learner concurrently in one process.
 
     Args:
@@ -152,6 +180,11 @@ class AsyncTrainingLoop:
             equals ``learner.policy_version``).
         counters: cumulative counters saved in a checkpoint's ``loop_state()["counters"]``
             (resume); missing ones start at 0.
+        snapshot_weights: ``async f(version) -> (name, tensor) pairs``, the learner's current
+            policy weights (fixed lag only; default ``learner.export_policy_weights()``; the Ray
+            launcher pulls them from its learner actor). In fixed mode ``sync_weights`` receives a
+            :class:`~.lag.WeightSnapshot` (same ``export_policy_weights()``) instead of the learner.
+        weight_history: a checkpoint's ``loop_state()["weight_history"]`` (fixed lag resume).
 
     Raises (from :meth:`run`):
         TrainingError: a rollout task raised, or too many infrastructure failures.
@@ -168,7 +201,9 @@ class AsyncTrainingLoop:
                  sync_weights: Callable[[Any, int], Awaitable[None]] | None = None,
                  run_group: GroupRunner | None = None,
                  learner_step: Callable[[Any, int], Awaitable[dict]] | None = None,
-                 counters: Mapping[str, int] | None = None) -> None:
+                 counters: Mapping[str, int] | None = None,
+                 snapshot_weights: Callable[[int], Awaitable[Any]] | None = None,
+                 weight_history: Mapping[int, Any] | None = None) -> None:
         self.learner, self.engine, self.make_env, self.tok = learner, engine, make_env, tokenizer
         self.prompts, self.sampling, self.agent_cfg, self.cfg = prompts, sampling, agent_cfg, cfg
         self.on_step, self.on_checkpoint = on_step, on_checkpoint
@@ -196,6 +231,14 @@ class AsyncTrainingLoop:
         self.last_checkpoint_step: int | None = None
         self._cond = asyncio.Condition()
         self._stop = False
+        self.snapshot_weights = snapshot_weights or self._export_current
+        self.history = WeightHistory(cfg.fixed_lag if cfg.fixed else 0)
+        if weight_history:
+            self.history.load_state_dict(dict(weight_history))
+        self._engine_version = start_step  # the engine starts with the learner's weights
+        self._pending: dict[int, int] = {}  # fixed lag: running prompt draw -> its batch
+        self._batch_ready: dict[int, int] = {}  # fixed lag: batch -> groups ready for it
+        self._batch_version: dict[int, int] = {}  # fixed lag: batch -> version generating it
 
     @property
     def dropped_stale(self) -> int:
@@ -209,6 +252,9 @@ class AsyncTrainingLoop:
 
     async def _sync_engine(self, learner: Learner, version: int) -> None:
         await self.engine.update_weights(dict(learner.export_policy_weights()), version)
+
+    async def _export_current(self, version: int) -> Any:
+        return self.learner.export_policy_weights()
 
     # -- producers -----------------------------------------------------------------------------
     def _may_admit(self) -> bool:
@@ -250,11 +296,13 @@ class AsyncTrainingLoop:
             return
         failed = [t for t in trajs if t.infra_failed]
         async with self._cond:
+            batch = self._pending.pop(uid, -1)
             self.counters["episodes"] += len(trajs)
             self.counters["tokens_generated"] += sum(t.num_model_tokens for t in trajs)
             self._recent.extend(t.infra_failed for t in trajs)
             if not failed:
-                self.ready.append(_Group(uid, list(trajs)))
+                self.ready.append(_Group(uid, list(trajs), batch))
+                self._batch_ready[batch] = self._batch_ready.get(batch, 0) + 1
                 self._cond.notify_all()
                 return
             # an infrastructure failure is not a wrong answer: the group is not trained on
@@ -292,8 +340,16 @@ class AsyncTrainingLoop:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _launch(self, tasks: set[asyncio.Task], uid: int) -> None:
+        t = asyncio.create_task(self._run_group(uid))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
     async def _admit(self, tasks: set[asyncio.Task]) -> None:
         """Admit prompt groups while the staleness bound allows and start their rollouts."""
+        if self.cfg.fixed:
+            await self._admit_fixed(tasks)
+            return
         while not self._stop:
             async with self._cond:
                 await self._cond.wait_for(lambda: self._stop or self._may_admit())
@@ -301,9 +357,7 @@ class AsyncTrainingLoop:
                     break
                 uid = self.prompts.next()
                 self.in_flight.add(uid)
-            t = asyncio.create_task(self._run_group(uid))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            self._launch(tasks, uid)
 
     # -- learner -------------------------------------------------------------------------------
     def _stale(self, g: _Group) -> bool:
@@ -317,6 +371,8 @@ class AsyncTrainingLoop:
             TrainingError: a rollout task failed (see :meth:`_fail`).
         """
         need = self.cfg.prompts_per_step
+        if self.cfg.fixed:
+            return await self._take_fixed_batch()
         async with self._cond:
             while True:
                 await self._cond.wait_for(lambda: self._failure is not None or len(self.ready) >= need)
@@ -337,7 +393,7 @@ class AsyncTrainingLoop:
                 self.ready = fresh
                 if len(self.ready) >= need:
                     batch, self.ready = self.ready[:need], self.ready[need:]
-                    return batch
+                    return sorted(batch, key=lambda g: g.uid)
 
     def _check_not_stuck(self, stale: list[_Group]) -> None:
         """Fail instead of spinning when rollouts stay too stale without any step in between.
@@ -361,8 +417,11 @@ class AsyncTrainingLoop:
     def loop_state(self) -> dict:
         """Resumable state: prompt stream (admitted-but-untrained prompts re-queued), step,
         version and the cumulative :data:`COUNTERS` (``"counters"``)."""
-        return {"prompts": self.prompts.state_dict(sorted(self.in_flight)), "step": self.step,
-                "version": self.version, "counters": dict(self.counters)}
+        state = {"prompts": self.prompts.state_dict(sorted(self.in_flight)), "step": self.step,
+                 "version": self.version, "counters": dict(self.counters)}
+        if self.cfg.fixed:
+            state["weight_history"] = self.history.state_dict()
+        return state
 
     def _save_checkpoint(self) -> None:
         if self.on_checkpoint is not None:
@@ -389,6 +448,8 @@ class AsyncTrainingLoop:
             TrainingError: a rollout task raised, or too many infrastructure failures; the
                 state after the last finished step is checkpointed first.
         """
+        if self.cfg.fixed and self.version not in self.history:
+            self.history.add(self.version, await self.snapshot_weights(self.version))
         producer = asyncio.create_task(self._producer())
         try:
             while self.step < self.cfg.total_steps:
@@ -409,10 +470,14 @@ class AsyncTrainingLoop:
                         f"the last checkpoint is step {self.last_checkpoint_step} (continue with --resume)"
                     raise TrainingError(f"learner step {self.step + 1} failed: {type(e).__name__}: {e}; "
                                         f"{last}") from e
+                t_sync = time.perf_counter()
+                if self.cfg.fixed:  # kept for the producer, which syncs the engine per batch; kept
+                    # before the version moves, so a version the producer sees is always kept
+                    self.history.add(self.version + 1, await self.snapshot_weights(self.version + 1))
                 self.version += 1
                 self.step += 1
-                t_sync = time.perf_counter()
-                await self.sync_weights(self.learner, self.version)
+                if not self.cfg.fixed:
+                    await self.sync_weights(self.learner, self.version)
                 uids = [g.uid for g in groups]
                 async with self._cond:
                     for u in uids:
@@ -422,8 +487,8 @@ class AsyncTrainingLoop:
                     infra_step, self._infra_since_step = self._infra_since_step, 0
                     dropped, self._dropped_since_step = self._dropped_since_step, []
                     self._cond.notify_all()
-                metrics.update(self._rollout_metrics(trajs))
-                metrics.update(self._dropped_metrics([t for g in dropped for t in g.trajs]))
+                metrics.update(rollout_metrics(trajs, self.version))
+                metrics.update(dropped_metrics([t for g in dropped for t in g.trajs]))
                 metrics.update({"perf/wait_for_rollouts_s": wait_s,
                                 "perf/weight_sync_s": time.perf_counter() - t_sync,
                                 "rollout/in_flight": float(len(self.in_flight)),
@@ -441,36 +506,9 @@ class AsyncTrainingLoop:
             await producer
             if self._pool is not None:
                 await self._pool.close()
-
-    @staticmethod
-    def _dropped_metrics(dropped: list[Trajectory]) -> dict[str, float]:
-        """Mean response length (model tokens) and reward of the groups dropped as stale since
-        the last step, next to the trained ones' ``rollout/model_tokens`` / ``reward_mean`` (a
-        length bias from dropping is visible). Empty when nothing was dropped."""
-        if not dropped:
-            return {}
-        n = len(dropped)
-        return {"rollout/dropped_stale_len": sum(t.num_model_tokens for t in dropped) / n,
-                "rollout/dropped_stale_reward": sum(t.reward for t in dropped) / n}
-
-    def _rollout_metrics(self, trajs: list[Trajectory]) -> dict[str, float]:
-        n = len(trajs)
-        rewards = [t.reward for t in trajs]
-        reasons: dict[str, int] = {}
-        for t in trajs:
-            key = t.finish_reason.split(":")[0]
-            reasons[key] = reasons.get(key, 0) + 1
-        vers = [v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
-        out = {"rollout/reward_mean": sum(rewards) / n,
-               "rollout/accuracy": sum(r > 0.5 for r in rewards) / n,
-               "rollout/response_tokens": sum(len(t.response_ids) for t in trajs) / n,
-               "rollout/model_tokens": sum(t.num_model_tokens for t in trajs) / n,
-               "rollout/turns": sum(t.turns for t in trajs) / n,
-               "rollout/episodes": float(n)}
-        out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
-        if vers:
-            out["staleness/per_token"] = [self.version - 1 - v for v in vers]  # type: ignore[assignment]
-        return out
+        if self.cfg.fixed and self._engine_version != self.version:  # the engine ends on the newest
+            await self.sync_weights(self.history.get(self.version), self.version)
+            self._engine_version = self.version
 
 
 def make_loop_config(exp: Any, algo: copc.AlgorithmConfig | None = None) -> LoopConfig:

@@ -185,7 +185,8 @@ class RayTrainer:
         env_factory: how each worker builds environments (default: the task of ``exp_cfg``).
         num_workers: rollout worker actors.
         start_step: steps already done (resume); also the workers' initial policy version.
-        on_step / on_checkpoint / counters: as for :class:`AsyncTrainingLoop`.
+        on_step / on_checkpoint / counters / weight_history: as for :class:`AsyncTrainingLoop`
+            (fixed lag: snapshots of the learner actor's weights are kept by the driver).
         worker_options / learner_options: Ray actor options (``num_cpus``, ``num_gpus``, ...).
 
     Raises:
@@ -197,7 +198,8 @@ class RayTrainer:
                  loop_cfg: LoopConfig, *, env_factory: Callable[[], Any] | None = None, num_workers: int = 1,
                  start_step: int = 0, on_step: Callable[[int, dict, list[int]], None] | None = None,
                  on_checkpoint: Callable[[int, dict], None] | None = None, worker_options: dict | None = None,
-                 learner_options: dict | None = None, counters: Mapping[str, int] | None = None) -> None:
+                 learner_options: dict | None = None, counters: Mapping[str, int] | None = None,
+                 weight_history: Mapping[int, Any] | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"launcher.num_rollout_workers={num_workers!r}: must be >= 1")
         self.exp_cfg, self.learner, self.model_dir, self.tok = exp_cfg, learner, str(model_dir), tokenizer
@@ -206,6 +208,7 @@ class RayTrainer:
         self.start_step, self.on_step, self.on_checkpoint = start_step, on_step, on_checkpoint
         self.worker_options, self.learner_options = dict(worker_options or {}), dict(learner_options or {})
         self.counters = dict(counters or {})
+        self.weight_history = weight_history
         self.workers: list[Any] = []
         self.learner_actor: Any = None
         self.loop: AsyncTrainingLoop | None = None
@@ -229,9 +232,19 @@ class RayTrainer:
     async def _learner_step(self, batch: Any, version: int) -> dict:
         return await self.learner_actor.step.remote(batch)
 
-    async def _sync_weights(self, _driver_learner: Any, version: int) -> None:
-        ref = self.learner_actor.policy_weights.remote()  # produced once, pulled by each worker
+    async def _sync_weights(self, source: Any, version: int) -> None:
+        """Push ``version`` to every worker: the learner actor's current weights when ``source``
+        is the driver's learner (bounded staleness), else ``source``'s (a fixed-lag snapshot)."""
+        import ray
+
+        if source is self.learner:
+            ref = self.learner_actor.policy_weights.remote()  # produced once, pulled by each worker
+        else:
+            ref = ray.put(dict(source.export_policy_weights()))
         await asyncio.gather(*(w.update_weights.remote(ref, version) for w in self.workers))
+
+    async def _snapshot_weights(self, version: int) -> Any:
+        return (await self.learner_actor.policy_weights.remote()).items()
 
     async def pull_learner_state(self) -> None:
         """Copy the learner actor's full state into the driver's learner."""
@@ -255,7 +268,8 @@ class RayTrainer:
             self.learner, None, None, self.tok, self.prompts, self.sampling, self.agent_cfg, self.loop_cfg,
             on_step=self.on_step, on_checkpoint=self._checkpoint, start_step=self.start_step,
             sync_weights=self._sync_weights, run_group=self._run_group, learner_step=self._learner_step,
-            counters=self.counters)
+            counters=self.counters, snapshot_weights=self._snapshot_weights,
+            weight_history=self.weight_history)
         await self.loop.run()
         await self.pull_learner_state()
         return self.loop
@@ -290,7 +304,8 @@ async def run_ray_rl(cfg: Any, learner: Learner, model_dir: str | Path, task: An
                      loop_cfg: LoopConfig, *, start_step: int = 0,
                      on_step: Callable[[int, dict, list[int]], None] | None = None,
                      on_checkpoint: Callable[[int, dict], None] | None = None,
-                     counters: Mapping[str, int] | None = None) -> AsyncTrainingLoop:
+                     counters: Mapping[str, int] | None = None,
+                     weight_history: Mapping[int, Any] | None = None) -> AsyncTrainingLoop:
     """The RL phase of ``copc train`` with ``launcher.kind=ray`` (used by :mod:`trainer.run`).
 
     Connects to ``launcher.ray_address`` (or starts a local cluster with ``launcher.ray_num_cpus``
@@ -305,7 +320,7 @@ async def run_ray_rl(cfg: Any, learner: Learner, model_dir: str | Path, task: An
     trainer = RayTrainer(worker_experiment_config(cfg, task), learner, model_dir, tokenizer, prompts,
                          sampling, agent_cfg, loop_cfg, num_workers=cfg.launcher.num_rollout_workers,
                          start_step=start_step, on_step=on_step, on_checkpoint=on_checkpoint,
-                         counters=counters)
+                         counters=counters, weight_history=weight_history)
     try:
         return await trainer.run()
     finally:

@@ -1,0 +1,182 @@
+"""Controlled staleness (``train.staleness_mode: fixed``): exact lag k on every token, k = 0 is
+synchronous training bit for bit, infrastructure failures refilled with the same lagged version,
+kept versions survive a resume.
+
+Real components: a tiny transformers model in the embedded engine, a pure-Python tool env (and
+the real math sandbox end to end), the real :class:`AsyncTrainingLoop` and :class:`TorchLearner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import copc
+from trainer.config import ConfigError, load_config
+from trainer.engines.base import SamplingParams
+from trainer.engines.embedded import EmbeddedEngine
+from trainer.learner.torch_learner import LearnerConfig, TorchLearner
+from trainer.models.loading import load_model_and_tokenizer
+from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.orchestration.lag import WeightHistory, generating_version
+from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig
+from trainer.orchestration.prompts import PromptStream
+from trainer.rollout.agent_loop import AgentLoopConfig
+from trainer.run import run_experiment
+
+from .test_loop_failures import FlakyEnv
+from .test_loop_learner import SAMPLES, EchoEnv
+from .test_run_e2e import overrides
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_lag"),
+                                    TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1)))
+
+
+def _run_fixed(path, k, *, steps=6, per_step=2, make_env=EchoEnv, learner_delay=0.0, history=None,
+               start_step=0, state=None):
+    actor, tok = load_model_and_tokenizer(path)
+    learner = TorchLearner(actor, copc.get_preset("copc"),
+                           LearnerConfig(actor_lr=1e-2, critic_lr=1e-3, micro_batch_size=4))
+    if state is not None:
+        learner.load_state_dict(state)
+    real_step = learner.step
+
+    def slow_step(batch):
+        time.sleep(learner_delay)
+        return real_step(batch)
+
+    learner.step = slow_step
+    seen: list[dict] = []
+    synced: list[int] = []
+
+    async def main():
+        eng = EmbeddedEngine(copy.deepcopy(actor), tok, version=start_step)
+
+        async def sync(source, version):
+            synced.append(version)
+            await eng.update_weights(dict(source.export_policy_weights()), version)
+
+        async def slow_snapshot(version):  # as a remote learner's: rollouts finish meanwhile
+            await asyncio.sleep(0.05)
+            return learner.export_policy_weights()
+
+        loop = AsyncTrainingLoop(
+            learner, eng, make_env, tok, PromptStream(SAMPLES, 0), SamplingParams(max_new_tokens=5, seed=0),
+            AgentLoopConfig(max_turns=1),
+            LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=1, max_staleness=k,
+                       concurrency=4, staleness_mode="fixed", fixed_lag=k),
+            on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}), sync_weights=sync,
+            start_step=start_step, weight_history=history, snapshot_weights=slow_snapshot)
+        try:
+            await asyncio.wait_for(loop.run(), 180)
+        finally:
+            await eng.close()
+        return loop, eng
+
+    loop, eng = asyncio.run(main())
+    return loop, eng, seen, synced
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_fixed_lag_gives_staleness_exactly_k_on_every_token(tiny, k):
+    # a slow learner: in bounded mode rollouts would run ahead by a machine-dependent amount
+    loop, eng, seen, synced = _run_fixed(tiny, k, learner_delay=0.2)
+    assert [m["step"] for m in seen] == [1, 2, 3, 4, 5, 6]
+    for m in seen:
+        n = m["step"] - 1  # the learner's policy version when it trained this batch
+        assert m["staleness/per_token"], "every batch has model tokens"
+        assert set(m["staleness/per_token"]) == {min(n, k)}, (n, k)
+    uids = [u for m in seen for u in m["uids"]]
+    assert len(uids) == len(set(uids)) == 12
+    assert loop.counters["episodes"] == 12  # nothing generated beyond the batches
+    for m in seen:
+        assert m["uids"] == sorted(m["uids"])  # batches ordered by prompt draw, not completion
+    # the engine was synced to each generating version once, in order, and to the newest at the end
+    assert synced == [*range(1, 6 - k), 6]
+    assert eng.version == 6 and loop.version == 6
+    assert loop.history.versions() == list(range(6 - k, 7))
+
+
+def test_fixed_lag_refills_infrastructure_failures_with_the_same_version(tiny):
+    stream = PromptStream(SAMPLES, 0)  # the loop draws prompts in this order
+    drawn = [stream.row(stream.next())["id"] for _ in range(5)]
+    fail = {drawn[0]: 1, drawn[4]: 2}  # the 1st and 5th drawn prompts fail once / twice before they run
+    loop, _eng, seen, _ = _run_fixed(tiny, 2, steps=4, make_env=lambda: FlakyEnv(fail, threading.Lock()))
+    assert [m["step"] for m in seen] == [1, 2, 3, 4]
+    for m in seen:
+        assert len(m["uids"]) == 2
+        assert set(m["staleness/per_token"]) == {min(m["step"] - 1, 2)}
+    assert loop.counters["infra_failed"] == 3 and set(fail.values()) == {0}
+    assert loop.counters["episodes"] == 8 + 3
+
+
+def test_fixed_lag_resume_keeps_the_exact_lag(tiny):
+    k = 2
+    loop, _, _seen, _ = _run_fixed(tiny, k, steps=3)
+    state = loop.loop_state()
+    assert sorted(state["weight_history"]) == [1, 2, 3]
+    # the kept versions are the weights the learner had at those versions: version 3 = now
+    now = dict(loop.learner.export_policy_weights())
+    assert all(torch.equal(now[n], state["weight_history"][3][n]) for n in now)
+    learner_state = loop.learner.state_dict()
+    _loop2, _, seen2, synced2 = _run_fixed(tiny, k, steps=5, start_step=3, state=learner_state,
+                                          history=state["weight_history"])
+    assert [m["step"] for m in seen2] == [4, 5]
+    assert all(set(m["staleness/per_token"]) == {k} for m in seen2)
+    assert synced2[0] == 1  # batch 3 is generated by version 1, restored from the checkpoint
+
+
+def test_weight_history_keeps_copies_not_views():
+    w = torch.zeros(3)
+    h = WeightHistory(1)
+    h.add(0, [("w", w)])
+    w += 1  # the learner's parameter changes after the snapshot
+    h.add(1, [("w", w)])
+    h.add(2, [("w", w + 1)])
+    assert h.versions() == [1, 2]
+    assert dict(h.get(1).export_policy_weights())["w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(KeyError, match="policy version 0 is not kept"):
+        h.get(0)
+    assert generating_version(5, 3) == 2 and generating_version(1, 3) == 0
+    with pytest.raises(ValueError, match="lag=-1"):
+        generating_version(1, -1)
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ConfigError, match=r"train\.staleness_mode='exact'"):
+        load_config(None, ["train.staleness_mode=exact"])
+    with pytest.raises(ConfigError, match=r"train\.fixed_lag=-1"):
+        load_config(None, ["train.fixed_lag=-1"])
+    with pytest.raises(ConfigError, match=r"train.fixed_lag=2: preset 'ppo' fixes staleness 0"):
+        load_config(None, ["preset=ppo", "train.staleness_mode=fixed", "train.fixed_lag=2"])
+    cfg = load_config(None, ["train.staleness_mode=fixed", "train.fixed_lag=5", "train.max_staleness=1"])
+    assert cfg.max_staleness == 5
+
+
+def _step_rows(path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k not in ("time", "wall_s")}
+            for r in rows if "actor/pg_loss" in r]
+
+
+@pytest.mark.slow
+def test_fixed_lag_zero_equals_synchronous_training_bit_for_bit(tmp_path):
+    """``fixed_lag: 0`` reproduces ``ppo_async`` with ``max_staleness: 0`` (same seeds → identical
+    metrics.jsonl apart from timings), through the whole ``copc train`` path and the real sandbox."""
+    runs = {}
+    for name, extra in (("bounded", {"train.max_staleness": "0"}),
+                        ("fixed", {"train.staleness_mode": "fixed", "train.fixed_lag": "0"})):
+        cfg = load_config(None, overrides(tmp_path / name, "ppo_async", steps=4, **extra))
+        run_experiment(cfg)
+        runs[name] = _step_rows(tmp_path / name / "metrics.jsonl")
+    assert len(runs["bounded"]) == 4
+    assert runs["bounded"] == runs["fixed"]

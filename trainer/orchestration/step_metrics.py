@@ -1,0 +1,51 @@
+"""Per-step rollout metrics of the training loop (``rollout/*``, ``staleness/per_token``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..rollout.trajectory import Trajectory
+
+
+def dropped_metrics(dropped: list[Trajectory]) -> dict[str, float]:
+    """Mean response length (model tokens) and reward of the groups dropped as stale since
+    the last step, next to the trained ones' ``rollout/model_tokens`` / ``reward_mean`` (a
+    length bias from dropping is visible). Empty when nothing was dropped."""
+    if not dropped:
+        return {}
+    n = len(dropped)
+    return {"rollout/dropped_stale_len": sum(t.num_model_tokens for t in dropped) / n,
+            "rollout/dropped_stale_reward": sum(t.reward for t in dropped) / n}
+
+
+def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
+    """Means over the step's trained episodes, and the staleness of every trained model token.
+
+    Args:
+        trajs: the step's trained episodes (non-empty).
+        version: the learner's policy version after the step (staleness is counted against the
+            version the step trained, ``version − 1``).
+
+    Returns:
+        ``rollout/reward_mean``, ``rollout/accuracy`` (reward > 0.5), ``rollout/response_tokens``,
+        ``rollout/model_tokens`` (tokens), ``rollout/turns``, ``rollout/episodes``,
+        ``rollout/finish_<reason>`` fractions, and ``staleness/per_token``: a list of ints, one per
+        loss-mask-1 token (policy versions behind), when any.
+    """
+    n = len(trajs)
+    rewards = [t.reward for t in trajs]
+    reasons: dict[str, int] = {}
+    for t in trajs:
+        key = t.finish_reason.split(":")[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    vers = [v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
+    out = {"rollout/reward_mean": sum(rewards) / n,
+           "rollout/accuracy": sum(r > 0.5 for r in rewards) / n,
+           "rollout/response_tokens": sum(len(t.response_ids) for t in trajs) / n,
+           "rollout/model_tokens": sum(t.num_model_tokens for t in trajs) / n,
+           "rollout/turns": sum(t.turns for t in trajs) / n,
+           "rollout/episodes": float(n)}
+    out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
+    if vers:
+        out["staleness/per_token"] = [version - 1 - v for v in vers]  # type: ignore[assignment]
+    return out
