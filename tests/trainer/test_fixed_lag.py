@@ -180,3 +180,19 @@ def test_fixed_lag_zero_equals_synchronous_training_bit_for_bit(tmp_path):
         runs[name] = _step_rows(tmp_path / name / "metrics.jsonl")
     assert len(runs["bounded"]) == 4
     assert runs["bounded"] == runs["fixed"]
+
+
+def test_copc_train_fixed_lag_resume_through_checkpoints(tmp_path):
+    """``copc train`` path: the kept versions go into the checkpoint, so a resumed run (here: the
+    same run continued to more steps) trains with exactly lag k again, with no step lost."""
+    out = tmp_path / "lag"
+    extra = {"train.staleness_mode": "fixed", "train.fixed_lag": "2", "logging.plots": "false"}
+    run_experiment(load_config(None, overrides(out, "copc", steps=3, **extra)))
+    summary = run_experiment(load_config(None, overrides(out, "copc", steps=5, **extra)), resume=True)
+    assert summary["steps"] == 5 and summary["duplicate_trained_uids"] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    hist = {r["step"]: r["staleness/hist"] for r in rows if "actor/pg_loss" in r}
+    # counts per staleness level: step n trains tokens exactly min(n - 1, 2) versions old
+    assert sorted(hist) == [1, 2, 3, 4, 5]
+    for step, h in hist.items():
+        assert len(h) - 1 == min(step - 1, 2) and sum(h[:-1]) == 0
