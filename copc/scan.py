@@ -10,7 +10,10 @@ compacting the batch and without a Python loop over tokens:
   preceding action token (spec, "Setting", **(choice)**).
 * :func:`td_residuals` — ``δ_t = r_t + γ V_{next action} − V_t``.
 * :func:`reverse_action_scan` — ``G_t = x_t + c · G_{next action}``, blocked so
-  the work is one ``cumsum`` and a few dense passes.
+  the work is one ``cumsum`` (``c = 1``) or one small matmul (``c < 1``) and a few
+  dense passes.
+* :func:`linear_reverse_scan` — ``G_p = x_p + a_p G_{p+1}`` for any decays ``a``
+  (the block carries), in a few vectorised ops.
 
 Every pass over the ``(B, T)`` tensors costs about as much as the ``cumsum``
 floor, so these functions are written to make as few as possible; work that
@@ -27,8 +30,10 @@ Tensor = torch.Tensor
 
 #: Tokens per block in :func:`reverse_action_scan` (capped further for small ``c``).
 DEFAULT_BLOCK = 256
-#: Block length of the matmul used when ``c < 1``.
-MATMUL_BLOCK = 64
+#: Block length of the matmul used when ``0 < c < 1`` (capped further for small ``c``).
+MATMUL_BLOCK = 16
+#: Group length of the rescaled level of :func:`linear_reverse_scan` (the block carries).
+CARRY_BLOCK = 32
 
 
 def action_block_bounds(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -156,12 +161,131 @@ def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
 
 
 def _block_size(c: float, dtype: torch.dtype, block: int) -> int:
-    """Largest block for which ``c ** -block`` stays well inside ``dtype``'s range."""
+    """Largest block for which ``c ** -block`` stays well inside ``dtype``'s range.
+
+    ``c^L ≥ 10^{-25}`` (float32 and narrower) or ``10^{-250}`` (float64), so the in-block
+    weights ``c^{n}`` (``n ≤ L``) neither underflow to subnormals nor overflow when divided
+    by (``c`` in ``(0, 1]``).
+    """
     if c >= 1.0:
         return block
-    # keep c**L >= 10**-safe so rescaling by c**-L neither overflows nor hits subnormals
     safe = 25.0 if dtype in (torch.float32, torch.bfloat16, torch.float16) else 250.0
     return max(1, min(block, int(safe / -math.log10(c))))
+
+
+def _pad_blocks(t: Tensor, L: int, value: float = 0.0) -> Tensor:
+    """``(B, T)`` → ``(B, ⌈T/L⌉, L)``, padded on the right with ``value`` (a view when ``L | T``)."""
+    B, T = t.shape
+    pad = -T % L
+    return (torch.nn.functional.pad(t, (0, pad), value=value) if pad else t).reshape(B, (T + pad) // L, L)
+
+
+def _doubling_scan(x: Tensor, a: Tensor) -> Tensor:
+    """:func:`linear_reverse_scan` by Hillis–Steele recursive doubling, ``⌈log2 N⌉`` steps.
+
+    After the step with stride ``s``, ``G_p`` holds the sum over ``[p, p + 2s)`` and
+    ``a_p`` the product of the decays over that span. Zero-padded ping-pong buffers
+    (beyond ``N``, ``x = a = 0``: nothing flows back) make each step two fused ops.
+    """
+    B, N = x.shape
+    width = N + (1 << max(N - 1, 0).bit_length() >> 1)  # N + the largest stride
+    g, g_new, d, d_new = x.new_zeros(4, B, width).unbind(0)
+    g[:, :N] = x
+    d[:, :N] = a
+    s = 1
+    while s < N:
+        torch.addcmul(g[:, :N], d[:, :N], g[:, s:s + N], out=g_new[:, :N])
+        g, g_new = g_new, g
+        if 2 * s < N:
+            torch.mul(d[:, :N], d[:, s:s + N], out=d_new[:, :N])
+            d, d_new = d_new, d
+        s *= 2
+    return g[:, :N]
+
+
+def linear_reverse_scan(x: Tensor, a: Tensor, *, a_min: float = 0.0, block: int = CARRY_BLOCK) -> Tensor:
+    """``G_p = x_p + a_p · G_{p+1}`` along dim 1 with ``G_N = 0``: a first-order linear recurrence.
+
+    With a lower bound ``a_min > 0`` on the decays, groups of ``L`` elements (``a_min^L``
+    kept inside the dtype's range, :func:`_block_size`) are solved at once: with
+    ``e_j = Π_{q<j} a_q`` inside the group, ``G_j = (Σ_{k≥j} x_k e_k + e_L H_next) / e_j``
+    (a matmul with a triangular matrix: each suffix summed directly, no cancellation),
+    and the ``N / L`` group carries ``H`` recurse with ``a_min^L``. Short rows, and any
+    row without such a bound, use recursive doubling (``⌈log2 N⌉`` vectorised steps, no
+    rescaling and so no range limit: decay products that underflow only drop terms below
+    the smallest normal number). Either way a handful of vectorised ops, never a loop over
+    ``N``. Used on the ``(B, T / L)`` block carries of :func:`reverse_action_scan`.
+    Sources: first-order linear recurrences as scans (Blelloch 1990, "Prefix sums and
+    their applications", §1.4); doubling (Hillis & Steele 1986); the rescaling is the
+    block form ``G_j = e_j^{-1} Σ_{k≥j} e_k x_k`` of the recurrence.
+
+    Args:
+        x: ``(B, N)`` float.
+        a: ``(B, N)`` float decay per step (``a_p`` multiplies ``G_{p+1}``), same dtype and
+            device as ``x``; not modified.
+        a_min: a lower bound on ``a`` (0: none known, or a decay may be 0).
+        block: maximum group length.
+
+    Returns:
+        ``G``, ``(B, N)`` with the dtype of ``x`` (possibly a view of a larger buffer).
+
+    Raises:
+        ValueError: if ``x`` is not 2-D or ``a`` has another shape.
+    """
+    if x.dim() != 2 or a.shape != x.shape:
+        raise ValueError(f"x and a must be (B, N) of one shape, got {tuple(x.shape)} and {tuple(a.shape)}")
+    B, N = x.shape
+    L = _block_size(a_min, x.dtype, block) if a_min > 0.0 else 1
+    if L < 2 or x.shape[1] <= 2 * block:  # short rows: the doubling's few small ops are cheaper
+        return _doubling_scan(x, a)
+    xb = _pad_blocks(x, L)
+    ab = _pad_blocks(a, L, value=1.0)
+    e = torch.empty_like(ab)  # Π_{q<j} a_q within the group
+    e[:, :, 0] = 1.0
+    e[:, :, 1:] = ab[:, :, :-1]
+    e.cumprod_(2)
+    upper = torch.ones(L, L, dtype=x.dtype, device=x.device).tril_()  # [k, j] = 1 for k >= j
+    g = (xb * e) @ upper
+    span = e[:, :, -1] * ab[:, :, -1]  # Π a over the group
+    H = linear_reverse_scan(g[:, :, 0], span, a_min=a_min ** L, block=block)
+    g[:, :-1].add_(torch.mul(span[:, :-1], H[:, 1:]).unsqueeze(2))
+    return g.div_(e).view(B, xb.shape[1] * L)[:, :N]
+
+
+def _decayed_scan(x: Tensor, mask: Tensor, c: float, L: int) -> Tensor:
+    """``G_next`` of :func:`reverse_action_scan` for ``0 < c < 1``, blocks of ``L ≥ 2`` tokens.
+
+    With ``n_j`` the count of action tokens at or before ``j`` in its block and
+    ``w_j = c^{n_j}`` (a ``cumprod`` of ``c^{mask}``), ``G_next[j] = (Σ_{k>j} x_k w_k / c +
+    c^{n_L} H_next) / w_j`` where ``H_next`` is ``G`` at the next block's first token. The
+    in-block sum is one matmul with a strictly triangular matrix (each ``G_next`` summed
+    directly, never as a difference of prefix sums, so decaying weights do not cancel).
+    The block carries ``H_i = Σ_k x_k w_k / c + c^{n_L} H_{i+1}`` are a reverse scan over
+    the ``T / L`` blocks (:func:`linear_reverse_scan`), run in float64 with ``c^{n_L}``
+    from the unrounded ``c``, so that ``c`` rounded to float32 does not compound over
+    the row (``(1 + ε)^T``); only the ``≤ L``-step in-block powers use the rounded ``c``.
+    """
+    B, T = x.shape
+    dtype, dev = x.dtype, x.device
+    xb = _pad_blocks(x, L)
+    act = _pad_blocks(mask, L).view(torch.uint8).to(dtype)
+    n_block = (act @ torch.ones(L, 1, dtype=dtype, device=dev)).squeeze(2).to(torch.int32)
+    c_d = float(torch.tensor(c, dtype=dtype))  # c as the dtype holds it
+    # c^{mask}, exactly c_d or 1 (never 1 + (c − 1) rounded), then its cumprod c^{n_j}
+    if c_d >= 0.5:  # c_d − 1 is exact (Sterbenz), so 1 + (c_d − 1) · mask is too
+        w = act.mul_(c_d - 1.0).add_(1.0).cumprod_(2)
+    else:
+        w = torch.rsub(act, 1.0).add_(act, alpha=c_d).cumprod_(2)
+    xw = xb.mul(w)
+    # [k, j] = 1 / c for k > j: (xw @ lower)[j] = Σ_{k>j} x_k c^{n_k − 1}
+    g = xw @ torch.full((L, L), 1.0 / c_d, dtype=dtype, device=dev).tril_(-1)
+    wide = torch.float64 if dev.type != "mps" else dtype  # MPS has no float64
+    total = torch.add(g[:, :, 0], xw[:, :, 0], alpha=1.0 / c_d).to(wide)  # G at block start − carry
+    powers = torch.tensor([c ** k for k in range(L + 1)], dtype=wide, device=dev)
+    decay = powers.index_select(0, n_block.view(-1)).view(n_block.shape)  # c^{actions in the block}
+    H = linear_reverse_scan(total, decay, a_min=c ** L)
+    g[:, :-1].add_(torch.mul(decay[:, :-1], H[:, 1:]).to(dtype).unsqueeze(2))  # c^{n_L} H_next
+    return g.div_(w).view(B, xb.shape[1] * L)[:, :T]
 
 
 def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAULT_BLOCK) -> Tensor:
@@ -170,16 +294,24 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
     ``G_t = x_t + c · G_{n(t)}`` over action tokens (``n(t)`` the next action token,
     ``G`` after the last one = 0); spec "Advantage channel", ``G_t``. Returns
     ``G_next``, where ``G_next[p]`` is ``G`` at the first action token after position
-    ``p`` (0 if none); ``G_t = x_t + c · G_next[t]`` at action tokens.
+    ``p`` (0 if none); ``G_t = x_t + c · G_next[t]`` at action tokens. At ``c == 0``
+    ``G_next`` only ever enters multiplied by ``c``, so the scan is skipped and
+    ``G_next[p] = x_{p+1}`` (which is ``G`` of the next token, not of the next action token).
 
     Implementation: blocks of ``L`` tokens, chained right to left through their carries
-    ``H`` (a loop over ``T / L`` blocks, never over tokens). ``c == 1``: inside block
-    ``i``, ``G_next[p] = H_i − cumsum(x)_p`` (one ``cumsum`` and one pass; a prefix never
-    spans more than a block, which keeps float32 cancellation small; at a block's last
-    token this is ``H_{i+1}``, so no boundary case). ``0 < c < 1``: with ``Ex`` the count
-    of earlier action tokens in the block, ``S = U · (c^{Ex} x)`` with ``U``
-    upper-triangular ones (a matmul, since total − prefix would cancel catastrophically
-    for decaying weights) and ``G = c^{−Ex} (S + c^{n_block} H_next)``.
+    ``H`` (vectorised over blocks, never a loop over tokens or blocks). ``c == 1``: inside
+    block ``i``, ``G_next[p] = H_i − cumsum(x)_p`` (one ``cumsum`` and one pass; a prefix
+    never spans more than a block, which keeps float32 cancellation small; at a block's
+    last token this is ``H_{i+1}``, so no boundary case) and ``H`` is a reverse ``cumsum``
+    of the block sums. ``0 < c < 1``: with ``n`` the count of action tokens so far in the
+    block, a matmul with a triangular matrix sums ``c^{n} x`` after each token, rescaled
+    by ``c^{−n}`` (blocks of at most ``MATMUL_BLOCK`` tokens, fewer when ``c^{−L}`` would
+    leave the dtype's range, see :func:`_block_size`); the carries
+    ``H_i = S_i + c^{n_i} H_{i+1}`` are solved in float64 by :func:`linear_reverse_scan`
+    (the same rescaled matmul over groups of blocks, then doubling over the few groups).
+    About 25 vectorised ops whatever ``T``, each over the ``(B, T)`` tensor or much less.
+    ``c`` so small that ``L = 1`` (``c < 10^{-25}`` in float32, ``10^{-250}`` in float64):
+    recursive doubling over tokens (``⌈log2 T⌉`` steps over ``(B, T)``: correct, slower).
 
     Args:
         x: ``(B, T)`` float; must be 0 at non-action positions.
@@ -193,36 +325,35 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
         padded buffer).
 
     Raises:
-        ValueError: if ``c`` is outside ``[0, 1]``.
+        ValueError: if ``c`` is outside ``[0, 1]`` or ``block < 1``.
     """
     if not 0.0 <= c <= 1.0:
         raise ValueError(f"discount c = gamma * lam must be in [0, 1], got {c!r}")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block!r}")
+    if x.dim() != 2 or mask.shape != x.shape:
+        raise ValueError(f"x and mask must be (B, T) of one shape, got {tuple(x.shape)} and "
+                         f"{tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        mask = mask != 0
     B, T = x.shape
+    if T == 0:
+        return x.clone()
     if c == 1.0:
         L = min(block, T)
-        nb = -(-T // L)
-        pad = nb * L - T
-        xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(B, nb, L)
+        xb = _pad_blocks(x, L)
         cs = xb.cumsum(2)
         H = cs[:, :, -1].flip(1).cumsum(1).flip(1)  # G at the start of each block
-        return torch.sub(H.unsqueeze(2), cs, out=cs).view(B, nb * L)[:, :T]  # in place
+        return torch.sub(H.unsqueeze(2), cs, out=cs).view(B, xb.shape[1] * L)[:, :T]  # in place
     if c == 0.0:
-        g = x.clone()
+        g = x
     else:
         L = min(_block_size(c, x.dtype, min(block, MATMUL_BLOCK)), T)
-        nb = -(-T // L)
-        pad = nb * L - T
-        xb = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(B, nb, L)
-        mb = (torch.nn.functional.pad(mask, (0, pad)) if pad else mask).view(B, nb, L)
-        ex = mb.cumsum(2, dtype=x.dtype)
-        decay = torch.pow(c, ex[:, :, -1])  # c^{action tokens in the block}
-        w = ex.sub_(mb.to(x.dtype)).mul_(math.log(c)).exp_()  # c^{Ex}
-        upper = torch.ones(L, L, dtype=x.dtype, device=x.device).tril_()  # [j, k] = 1 if j >= k
-        s = (xb * w) @ upper
-        H = torch.zeros(B, nb + 1, dtype=x.dtype, device=x.device)
-        for i in range(nb - 1, -1, -1):  # loop over blocks, not tokens
-            H[:, i] = s[:, i, 0] + decay[:, i] * H[:, i + 1]
-        g = s.add_((decay * H[:, 1:]).unsqueeze(2)).div_(w).view(B, nb * L)[:, :T]
+        if L >= 2:
+            return _decayed_scan(x, mask, c, L)
+        # one token per block: G_p = x_p + c^{mask_p} G_{p+1} (c^0 = 1 skips observations)
+        one = torch.ones((), dtype=x.dtype, device=x.device)
+        g = linear_reverse_scan(x, torch.where(mask, one * c, one))
     g_next = torch.zeros_like(g)
     g_next[:, :-1] = g[:, 1:]
     return g_next

@@ -22,7 +22,9 @@ from trainer.config import ConfigError, ExperimentConfig, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-ALL_YAML = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml"))
+# experiment configs (configs/sweeps/ holds sweep specs, validated in test_sweep.py)
+ALL_YAML = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")
+                  if p.parent.name != "sweeps")
 TASK_STALENESS = {"math_tool": 8, "search": 14}
 PLACEHOLDER = {"math_tool": "/path/to/Qwen3-4B-Instruct-ReTool-SFT",
                "search": "/path/to/Llama-3.2-3B-Instruct-SFT"}
