@@ -15,9 +15,15 @@ positions *are* read (they are folded), so padding must carry zero reward.
 Dtypes: float32 and float64 are computed in their own precision; float16/bfloat16
 inputs are computed in float32 and the outputs are float32. Inputs are detached:
 outputs never carry gradient history. ``T = 0`` gives empty outputs.
+
+``lam`` is a float, or a ``(B,)`` tensor of per-row λ (VAPO's length-adaptive GAE,
+:func:`length_adaptive_lambda`): GAE and COPC then run once per distinct λ on its rows
+(:func:`per_row_lambda`), so each row is exactly the scalar-λ estimator on that row alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +44,92 @@ Tensor = torch.Tensor
 OBS_DISCOUNT_MODES = ("skip", "per_token")
 
 
-def _prepare(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
+def length_adaptive_lambda(loss_mask: Tensor, alpha: float) -> Tensor:
+    """Per-row λ of VAPO's length-adaptive GAE: ``λ_b = clip(1 − 1/(α · l_b), 0, 1)``.
+
+    Yue et al. 2025, "VAPO" (arXiv 2504.05118) §3.2, ``λ_policy = 1 − 1/(α l)`` with ``l`` the
+    sequence length (paper α = 0.05). Here ``l_b`` is the number of *action* tokens of row ``b``
+    (the length of the recursion, observation tokens being skipped). Short rows with
+    ``α l_b ≤ 1`` get ``λ = 0`` (the paper's formula would go negative); rows without action
+    tokens get 0 as well (their outputs are all zeros whatever λ).
+
+    Args:
+        loss_mask: ``(B, T)`` bool/0-1, 1 on action tokens.
+        alpha: α > 0 (larger α → λ closer to 1).
+
+    Returns:
+        ``(B,)`` float64 tensor in ``[0, 1]`` on ``loss_mask``'s device.
+
+    Raises:
+        ValueError: on a bad mask or ``alpha`` that is not a number > 0.
+    """
+    if not check_number("length_adaptive_alpha", alpha) > 0.0:
+        raise ValueError(f"length_adaptive_alpha must be > 0, got {alpha!r}")
+    lengths = as_bool_mask(loss_mask).sum(1).to(torch.float64)
+    return torch.rsub(1.0 / (alpha * lengths), 1.0).clamp_(0.0, 1.0)  # l = 0: 1 − inf → 0
+
+
+def check_row_lambda(lam: Tensor, n_rows: int) -> None:
+    """Check a per-row λ: a ``(B,)`` floating tensor with every value in ``[0, 1]``.
+
+    Raises:
+        TypeError: ``lam`` is not a floating tensor.
+        ValueError: wrong shape, or a value outside ``[0, 1]`` or NaN (named with its row).
+    """
+    check_1d("lam", lam, n_rows)
+    bad = ~((lam >= 0.0) & (lam <= 1.0))  # NaN is bad too
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"lam[{b}] = {float(lam[b])!r}: per-row lambda must be in [0, 1]")
+
+
+def per_row_lambda(estimate: Callable[[float, Tensor], tuple[Tensor, Tensor]], lam: Tensor,
+                   n_rows: int) -> tuple[Tensor, Tensor]:
+    """Run a scalar-λ estimator once per distinct value of a per-row ``lam`` and reassemble.
+
+    ``estimate(λ, rows)`` must return ``(advantages, returns)`` of the batch rows ``rows``
+    (an int64 index tensor) computed with the scalar ``λ``; rows are independent in every
+    estimator here, so the result is exactly the estimator run row by row with its own λ.
+    Cost: one call per distinct λ (at most ``B``).
+
+    Args:
+        estimate: the scalar-λ estimator restricted to some rows.
+        lam: ``(B,)`` float per-row λ, each finite and in ``[0, 1]``.
+        n_rows: ``B``.
+
+    Returns:
+        ``(advantages, returns)``, ``(B, T)`` each, with the dtype ``estimate`` returns.
+
+    Raises:
+        ValueError: if ``lam`` is not ``(B,)`` or has a value outside ``[0, 1]`` (named with its
+            row); a ``ValueError`` of ``estimate`` gets the batch rows of its λ appended.
+        TypeError: if ``lam`` is not a floating tensor.
+    """
+    check_row_lambda(lam, n_rows)
+    if n_rows == 0:
+        return estimate(1.0, torch.zeros(0, dtype=torch.long, device=lam.device))
+    values, inverse = torch.unique(lam, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    groups = order.split(torch.bincount(inverse, minlength=values.numel()).tolist())
+    out: tuple[Tensor, Tensor] | None = None
+    for v, rows in zip(values.tolist(), groups, strict=True):
+        try:
+            adv, ret = estimate(v, rows)
+        except ValueError as e:
+            raise ValueError(f"{e} (row indices within the rows with lam = {v!r}: batch rows "
+                             f"{rows.tolist()[:8]})") from None
+        if out is None:
+            out = (adv.new_zeros((n_rows, adv.shape[1])), ret.new_zeros((n_rows, ret.shape[1])))
+        out[0][rows], out[1][rows] = adv, ret
+    assert out is not None
+    return out
+
+
+def _rows(t: Tensor | None, rows: Tensor) -> Tensor | None:
+    return None if t is None else t[rows]
+
+
+def _prepare(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float | Tensor,
              bootstrap_values: Tensor | None, obs_discount: str, **extra: Tensor
              ) -> tuple[Tensor, dict[str, Tensor | None]]:
     """Validate shapes/dtypes/hyper-parameters; return the bool mask and detached inputs.
@@ -52,7 +143,10 @@ def _prepare(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, l
     for name, t in extra.items():
         check_2d_float(name, t, mask.shape)
     check_unit_interval("gamma", gamma)
-    check_unit_interval("lam", lam)
+    if isinstance(lam, Tensor):
+        check_1d("lam", lam, mask.shape[0])
+    else:
+        check_unit_interval("lam", lam)
     if obs_discount not in OBS_DISCOUNT_MODES:
         raise ValueError(f"obs_discount must be one of {OBS_DISCOUNT_MODES}, got {obs_discount!r}")
     if bootstrap_values is not None:
@@ -97,7 +191,7 @@ def _td_corrected(rewards: Tensor, values: Tensor, mask: Tensor, rho_bar: Tensor
 
 
 def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, gamma: float = 1.0,
-                         lam: float = 1.0, bootstrap_values: Tensor | None = None,
+                         lam: float | Tensor = 1.0, bootstrap_values: Tensor | None = None,
                          obs_reward: str = "fold", obs_discount: str = "skip") -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over action tokens (Schulman et al. 2016, eq. 16).
 
@@ -111,7 +205,7 @@ def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, 
         values: ``(B, T)`` float critic values V(s_t), read at action tokens only.
         loss_mask: ``(B, T)`` bool/0-1, 1 on action tokens.
         gamma: discount γ ∈ [0, 1] per action token.
-        lam: GAE λ ∈ [0, 1].
+        lam: GAE λ ∈ [0, 1], or a ``(B,)`` float tensor of per-row λ (:func:`per_row_lambda`).
         bootstrap_values: optional ``(B,)`` V after the last action token (truncated rows);
             default 0 (terminated).
         obs_reward: ``"fold"`` reward on observation tokens onto the preceding action token,
@@ -130,6 +224,11 @@ def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, 
         TypeError: on non-tensor or non-floating inputs.
     """
     mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount)
+    if isinstance(lam, Tensor):
+        return per_row_lambda(lambda v, rows: gae_advantage_return(
+            rewards[rows], values[rows], loss_mask[rows], gamma=gamma, lam=v,
+            bootstrap_values=_rows(bootstrap_values, rows), obs_reward=obs_reward,
+            obs_discount=obs_discount), lam, mask.shape[0])
     return _td_corrected(x["rewards"], x["values"], mask, None, gamma, lam, x["bootstrap_values"],
                          obs_reward, obs_discount, {"rewards": x["rewards"], "values": x["values"]},
                          "gae_advantage_return")
@@ -161,7 +260,7 @@ def clipped_ratio(logp_old: Tensor, logp_mu: Tensor, low: float, high: float) ->
 
 
 def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, logp_mu: Tensor,
-                             loss_mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+                             loss_mask: Tensor, *, gamma: float = 1.0, lam: float | Tensor = 1.0,
                              eta_a: float = 0.5, eps_low: float = EPS_LOW,
                              eps_high: float = EPS_HIGH,
                              bootstrap_values: Tensor | None = None,
@@ -187,7 +286,9 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
         logp_old: ``(B, T)`` float learner log-probs before the update (no grad needed).
         logp_mu: ``(B, T)`` float behavior-policy log-probs from the rollout engine.
         loss_mask: ``(B, T)`` bool/0-1, 1 on action tokens.
-        gamma, lam: γ, λ ∈ [0, 1].
+        gamma, lam: γ, λ ∈ [0, 1]; ``lam`` may be a ``(B,)`` float tensor of per-row λ: each row
+            then uses its own discount ``c_b = γ λ_b`` in the scan (one scan per distinct λ,
+            :func:`per_row_lambda`; VAPO's length-adaptive GAE).
         eta_a: advantage-channel strength η_A ∈ [0, 1].
         eps_low, eps_high: base margins ε_ℓ, ε_h.
         bootstrap_values: optional ``(B,)`` V after the last action token (truncated rows).
@@ -205,6 +306,12 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
     """
     mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount,
                        logp_old=logp_old, logp_mu=logp_mu)
+    if isinstance(lam, Tensor):
+        return per_row_lambda(lambda v, rows: coupled_advantage_return(
+            rewards[rows], values[rows], logp_old[rows], logp_mu[rows], loss_mask[rows], gamma=gamma,
+            lam=v, eta_a=eta_a, eps_low=eps_low, eps_high=eps_high,
+            bootstrap_values=_rows(bootstrap_values, rows), obs_reward=obs_reward,
+            obs_discount=obs_discount), lam, mask.shape[0])
     low, high = margins(eta_a, eps_low, eps_high)
     rho_bar = None
     if not (low == 1.0 and high == 1.0):
@@ -215,7 +322,7 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
 
 
 def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, logp_mu: Tensor,
-                            loss_mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+                            loss_mask: Tensor, *, gamma: float = 1.0, lam: float | Tensor = 1.0,
                             rho_clip: float = 1.0, c_clip: float = 1.0,
                             bootstrap_values: Tensor | None = None,
                             obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
@@ -233,7 +340,8 @@ def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, l
 
     Args:
         rewards, values, logp_old, logp_mu, loss_mask: as :func:`coupled_advantage_return`.
-        gamma, lam: γ, λ ∈ [0, 1].
+        gamma, lam: γ, λ ∈ [0, 1]; ``lam`` may be a ``(B,)`` float tensor of per-row trace λ
+            (``c_s = λ_b · min(c̄, ratio_s)`` in row ``b``), validated as :func:`per_row_lambda`.
         rho_clip: truncation level ρ̄ > 0 (default 1).
         c_clip: truncation level c̄ > 0 (default 1).
         bootstrap_values: optional ``(B,)`` value after the last action token.
@@ -253,6 +361,8 @@ def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, l
         if not check_number(name, v) > 0.0:
             raise ValueError(f"{name} must be > 0, got {v!r}")
     B, T = values.shape
+    if isinstance(lam, Tensor):
+        check_row_lambda(lam, B)
     dtype = values.dtype
     if T == 0:
         return torch.zeros_like(values), torch.zeros_like(values)
@@ -262,7 +372,10 @@ def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, l
     with torch.no_grad():
         ratio = torch.where(mask, torch.sub(logp_old, logp_mu), 0.0).exp().to(dtype)
     rho = ratio.clamp(max=rho_clip)
-    cs = lam * ratio.clamp(max=c_clip)
+    if isinstance(lam, Tensor):
+        cs = lam.to(values.device, dtype).unsqueeze(1) * ratio.clamp(max=c_clip)
+    else:
+        cs = lam * ratio.clamp(max=c_clip)
     # diff[b, t] = v_t − V_t at action tokens, carried backwards across observation tokens.
     diff = torch.zeros(B, T + 1, dtype=dtype, device=values.device)
     for t in range(T - 1, -1, -1):

@@ -1,4 +1,5 @@
-"""Actor losses: DIS ratio mask (COPC/SAO), PPO clip, decoupled PPO (AReaL), TIS, IcePop.
+"""Actor losses: DIS ratio mask (COPC/SAO), PPO clip, decoupled PPO (AReaL), TIS, IcePop, and
+VAPO's positive-example LM term (:func:`positive_lm_loss`, added to any of them).
 
 Every loss takes ``(B, T)`` tensors plus ``loss_mask`` and returns ``(loss, metrics)``.
 Inputs at mask-0 positions are replaced by neutral values *before* any
@@ -343,3 +344,50 @@ def icepop_policy_loss(logp: Tensor, logp_old: Tensor, logp_mu: Tensor, advantag
     metrics["actor/icepop_masked_frac"] = int((~keep & m).sum()) / max(int(m.sum()), 1)
     metrics.update(ratio_statistics(log_k, m, "behav"))
     return loss, metrics
+
+
+def positive_lm_loss(logp: Tensor, loss_mask: Tensor, positive: Tensor, *,
+                     loss_agg_mode: str = "token-mean", denominators: Denominators | None = None
+                     ) -> tuple[Tensor, dict[str, float]]:
+    """VAPO's positive-example LM loss: NLL of the action tokens of positive episodes.
+
+    ``L_NLL = agg_{t ∈ action tokens of positive episodes} (−log π_θ(y_t | s_t))`` (Yue et al.
+    2025, "VAPO", arXiv 2504.05118, §3.3: token-mean over the correct answers' tokens;
+    the actor loss becomes ``L_actor + μ · L_NLL``). Only the rows with ``positive[b]`` and
+    their action tokens count: their number is the denominator (``N_tokens`` / ``N_seq`` of
+    the positive part), so with ``token-mean`` this is the mean NLL per positive token, as in
+    the paper. Other positions are replaced by 0 before any differentiable operation: garbage
+    there (NaN, ±inf) changes neither the loss nor the gradient. No positive episode: 0.
+
+    Args:
+        logp: ``(B, T)`` float current log-probs (with grad).
+        loss_mask: ``(B, T)`` bool/0-1, 1 on action tokens.
+        positive: ``(B,)`` bool, True for the episodes to imitate (reward above a threshold).
+        loss_agg_mode: see :mod:`copc.aggregation` (the actor loss's mode).
+        denominators: counts of the *positive* action tokens/sequences of the whole
+            mini-batch when ``logp`` is a micro-batch (``batch_denominators(loss_mask &
+            positive[:, None])`` of the mini-batch); default: this batch's own.
+
+    Returns:
+        ``(loss, metrics)``: 0-dim tensor (``logp.dtype``) and ``actor/pos_lm_loss`` (the NLL,
+        before the coefficient μ) and ``actor/pos_lm_token_frac`` (share of the action tokens
+        that are in positive episodes).
+
+    Raises:
+        ValueError: on bad shapes/mode, a ``positive`` that is not ``(B,)``, or NaN in ``logp``
+            at a counted token.
+        TypeError: ``positive`` is not a bool tensor.
+    """
+    check_loss_agg_mode(loss_agg_mode)
+    check_2d_float("logp", logp)
+    m = as_bool_mask(loss_mask, logp.shape)
+    if not isinstance(positive, torch.Tensor) or positive.dtype != torch.bool:
+        raise TypeError(f"positive must be a bool tensor, got {getattr(positive, 'dtype', type(positive))}")
+    if positive.shape != (m.shape[0],):
+        raise ValueError(f"positive must have shape ({m.shape[0]},), got {tuple(positive.shape)}")
+    pos = m & positive.to(m.device).unsqueeze(1)
+    _, t = _prepare(pos, loss_agg_mode, logp=logp)  # zeroed outside pos, NaN inside raises
+    loss = aggregate_loss(-t["logp"], pos, loss_agg_mode, denominators)
+    raise_if_not_finite((loss,), {"logp": logp}, pos, "positive_lm_loss")
+    n = max(int(m.sum()), 1)
+    return loss, {"actor/pos_lm_loss": float(loss.detach()), "actor/pos_lm_token_frac": int(pos.sum()) / n}

@@ -10,6 +10,7 @@ against the open registries :data:`copc.ADVANTAGE_ESTIMATORS` / :data:`copc.POLI
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,26 @@ class AlgorithmConfig:
             rejected (by the trainer's config), not silently changed. Must be >= 2 when the
             estimator ``needs_groups``.
 
+    VAPO options (Yue et al. 2025, "VAPO", arXiv 2504.05118, §3; ``docs/vapo.md``), all off by
+    default so that the spec's estimator and losses are unchanged, bit for bit:
+        critic_lam: λ of the critic targets (returns) only, "decoupled GAE" (VAPO §3.1:
+            λ_critic = 1); None = ``lam`` for both. The actor advantages keep ``lam`` (or the
+            length-adaptive λ). Needs a critic estimator.
+        length_adaptive_alpha: α > 0 of the "length-adaptive GAE" (VAPO §3.2, paper α = 0.05):
+            the actor advantages of row ``b`` use ``λ_b = clip(1 − 1/(α l_b), 0, 1)`` with
+            ``l_b`` its number of action tokens (:func:`copc.advantages.length_adaptive_lambda`), instead
+            of ``lam``; None = off. Needs a critic estimator.
+        pos_lm_coef: μ ≥ 0 of the "positive-example LM loss" (VAPO §3.3, paper μ = 0.1): the
+            actor loss gets ``+ μ · NLL`` of the action tokens of episodes whose reward
+            (``scores``) is ``> pos_lm_reward_threshold``
+            (:func:`copc.policy_losses.positive_lm_loss`); 0 = off.
+        pos_lm_reward_threshold: the episode reward above which an episode is positive (a
+            correct answer for 0/1 rewards; default 0.5).
+        critic_warmup_mc_returns: during the critic warm-up steps (the trainer's
+            ``train.critic_warmup_steps``, VAPO's "value pretraining", §3.1), train the critic on
+            Monte-Carlo returns (plain GAE returns with λ = 1, no advantage-channel weighting)
+            instead of the estimator's returns. Needs a critic estimator.
+
     Raises:
         ValueError: at construction, naming the first invalid field and its value; an
             unregistered ``advantage_estimator``/``policy_loss`` (listing the registered ones);
@@ -109,10 +130,15 @@ class AlgorithmConfig:
     obs_discount: str = "skip"
     max_staleness: int | None = None
     n_samples_per_prompt: int | None = None
+    critic_lam: float | None = None
+    length_adaptive_alpha: float | None = None
+    pos_lm_coef: float = 0.0
+    pos_lm_reward_threshold: float = 0.5
+    critic_warmup_mc_returns: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field (see class docstring)."""
-        for n in ("use_critic", "std_normalize", "normalize_advantages"):
+        for n in ("use_critic", "std_normalize", "normalize_advantages", "critic_warmup_mc_returns"):
             if not isinstance(getattr(self, n), bool):
                 raise ValueError(f"{n} must be a bool, got {getattr(self, n)!r}")
         for n in ("name", "advantage_estimator", "policy_loss", "loss_agg_mode", "value_loss_agg_mode",
@@ -172,6 +198,23 @@ class AlgorithmConfig:
                                                or not isinstance(self.max_staleness, int)
                                                or self.max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
+        self._check_vapo(meta["needs_critic"])
+
+    def _check_vapo(self, needs_critic: bool) -> None:
+        """Validate the VAPO options (see the class docstring)."""
+        if self.critic_lam is not None:
+            _unit("critic_lam", self.critic_lam)
+        _positive("length_adaptive_alpha", self.length_adaptive_alpha, allow_none=True)
+        if not math.isfinite(check_number("pos_lm_coef", self.pos_lm_coef)) or self.pos_lm_coef < 0.0:
+            raise ValueError(f"pos_lm_coef must be a finite number >= 0, got {self.pos_lm_coef!r}")
+        if not math.isfinite(check_number("pos_lm_reward_threshold", self.pos_lm_reward_threshold)):
+            raise ValueError(f"pos_lm_reward_threshold must be finite, got {self.pos_lm_reward_threshold!r}")
+        if not needs_critic:
+            for n, off in (("critic_lam", None), ("length_adaptive_alpha", None),
+                           ("critic_warmup_mc_returns", False)):
+                if getattr(self, n) != off:
+                    raise ValueError(f"{n}={getattr(self, n)!r} needs a critic, but advantage_estimator="
+                                     f"{self.advantage_estimator!r} has none (it reads no λ or returns)")
 
     def replace(self, **overrides: Any) -> AlgorithmConfig:
         """Return a validated copy with ``overrides`` applied.

@@ -5,11 +5,14 @@ micro-batch), backward and optimizer steps. This module supplies everything else
 :mod:`copc` (no RL maths here):
 
 * advantages and returns from the recomputed ``logp_old`` / ``values_old`` (the preset's
-  estimator, :func:`copc.compute_advantages`) and their step metrics;
+  estimator, :func:`copc.compute_advantages`) and their step metrics, with the VAPO options
+  (``docs/vapo.md``): decoupled λ for the critic targets, length-adaptive λ for the actor
+  advantages, Monte-Carlo critic targets during the critic warm-up;
 * the PPO mini-batch split (seeded permutation) and micro-batches;
 * global loss denominators per mini-batch (:func:`copc.batch_denominators`), so the losses of
   micro-batches *sum* to the mini-batch loss exactly whatever the micro-batch size;
-* the policy loss and the value loss of a micro-batch;
+* the policy loss (plus VAPO's positive-example LM term when ``pos_lm_coef > 0``) and the value
+  loss of a micro-batch;
 * :class:`MetricAccumulator`: losses summed over micro-batches (the true mini-batch loss),
   fractions and means weighted by the micro-batch's action-token count, maxima/minima taken.
 
@@ -19,6 +22,7 @@ ranks before computing losses (exact global token/sequence counts).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 import copc
+from copc.advantages import length_adaptive_lambda, per_row_lambda
 from copc.metrics import (
     abs_log_ratio_by_staleness,
     advantage_channel_ess,
@@ -33,6 +38,7 @@ from copc.metrics import (
     policy_channel_diagnostics,
     value_bias_metrics,
 )
+from copc.policy_losses import positive_lm_loss
 
 from ..rollout.batch import RolloutBatch
 
@@ -66,6 +72,18 @@ class StepInputs:
         """The same tensors restricted to the contiguous rows ``sl`` (a micro-batch)."""
         return StepInputs(self.logp_old[sl], None if self.values_old is None else self.values_old[sl],
                           self.advantages[sl], self.returns[sl])
+
+
+@dataclass(frozen=True)
+class MiniBatchDenominators(copc.Denominators):
+    """:class:`copc.Denominators` of a mini-batch plus those of its positive episodes.
+
+    Attributes:
+        positive: token / sequence counts of the action tokens of the mini-batch's positive
+            episodes (VAPO's positive-example LM loss), or None when that loss is off.
+    """
+
+    positive: copc.Denominators | None = None
 
 
 class MetricAccumulator:
@@ -182,36 +200,109 @@ class ActorCriticAlgorithm:
         self.value_bias = ValueBiasTracker()
 
     def advantages(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
-                   version: int) -> tuple[StepInputs, dict[str, float]]:
+                   version: int, *, steps_done: int | None = None) -> tuple[StepInputs, dict[str, float]]:
         """Advantages/returns (spec: the preset's estimator) and the step's off-policy metrics.
+
+        With the VAPO options off this is exactly :func:`copc.compute_advantages` (bit for bit);
+        see :meth:`estimate` for what they change.
 
         Args:
             batch: the rollout batch (rewards, loss mask, behavior log-probs, versions, scores).
             logp_old: ``(B, T)`` proximal-policy log-probs (recomputed, no grad).
             values_old: ``(B, T)`` critic values (no grad) or None.
             version: the learner's policy version before this update (staleness reference).
+            steps_done: the learner's completed steps, to tell a critic warm-up step
+                (:meth:`in_critic_warmup`); None = not a warm-up step.
 
         Returns:
             ``(StepInputs, metrics)``; metrics: :meth:`off_policy_diagnostics`,
-            ``advantage/mean``, ``advantage/returns_mean``, ``perf/advantage_s``.
+            ``advantage/mean``, ``advantage/returns_mean``, ``perf/advantage_s`` and, with the
+            VAPO options, ``advantage/actor_lam_mean`` / ``critic/mc_targets``.
 
         Call it once per learner step: it advances the value-bias EMA (:class:`ValueBiasTracker`).
         """
-        algo, mask = self.algo, batch.loss_mask
+        mask = batch.loss_mask
         t0 = time.perf_counter()
-        adv, returns = copc.compute_advantages(copc.AdvantageInputs(
+        warmup = steps_done is not None and self.in_critic_warmup(steps_done, values_old is not None)
+        adv, returns, extra = self.estimate(copc.AdvantageInputs(
             rewards=batch.rewards, loss_mask=mask, values=values_old, logp_old=logp_old,
-            logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), algo)
-        metrics: dict[str, float] = {"perf/advantage_s": time.perf_counter() - t0}
+            logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), critic_warmup=warmup)
+        metrics: dict[str, float] = {"perf/advantage_s": time.perf_counter() - t0, **extra}
         metrics.update(self.off_policy_diagnostics(batch, logp_old, values_old, version))
         m = mask.bool()
         metrics["advantage/mean"] = float(adv[m].mean()) if m.any() else 0.0
         metrics["advantage/returns_mean"] = float(returns[m].mean()) if m.any() else 0.0
         return StepInputs(logp_old, values_old, adv, returns), metrics
 
+    def estimate(self, inputs: copc.AdvantageInputs, *, critic_warmup: bool = False
+                 ) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """Actor advantages and critic targets, ``(B, T)`` each, with the VAPO options.
+
+        * no option set: one :func:`copc.compute_advantages` call (unchanged, bit for bit);
+        * ``critic_lam`` (decoupled GAE, VAPO §3.1): returns from the estimator with
+          λ = ``critic_lam``, advantages from the estimator with the actor's λ;
+        * ``length_adaptive_alpha`` (VAPO §3.2): the actor's λ of row ``b`` is
+          :func:`copc.advantages.length_adaptive_lambda`; the estimator runs once per distinct λ
+          on its rows (:func:`copc.advantages.per_row_lambda`; any registered estimator that
+          reads ``cfg.lam``; ``vtrace``, whose loop over T would repeat per λ, takes the ``(B,)``
+          λ in one call), then ``normalize_advantages`` whitens the whole batch;
+        * ``critic_warmup_mc_returns`` and ``critic_warmup``: the returns are Monte-Carlo returns
+          (:func:`copc.gae_advantage_return` with λ = 1: the γ-discounted reward-to-go over
+          action tokens, no advantage-channel weighting), VAPO's value pretraining targets.
+
+        Args:
+            inputs: the estimator's inputs (``values`` None without a critic).
+            critic_warmup: this step only trains the critic.
+
+        Returns:
+            ``(advantages, returns, metrics)``; metrics ``advantage/actor_lam_mean`` (length-
+            adaptive λ) and ``critic/mc_targets`` (1.0 on a Monte-Carlo warm-up step).
+
+        Raises:
+            ValueError: as the estimator.
+        """
+        algo, mask = self.algo, inputs.loss_mask
+        critic_lam = algo.lam if algo.critic_lam is None else algo.critic_lam
+        mc = critic_warmup and algo.critic_warmup_mc_returns and inputs.values is not None
+        if algo.length_adaptive_alpha is None and critic_lam == algo.lam and not mc:
+            adv, ret = copc.compute_advantages(inputs, algo)  # the spec's path, unchanged
+            return adv, ret, {}
+        metrics: dict[str, float] = {}
+        plain = algo.replace(normalize_advantages=False)
+        if algo.length_adaptive_alpha is None:
+            adv, ret = copc.compute_advantages(inputs, algo)
+        else:
+            lam = length_adaptive_lambda(mask, algo.length_adaptive_alpha)
+            if algo.advantage_estimator == "vtrace":  # its loop over T takes a (B,) λ: one pass, not per λ
+                inputs.require("values", "logp_old", "logp_mu", who="advantage estimator 'vtrace'")
+                adv, ret = copc.vtrace_advantage_return(
+                    inputs.rewards, inputs.values, inputs.logp_old, inputs.logp_mu, mask, gamma=algo.gamma,
+                    lam=lam, rho_clip=algo.rho_clip, c_clip=algo.c_clip,
+                    bootstrap_values=inputs.bootstrap_values, obs_reward=algo.obs_reward)
+            else:
+                adv, ret = per_row_lambda(lambda v, rows: copc.compute_advantages(
+                    _input_rows(inputs, rows), plain.replace(lam=v)), lam, mask.shape[0])
+            if algo.normalize_advantages:
+                adv = copc.masked_whiten(adv, mask)
+            has_action = mask.bool().any(1)
+            metrics["advantage/actor_lam_mean"] = float(lam[has_action].mean()) if has_action.any() else 0.0
+        if mc:
+            ret = copc.gae_advantage_return(inputs.rewards, inputs.values, mask, gamma=algo.gamma, lam=1.0,
+                                            bootstrap_values=inputs.bootstrap_values,
+                                            obs_reward=algo.obs_reward, obs_discount=algo.obs_discount)[1]
+            metrics["critic/mc_targets"] = 1.0
+        elif critic_lam != algo.lam or algo.length_adaptive_alpha is not None:
+            ret = copc.compute_advantages(inputs, plain.replace(lam=critic_lam))[1]
+        return adv, ret, metrics
+
     def update_actor(self, steps_done: int, has_critic: bool) -> bool:
         """Whether step ``steps_done`` updates the actor (critic warm-up needs a critic)."""
         return not has_critic or steps_done >= self.critic_warmup_steps
+
+    def in_critic_warmup(self, steps_done: int, has_critic: bool) -> bool:
+        """Whether step ``steps_done`` trains only the critic (VAPO's value pretraining: the actor,
+        hence the policy generating the rollouts, stays the initial one)."""
+        return not self.update_actor(steps_done, has_critic)
 
     def mini_batches(self, n_rows: int, steps_done: int) -> list[list[int]]:
         """Row indices of each PPO mini-batch of step ``steps_done`` (seeded permutation)."""
@@ -224,17 +315,39 @@ class ActorCriticAlgorithm:
         step = self.micro_batch_size
         return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
 
-    @staticmethod
-    def denominators(mini: RolloutBatch) -> copc.Denominators:
-        """Global loss denominators of a mini-batch (token and sequence counts)."""
-        return copc.batch_denominators(mini.loss_mask)
+    def denominators(self, mini: RolloutBatch) -> MiniBatchDenominators:
+        """Global loss denominators of a mini-batch (token and sequence counts; with the
+        positive-example LM loss on, also those of its positive episodes)."""
+        den = copc.batch_denominators(mini.loss_mask)
+        pos = None
+        if self.algo.pos_lm_coef > 0.0:
+            pos = copc.batch_denominators(mini.loss_mask.bool() & self.positive_episodes(mini).unsqueeze(1))
+        return MiniBatchDenominators(den.num_tokens, den.num_sequences, positive=pos)
+
+    def positive_episodes(self, b: RolloutBatch) -> Tensor:
+        """``(B,)`` bool: episodes whose reward (``scores``) is above ``pos_lm_reward_threshold``."""
+        return b.scores > self.algo.pos_lm_reward_threshold
 
     def policy_loss(self, logp: Tensor, mb: RolloutBatch, x: StepInputs,
                     den: copc.Denominators) -> tuple[Tensor, dict[str, float]]:
-        """The preset's policy loss of one micro-batch (a share of the mini-batch loss)."""
-        return copc.compute_policy_loss(logp, copc.PolicyLossInputs(
+        """The preset's policy loss of one micro-batch (a share of the mini-batch loss).
+
+        With ``pos_lm_coef = μ > 0`` it adds ``μ ·`` :func:`copc.policy_losses.positive_lm_loss`
+        (same aggregation mode; its denominators are ``den.positive`` when ``den`` comes from
+        :meth:`denominators`, else this micro-batch's own, exact only when it is the whole
+        mini-batch); metrics gain ``actor/pos_lm_loss`` (the NLL before μ) and
+        ``actor/pos_lm_token_frac``.
+        """
+        loss, metrics = copc.compute_policy_loss(logp, copc.PolicyLossInputs(
             logp_old=x.logp_old, logp_mu=mb.logp_mu, advantages=x.advantages,
             loss_mask=mb.loss_mask, denominators=den), self.algo)
+        if self.algo.pos_lm_coef > 0.0:
+            pos_den = den.positive if isinstance(den, MiniBatchDenominators) else None
+            lm, lm_metrics = positive_lm_loss(logp, mb.loss_mask, self.positive_episodes(mb),
+                                              loss_agg_mode=self.algo.loss_agg_mode, denominators=pos_den)
+            loss = loss + self.algo.pos_lm_coef * lm
+            metrics = {**metrics, **lm_metrics}
+        return loss, metrics
 
     def value_loss(self, values: Tensor, mb: RolloutBatch, x: StepInputs,
                    den: copc.Denominators) -> tuple[Tensor, dict[str, float]]:
@@ -297,3 +410,9 @@ class ActorCriticAlgorithm:
             out.update(value_bias_metrics(values_old, batch.rewards, mask, self.algo.gamma))
             out.update(self.value_bias.update(out))
         return out
+
+
+def _input_rows(x: copc.AdvantageInputs, rows: Tensor) -> copc.AdvantageInputs:
+    """The same estimator inputs restricted to batch rows ``rows`` (every ``(B, …)`` tensor)."""
+    return dataclasses.replace(x, **{f.name: getattr(x, f.name)[rows] for f in dataclasses.fields(x)
+                                     if getattr(x, f.name) is not None})

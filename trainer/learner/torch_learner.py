@@ -163,7 +163,8 @@ class TorchLearner:
         alg = self.algorithm
         logp_old, values_old = self._recompute(batch)
         x, metrics = alg.advantages(batch, logp_old, values_old,
-                                    self.policy_version if version is None else version)
+                                    self.policy_version if version is None else version,
+                                    steps_done=self.steps_done)
         acc = MetricAccumulator()
         update_actor = alg.update_actor(self.steps_done, self.critic is not None)
         for idx in alg.mini_batches(len(batch), self.steps_done):
