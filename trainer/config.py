@@ -247,6 +247,10 @@ class WarmStartConfig:
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
         tool_use_fraction: share of ``retool_arithmetic`` traces that use the interpreter; the
             rest answer from the head (an estimate), so RL has a decision to improve.
+        cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
+            key a hash of every setting it depends on (model, task, rollout budgets, this section,
+            ``train.seed``); a run with the same key copies it instead of training (``copc sweep``
+            sets it for its cells). Empty: no sharing.
     """
 
     enabled: bool = False
@@ -258,6 +262,7 @@ class WarmStartConfig:
     seed: int = 0
     schedule: str = "cosine"
     tool_use_fraction: float = 1.0
+    cache_dir: str = ""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from .models.loading import load_model_and_tokenizer, load_tokenizer
 from .models.tiny import TinyModelConfig, save_tiny_checkpoint
 from .orchestration.prompts import PromptStream
 from .rollout.agent_loop import AgentLoopConfig
+from .warmstart.cache import cache_key, restore, store
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,15 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     if not cfg.warm_start.enabled:
         return model_dir, None
     w = cfg.warm_start
+    key = cache_key(cfg) if w.cache_dir else ""
+    if key:
+        shutil.rmtree(ws_dir, ignore_errors=True)  # a half-written one from a crash
+        if restore(w.cache_dir, key, ws_dir):  # the same warm-start, trained by an earlier run
+            log.info("warm-start: reused %s", Path(w.cache_dir) / key)
+            metrics = json.loads((ws_dir / "sft_metrics.json").read_text())
+            metrics.update(reused_from=str(Path(w.cache_dir) / key), wall_s=0.0)
+            (ws_dir / "sft_metrics.json").write_text(json.dumps(metrics))
+            return ws_dir, metrics
     t0 = time.time()
     actor, tok = load_model_and_tokenizer(model_dir, dtype=getattr(torch, cfg.model.dtype),
                                           attn_implementation=cfg.model.attn_implementation)
@@ -170,6 +181,8 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     tok.save_pretrained(ws_dir)
     metrics["wall_s"] = time.time() - t0
     (ws_dir / "sft_metrics.json").write_text(json.dumps(metrics))
+    if key:
+        store(w.cache_dir, key, ws_dir)
     return ws_dir, metrics
 
 

@@ -10,6 +10,7 @@ Layout of a sweep directory ``OUT``::
                                               checkpoints/, posthoc_eval/step_XXXXXXXX.json)
     OUT/cells/<cell id>/seed<S>.log           stdout + stderr of every attempt (appended)
     OUT/cells/<cell id>/seed<S>.status.json   the last attempt: status, exit code, command
+    OUT/warm_start_cache/<key>/               the warm-start shared by runs with equal settings
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ DEFAULT_OVERRIDES = ("logging.progress=false",)
 EVAL_METRICS = ("accuracy", "mean_reward", "em", "n", "episodes", "infra_failed", "mean_turns",
                 "tool_call_rate", "mean_tool_calls", "mean_response_tokens")
 POSTHOC_DIR = "posthoc_eval"
+#: Where a sweep's cells share their warm-start (``warm_start.cache_dir``), inside the sweep directory.
+WARM_START_CACHE = "warm_start_cache"
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ def build_plan(spec: SweepSpec) -> SweepPlan:
         raise ConfigError(f"base config {spec.config}: {e}") from None
     seeds = spec.seeds if spec.seeds is not None else [base.train.seed]
     out = Path(spec.out or f"runs/sweeps/{base.name}").resolve()
+    # cells differ in RL settings: they share one warm-start (the user's cache_dir, if any, wins)
+    common = [*DEFAULT_OVERRIDES, f"warm_start.cache_dir={format_value(str(out / WARM_START_CACHE))}",
+              *spec.overrides]
     metric = spec.metric or ("em" if base.task.env == "search" else "accuracy")
     resolved = SweepSpec(**{**vars(spec), "config": config, "seeds": seeds, "out": str(out),
                             "metric": metric})

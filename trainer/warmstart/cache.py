@@ -1,0 +1,96 @@
+"""Warm-starts shared between runs (``warm_start.cache_dir``): identical settings, one SFT.
+
+A sweep's cells differ in RL settings only, yet each used to repeat the same supervised
+warm-start (three quarters of a CPU-tiny run). The warm-start result depends on the model, the
+task, the rollout budgets, the ``warm_start`` section and the global seed; :func:`cache_key`
+hashes exactly those, so runs that agree on them share one result and nothing else can collide.
+Entries are written to a temporary directory and renamed into place (atomic), so runs started in
+parallel never read a half-written model: the first to finish wins, the others discard theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: Bump when the warm-start procedure changes in a way old entries must not be reused for.
+CACHE_FORMAT = 1
+
+
+def cache_key(cfg: Any) -> str:
+    """Hash of the settings a warm-start result depends on.
+
+    Args:
+        cfg: an :class:`~trainer.config.ExperimentConfig`.
+
+    Returns:
+        A 20-hex-digit key: SHA-256 of the canonical JSON of ``model``, ``task``, ``rollout``,
+        ``warm_start`` (minus ``cache_dir``), ``train.seed``, ``train.torch_threads`` and
+        :data:`CACHE_FORMAT`. RL settings (preset, algorithm, staleness, learning rates of RL,
+        evaluation) are not part of it.
+    """
+    ws = dataclasses.asdict(cfg.warm_start)
+    ws.pop("cache_dir", None)
+    parts = {"format": CACHE_FORMAT, "model": dataclasses.asdict(cfg.model),
+             "task": dataclasses.asdict(cfg.task), "rollout": dataclasses.asdict(cfg.rollout),
+             "warm_start": ws, "seed": cfg.train.seed, "torch_threads": cfg.train.torch_threads}
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def lookup(cache_dir: str | Path, key: str) -> Path | None:
+    """The cached warm-start directory for ``key``, or None when there is none (complete entries
+    only: they appear by an atomic rename)."""
+    d = Path(cache_dir) / key
+    return d if (d / "config.json").exists() else None
+
+
+def store(cache_dir: str | Path, key: str, src: str | Path) -> Path:
+    """Copy the warm-start directory ``src`` into the cache under ``key`` (atomic; an entry that
+    appeared meanwhile is kept and the copy discarded).
+
+    Returns:
+        The cache entry's directory.
+
+    Raises:
+        OSError: the cache directory cannot be written.
+    """
+    root = Path(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / key
+    if lookup(root, key) is not None:
+        return final
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another run stored the same key first
+            if lookup(root, key) is None:
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def restore(cache_dir: str | Path, key: str, dst: str | Path) -> bool:
+    """Copy the cached entry for ``key`` to ``dst`` (the run's ``warm_start_model``) if there is one.
+
+    Returns:
+        Whether an entry was found and copied.
+    """
+    src = lookup(cache_dir, key)
+    if src is None:
+        return False
+    tmp = Path(f"{dst}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    os.replace(tmp, dst)
+    return True
