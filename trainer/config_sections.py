@@ -1,0 +1,344 @@
+"""The sections of :class:`trainer.config.ExperimentConfig`: typed dataclasses, each with a
+``validate()`` that raises :class:`~trainer.errors.ConfigError` naming the offending key.
+
+Import them from :mod:`trainer.config` (re-exported there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+def _require(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+@dataclass
+class TinyModelSpec:
+    """Tiny offline model built from scratch when ``model.path`` is empty (see trainer.models.tiny)."""
+
+    arch: str = "qwen2"
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """Policy (actor) and critic models.
+
+    Attributes:
+        path: local checkpoint directory (``save_pretrained`` layout, e.g. Qwen3-4B); empty:
+            build the tiny model described by ``tiny``.
+        critic_path: critic initialisation; empty: the actor's weights plus a fresh value head.
+        dtype: ``float32`` | ``bfloat16`` (parameters).
+        attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2``.
+        gradient_checkpointing: trade compute for memory in the learner.
+    """
+
+    path: str = ""
+    critic_path: str = ""
+    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    gradient_checkpointing: bool = False
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+                 "must be float32, bfloat16 or float16")
+        if self.path:
+            _require(Path(self.path).is_dir(), "model.path", self.path,
+                     "not a directory (fill in a local checkpoint path, or leave it empty for the "
+                     "tiny model)")
+
+
+@dataclass
+class TaskConfig:
+    """Environment and data.
+
+    Attributes:
+        env: registered environment id (``math_tool``, ``search`` or a user's), or
+            ``pkg.module:id`` / ``path/file.py:id`` (imported first, so it can register ``id``).
+        env_kwargs: keyword overrides for ``environments.make`` (e.g. ``prompt_template``).
+        train_data: dataset names/paths the env understands (e.g. ``[math_train]`` or
+            ``[nq, hotpotqa]``), read from ``data_dir``; empty: generated problems (math_tool;
+            other environments need JSONL files here).
+        eval_data: held-out dataset(s) for evaluation.
+        data_dir: data directory; empty: ``$COPC_DATA_DIR``, else ``../shared/data``. Relative
+            paths (here and in the other path keys) resolve against the current working directory.
+        max_train_samples / max_eval_samples: caps (0 = all).
+        retriever_url: search tasks: an existing server; empty: start one (BM25 index built
+            on first use in ``retriever_index_dir``, reused after).
+        retriever_index_dir / retriever_corpus: where the auto-started server's index lives
+            and which corpus it indexes (empty: ``<data dir>/wiki/corpus.jsonl``).
+        arithmetic_kinds: generated math problems' kinds (``mul``, ``sum_of_products``,
+            ``mul_minus``; empty = all), for math_tool runs without ``train_data``.
+    """
+
+    env: str = "math_tool"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)
+    data_dir: str = ""
+    max_train_samples: int = 0
+    max_eval_samples: int = 0
+    retriever_url: str = ""
+    retriever_index_dir: str = "runs/retriever_index/bm25"
+    retriever_corpus: str = ""
+    arithmetic_kinds: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(bool(self.env), "task.env", self.env, "must name a registered environment")
+        _require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
+        _require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
+        kinds = ("mul", "sum_of_products", "mul_minus")
+        _require(all(k in kinds for k in self.arithmetic_kinds), "task.arithmetic_kinds",
+                 self.arithmetic_kinds, f"each must be one of {kinds}")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engine, sampling and per-episode budgets.
+
+    Attributes:
+        engine: a registered engine (:mod:`trainer.engines.registry`): ``embedded``
+            (in-process, CPU default) | ``sglang`` (GPU server) | a user's.
+        temperature, top_p, top_k: sampling (the learner uses the same temperature).
+        max_new_tokens: tokens per model turn.
+        n_samples_per_prompt: episodes per prompt: >= 2 when the advantage estimator
+            ``needs_groups`` (registry metadata; ``grpo``/``dapo``), and equal to the algorithm's
+            own ``n_samples_per_prompt`` when it fixes one (``sao``: 1).
+        concurrency: episodes in flight at once.
+        max_total_tokens, max_turns, max_observation_tokens: episode budgets (tokens / turns).
+        engine_max_batch_size: embedded engine batch size (sequences).
+        sglang_port / sglang_tp / sglang_mem_fraction: SGLang server settings.
+        use_chat_template: wrap prompts with the tokenizer's chat template (real instruct
+            models; the tiny byte-level models have none).
+    """
+
+    engine: str = "embedded"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    n_samples_per_prompt: int = 1
+    concurrency: int = 32
+    max_total_tokens: int = 4096
+    max_turns: int = 8
+    max_observation_tokens: int = 1024
+    engine_max_batch_size: int = 32
+    sglang_port: int = 30000
+    sglang_tp: int = 1
+    sglang_mem_fraction: float = 0.8
+    use_chat_template: bool = False
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        from .engines.registry import ENGINES
+
+        _require(self.engine in ENGINES.names(), "rollout.engine", self.engine,
+                 f"not a registered engine; known: {ENGINES.names()}")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
+                  "max_turns", "max_observation_tokens", "engine_max_batch_size"):
+            _require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """Learner settings.
+
+    Attributes:
+        total_steps: optimizer steps of RL (policy versions produced).
+        prompts_per_step: prompts per training batch (× ``rollout.n_samples_per_prompt`` episodes).
+        num_mini_batches: optimizer updates per step (PPO mini-batches, one epoch).
+        micro_batch_size: sequences per forward/backward (gradient accumulation; exact loss).
+        actor_lr, critic_lr: learning rates. weight_decay: AdamW decay.
+        warmup_steps: linear LR warm-up (optimizer updates).
+        grad_clip: max global gradient norm (0 = off).
+        critic_warmup_steps: first steps update only the critic.
+        max_staleness: bound on policy versions between behavior and learner (0 = synchronous);
+            a preset's own bound (``ppo``: 0) wins. Read the effective bound from
+            :attr:`ExperimentConfig.max_staleness`, not from here.
+        staleness_mode: ``bounded`` (``max_staleness`` is an upper bound; realised staleness
+            floats with machine speed) or ``fixed`` (every token trained at step ``n`` was
+            generated by policy version ``n − fixed_lag`` exactly, ``max(0, ·)`` for the first
+            ``fixed_lag`` steps; the engine generates with a kept lagged copy of the weights).
+        fixed_lag: ``k`` of ``fixed`` mode (0 = synchronous on-policy; ignored when bounded).
+        seed: everything random (data order, sampling, init).
+        torch_threads: torch intra-op threads (0 = torch's default). On 2 CPU cores, 1 lets the
+            rollout engine and the learner each own a core instead of stalling each other.
+        max_infra_failure_fraction: episodes ended by an infrastructure failure (sandbox,
+            retriever, reward checker, engine) are never trained on (their group is dropped and
+            the prompt re-queued); when more than this fraction of a step's episodes fail that
+            way before the step is trained, the run stops with an error (0: at the first one).
+    """
+
+    total_steps: int = 100
+    prompts_per_step: int = 8
+    num_mini_batches: int = 1
+    micro_batch_size: int = 8
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    critic_warmup_steps: int = 0
+    max_staleness: int = 8
+    staleness_mode: str = "bounded"
+    fixed_lag: int = 0
+    seed: int = 0
+    torch_threads: int = 0
+    max_infra_failure_fraction: float = 0.5
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        for k in ("total_steps", "prompts_per_step", "num_mini_batches", "micro_batch_size"):
+            _require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
+        for k in ("actor_lr", "critic_lr"):
+            _require(getattr(self, k) > 0, f"train.{k}", getattr(self, k), "must be > 0")
+        _require(self.staleness_mode in ("bounded", "fixed"), "train.staleness_mode", self.staleness_mode,
+                 "must be 'bounded' or 'fixed'")
+        for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "max_staleness",
+                  "torch_threads", "fixed_lag"):
+            _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
+        _require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
+                 self.max_infra_failure_fraction, "must be in [0, 1]")
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm-start on generated traces before RL (ReTool's cold-start idea).
+
+    Attributes:
+        enabled: run it (skipped when ``model.path`` is a real, already fine-tuned model).
+        kind: a warm-start kind the task supports (``retool_arithmetic`` for math_tool,
+            ``search_r1`` for search; checked by the task's ``check_warm_start``).
+        num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
+        lr: learning rate. seed: generator seed.
+        schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
+        tool_use_fraction: share of ``retool_arithmetic`` traces that use the interpreter; the
+            rest answer from the head (an estimate), so RL has a decision to improve.
+        cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
+            key a hash of every setting it depends on (model, task, rollout budgets, this section,
+            ``train.seed``); a run with the same key copies it instead of training (``copc sweep``
+            sets it for its cells). Empty: no sharing.
+    """
+
+    enabled: bool = False
+    kind: str = "retool_arithmetic"
+    num_examples: int = 2000
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    schedule: str = "cosine"
+    tool_use_fraction: float = 1.0
+    cache_dir: str = ""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.schedule in ("cosine", "constant"), "warm_start.schedule", self.schedule,
+                 "must be 'cosine' or 'constant'")
+        _require(0.0 <= self.tool_use_fraction <= 1.0, "warm_start.tool_use_fraction",
+                 self.tool_use_fraction, "must be in [0, 1]")
+        _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
+                 "must be a non-empty string (the task checks it supports it)")
+        for k in ("num_examples", "steps", "batch_size"):
+            _require(getattr(self, k) >= 1, f"warm_start.{k}", getattr(self, k), "must be >= 1")
+        _require(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (greedy by default) before and after RL.
+
+    Attributes:
+        enabled: run it. num_samples: held-out problems. temperature: 0 = greedy.
+        k: samples per problem for avg@k (1 with greedy).
+    """
+
+    enabled: bool = True
+    num_samples: int = 64
+    temperature: float = 0.0
+    k: int = 1
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.num_samples >= 1, "eval.num_samples", self.num_samples, "must be >= 1")
+        _require(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
+        _require(self.k >= 1, "eval.k", self.k, "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: every ``every_steps`` steps into ``<output_dir>/checkpoints``, keep ``keep_last``."""
+
+    every_steps: int = 10
+    keep_last: int = 2
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics JSONL (always), TensorBoard, end-of-run PNG plots, live progress bar."""
+
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class LearnerSection:
+    """Which learner backend trains the actor and critic.
+
+    Attributes:
+        backend: a registered backend (:mod:`trainer.learner.base`): ``torch`` (one process,
+            CPU or one GPU; default) | a user's.
+    """
+
+    backend: str = "torch"
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        from .learner.base import LEARNERS
+
+        _require(self.backend in LEARNERS.names(), "learner.backend", self.backend,
+                 f"not a registered learner backend; known: {LEARNERS.names()}")
+
+
+@dataclass
+class LauncherConfig:
+    """``local`` (one process, threads/asyncio) or ``ray`` (rollout workers + learner as Ray actors).
+
+    Attributes:
+        kind: ``local`` | ``ray``. ray_address: existing cluster (empty: start a local one).
+        num_rollout_workers: Ray rollout actors. ray_num_cpus: CPUs of a local Ray cluster.
+    """
+
+    kind: str = "local"
+    ray_address: str = ""
+    num_rollout_workers: int = 1
+    ray_num_cpus: int = 2
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.kind in ("local", "ray"), "launcher.kind", self.kind, "must be 'local' or 'ray'")
+        _require(self.num_rollout_workers >= 1, "launcher.num_rollout_workers",
+                 self.num_rollout_workers, "must be >= 1")
