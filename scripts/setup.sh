@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS=${COPC_EXTRAS:-envs,search,train,ray,openenv,mcp,dev}
+EXTRAS=${COPC_EXTRAS:-envs,search,train,ray,openenv,mcp,megatron,dev}
 
 if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv with $($PY --version)"
