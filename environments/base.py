@@ -5,6 +5,10 @@ one turn. If the action contains a tool call (the earliest one, by position, ove
 the tool runs and its rendered result is the next observation; if it contains a final answer
 and no tool call, the episode terminates and is scored; otherwise the action is invalid.
 Rewards are computed from the concatenated *actions* only (never the prompt or tool output).
+
+Tool calls are read in the env's ``tool_format`` (:data:`TOOL_FORMATS`): ``tags`` (each tool's
+own tags) or a native JSON format, ``hermes`` / ``openai`` (:mod:`environments.tool_formats`),
+where tools declare a :class:`ToolSchema` and run from JSON arguments (:class:`SchemaTool`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,21 @@ from typing import Any, Protocol, runtime_checkable
 
 import gymnasium
 from gymnasium import spaces
+
+from .tool_formats import (
+    TOOL_FORMATS,
+    CallFormat,
+    ParsedCall,
+    SchemaTool,
+    ToolArgumentError,
+    ToolResponse,
+    ToolSchema,
+    call_format,
+)
+
+__all__ = ["TOOL_FORMATS", "EnvLimits", "RegexTool", "SchemaTool", "TextSpace", "Tool", "ToolArgumentError",
+           "ToolCall", "ToolEnv", "ToolSchema", "check_prompt_template", "truncate_observation",
+           "with_overrides"]
 
 TRUNCATION_MARKER = "\n...[truncated {n} characters]...\n"
 
@@ -67,11 +86,35 @@ class RegexTool:
     """Base for tools whose calls are ``open_tag ... close_tag`` spans matched by a regex.
 
     Subclasses set ``name`` and ``pattern`` (group 1 = payload) and implement ``run`` and
-    ``render``.
+    ``render``. To be usable in the native formats too (a :class:`SchemaTool`), they also set
+    ``schema`` and ``payload_argument`` (the schema property holding the payload) and
+    override :meth:`content` if ``str(result)`` is not the right response text.
     """
 
     name = "tool"
     pattern: re.Pattern[str] = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
+    #: JSON schema of the tool (``None``: tags format only).
+    schema: ToolSchema | None = None
+    #: The schema property whose value :meth:`run_arguments` passes to :meth:`run` as payload.
+    payload_argument: str = "input"
+
+    def content(self, result: Any) -> str:
+        """Response text of ``result`` in the native formats (no tags); default ``str(result)``."""
+        return str(result)
+
+    def run_arguments(self, arguments: Mapping[str, Any]) -> str:
+        """Run a JSON call: ``content(run(str(arguments[payload_argument])))``.
+
+        Raises:
+            TypeError: the tool has no ``schema``.
+            ToolArgumentError: ``arguments`` do not fit the schema.
+        """
+        if self.schema is None:
+            raise TypeError(f"tool {self.name!r} has no schema; it works in the tags format only")
+        args = self.schema.check_arguments(arguments)
+        if self.payload_argument not in args:
+            raise ToolArgumentError(f"{self.name}: missing required argument {self.payload_argument!r}")
+        return self.content(self.run(str(args[self.payload_argument])))
 
     def find(self, text: str) -> ToolCall | None:
         """First match of ``pattern`` in ``text``."""
@@ -177,23 +220,59 @@ class ToolEnv(gymnasium.Env):
     ``invalid`` (action had neither a tool call nor a final answer), ``final_answer``
     (parsed, or None), ``reward_components`` (dict, on the last step), ``sample_id``.
 
+    In the native formats (``tool_format`` ``hermes`` / ``openai``) every call of a turn runs,
+    in order (each counts towards ``max_tool_calls``; each response is cut to
+    ``max_observation_chars``); a malformed call (bad JSON, unknown tool, arguments that do not
+    fit the schema) gets an ``error: ...`` response and the episode goes on. ``info`` then also
+    has ``tool_error`` (a call of this step was malformed; it also sets
+    ``invalid``, as does a call over ``max_tool_calls``) and, on a step that continues the
+    episode, ``observation_messages``: the chat messages the observation stands for
+    (``role: "tool"`` responses; ``role: "user"`` for the invalid-action reply), which a rollout
+    with a chat template renders instead of the text. ``reset``'s ``info`` has ``tools``: the
+    OpenAI function schemas (``ToolSchema.to_openai``) to give the chat template.
+
     Args:
-        tools: tools recognised in actions.
+        tools: tools recognised in actions (:class:`Tool` for ``tags``; :class:`SchemaTool`
+            with a ``schema`` for the native formats).
         limits: :class:`EnvLimits`.
         samples: data rows to draw from on ``reset`` without ``options["sample"]``.
         invalid_action_reply: observation for an invalid action; ``None`` ends the episode
             (scored as is) instead.
+        tool_format: ``tags`` | ``hermes`` | ``openai``.
+
+    Raises:
+        ValueError: unknown ``tool_format``; a native format with a tool that has no schema, or
+            two tools with the same schema name.
     """
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 - gymnasium convention
     #: Strings that end a model turn (a tool call's or answer's closing tag); a rollout
     #: engine stops generating right after the token that completes one (EOS also ends a turn).
     stop_strings: tuple[str, ...] = ()
+    #: The answer's stop strings, kept in the native formats (where the tools' tags are replaced
+    #: by the format's, e.g. ``</tool_call>``).
+    answer_stop_strings: tuple[str, ...] = ()
 
-    def __init__(self, tools: Sequence[Tool], limits: EnvLimits | None = None,
+    def __init__(self, tools: Sequence[Tool | SchemaTool], limits: EnvLimits | None = None,
                  samples: Sequence[Mapping[str, Any]] | None = None,
-                 invalid_action_reply: str | None = None) -> None:
+                 invalid_action_reply: str | None = None, tool_format: str = "tags") -> None:
+        self.tool_format = tool_format
+        self.call_format: CallFormat | None = call_format(tool_format, type(self).__name__)
         self.tools = list(tools)
+        self.schema_tools: dict[str, SchemaTool] = {}
+        if self.call_format is not None:
+            for t in self.tools:
+                schema = getattr(t, "schema", None)
+                if not isinstance(schema, ToolSchema) or not callable(getattr(t, "run_arguments", None)):
+                    raise ValueError(f"{type(self).__name__}.tool_format={tool_format!r}: tool "
+                                     f"{getattr(t, 'name', t)!r} has no ToolSchema `schema` and "
+                                     "`run_arguments`; the native formats need both")
+                if schema.name in self.schema_tools:
+                    raise ValueError(f"{type(self).__name__}.tool_format={tool_format!r}: two tools "
+                                     f"named {schema.name!r}")
+                self.schema_tools[schema.name] = t
+            self.stop_strings = tuple(dict.fromkeys((*self.call_format.stop_strings,
+                                                     *self.answer_stop_strings)))
         self.limits = limits or EnvLimits()
         self.samples = list(samples) if samples is not None else None
         self.invalid_action_reply = invalid_action_reply
@@ -215,6 +294,11 @@ class ToolEnv(gymnasium.Env):
         """(reward, components) for the model's concatenated actions ``response``."""
         raise NotImplementedError
 
+    @property
+    def tool_schemas(self) -> list[ToolSchema]:
+        """Schemas of the tools (native formats; ``[]`` in ``tags``)."""
+        return [t.schema for t in self.schema_tools.values()]
+
     # -- gymnasium API ------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
@@ -235,7 +319,10 @@ class ToolEnv(gymnasium.Env):
             raise ValueError(f"options['sample'] must be a mapping, got {type(sample).__name__}")
         prompt = self.build_prompt(sample)
         self._ep = _Episode(sample=sample, prompt=prompt)
-        return prompt, self._info(tool=None, invalid=False, answer=None)
+        info = self._info(tool=None, invalid=False, answer=None)
+        if self.call_format is not None:
+            info["tools"] = [sc.to_openai() for sc in self.tool_schemas]
+        return prompt, info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Apply one model turn; see the class docstring for ``info``.
@@ -251,6 +338,8 @@ class ToolEnv(gymnasium.Env):
             raise TypeError(f"action must be str, got {type(action).__name__}")
         ep.actions.append(action)
         turn = len(ep.actions)
+        if self.call_format is not None:
+            return self._step_native(action, turn)
         calls = [c for c in (t.find(action) for t in self.tools) if c is not None]
         call = min(calls, key=lambda c: c.start) if calls else None
         answer = self.extract_answer(action) if call is None else None
@@ -271,6 +360,51 @@ class ToolEnv(gymnasium.Env):
         obs = truncate_observation(tool.render(tool.run(call.payload)),
                                    self.limits.max_observation_chars)
         return obs, 0.0, False, False, self._info(tool=call.tool, invalid=False, answer=None)
+
+    def _step_native(self, action: str, turn: int) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """:meth:`step` in a native format: the same episode rules, every call of the turn run."""
+        assert self.call_format is not None
+        calls = self.call_format.parse(action)
+        answer = self.extract_answer(action) if not calls else None
+        if not calls and (answer is not None or self.invalid_action_reply is None):
+            return self._finish(answer, terminated=True, truncated=False, invalid=answer is None)
+        if turn >= self.limits.max_turns:
+            return self._finish(None, terminated=False, truncated=True, invalid=not calls)
+        if not calls:
+            obs = self.invalid_action_reply or ""
+            info = self._info(tool=None, invalid=True, answer=None)
+            info.update(tool_error=False, observation_messages=[{"role": "user", "content": obs}])
+            return obs, 0.0, False, False, info
+        responses, kinds = zip(*(self._run_call(c) for c in calls), strict=True)
+        ran = [r.name for r, k in zip(responses, kinds, strict=True) if k == "ran"]
+        info = self._info(tool=ran[0] if ran else None, invalid=any(k != "ran" for k in kinds), answer=None)
+        info.update(tool_error="malformed" in kinds, observation_messages=[r.message() for r in responses])
+        return self.call_format.render(responses), 0.0, False, False, info
+
+    def _run_call(self, call: ParsedCall) -> tuple[ToolResponse, str]:
+        """Check and run one parsed call: ``(response, kind)``, kind ``ran`` | ``malformed`` (an
+        ``error: <why>`` response) | ``limit`` (``max_tool_calls`` used up; nothing ran)."""
+        ep = self._ep
+        assert ep is not None
+
+        def error(why: str, kind: str = "malformed") -> tuple[ToolResponse, str]:
+            return ToolResponse(call.call_id, call.name, f"error: {why}", error=True), kind
+
+        if call.error is not None:
+            return error(call.error)
+        tool = self.schema_tools.get(call.name or "")
+        if tool is None:
+            return error(f"unknown tool {call.name!r}; available tools: {', '.join(self.schema_tools)}")
+        if ep.tool_calls >= self.limits.max_tool_calls:
+            return error(f"tool call limit of {self.limits.max_tool_calls} reached; give your final answer",
+                         "limit")
+        try:
+            content = tool.run_arguments(tool.schema.check_arguments(call.arguments))
+        except ToolArgumentError as e:
+            return error(str(e))
+        ep.tool_calls += 1
+        return ToolResponse(call.call_id, call.name, truncate_observation(
+            str(content), self.limits.max_observation_chars)), "ran"
 
     def render_limit_reached(self, call: ToolCall) -> str:
         """Observation when ``max_tool_calls`` is exhausted (override to use the tool's tags)."""

@@ -85,7 +85,15 @@ class BM25Searcher:
         """Write the sparse matrix and vocabulary under ``index_dir/bm25s/``."""
         out = Path(index_dir) / SUBDIR
         out.mkdir(parents=True, exist_ok=True)
-        self._retriever.save(str(out), show_progress=False)
+        # bm25s writes its vocabulary with orjson when that is installed (the openenv extra pulls it
+        # in), and orjson rejects the int keys of an index built from token ids; json.dumps writes
+        # them as strings, so string keys give the same file either way.
+        ret, vocab = self._retriever, self._retriever.vocab_dict
+        ret.vocab_dict = {str(k): v for k, v in vocab.items()}
+        try:
+            ret.save(str(out), show_progress=False)
+        finally:
+            ret.vocab_dict = vocab
         self._tokenizer.save_vocab(str(out))
         self._tokenizer.save_stopwords(str(out))
 

@@ -10,6 +10,7 @@ from typing import Any
 from ..base import EnvLimits, ToolCall, ToolEnv, check_prompt_template, with_overrides
 from ..data import DEFAULT_DATA_DIR
 from ..sandbox import Sandbox, SandboxConfig
+from ..tool_formats import call_format
 from .data import load_math
 from .reward import MathReward, MathRewardConfig, extract_boxed
 from .tool import PythonTool
@@ -19,6 +20,12 @@ PROMPT = (
     "<code>\n```python\n# your code\n```\n</code>\n"
     "and its output will be returned between <interpreter> and </interpreter>. "
     "The value of a bare expression on the last line is printed. "
+    "Put your final answer in \\boxed{{}}.\n\nProblem: {problem}\n"
+)
+#: Default prompt in the native tool-call formats (the chat template shows the tool's schema).
+NATIVE_PROMPT = (
+    "Solve the following problem step by step. You can call the python tool to run code; its "
+    "output is returned to you. The value of a bare expression on the last line is printed. "
     "Put your final answer in \\boxed{{}}.\n\nProblem: {problem}\n"
 )
 
@@ -37,7 +44,10 @@ class MathToolConfig:
         limits: :class:`EnvLimits` (turns, tool calls, observation length).
         reward: :class:`MathRewardConfig`.
         sandbox: :class:`SandboxConfig` used when the env starts its own sandbox.
-        prompt_template: ``str.format`` template with ``{problem}``.
+        prompt_template: ``str.format`` template with ``{problem}`` (left at the default
+            :data:`PROMPT`, the native formats use :data:`NATIVE_PROMPT`).
+        tool_format: ``tags`` (ReTool ``<code>`` → ``<interpreter>``) | ``hermes`` | ``openai``
+            (the ``python(code)`` tool in JSON calls; :mod:`environments.tool_formats`).
     """
 
     dataset: str | None = None
@@ -49,9 +59,11 @@ class MathToolConfig:
     reward: MathRewardConfig = field(default_factory=MathRewardConfig)
     sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(workers=1))
     prompt_template: str = PROMPT
+    tool_format: str = "tags"
 
     def __post_init__(self) -> None:
         check_prompt_template("MathToolConfig", self.prompt_template, "problem")
+        call_format(self.tool_format, "MathToolConfig")
         if not isinstance(self.code_timeout_s, int | float) or not self.code_timeout_s > 0:
             raise ValueError(f"MathToolConfig.code_timeout_s={self.code_timeout_s!r}: must be a number > 0")
         if isinstance(self.code_memory_mb, bool) or not isinstance(self.code_memory_mb, int) \
@@ -62,6 +74,9 @@ class MathToolConfig:
 
 class MathToolEnv(ToolEnv):
     """ReTool-style env: code calls run in the sandbox, the last ``\\boxed{}`` is the answer.
+
+    ``tool_format: hermes`` / ``openai``: the same env with ``python(code)`` called in JSON
+    (:data:`~environments.math_tool.tool.PYTHON_SCHEMA`); tags otherwise (the default).
 
     An action with a code block gets ``<interpreter>stdout / error</interpreter>``; an action
     without a code block ends the episode (it is the final answer, scored with
@@ -90,7 +105,8 @@ class MathToolEnv(ToolEnv):
         self._sandbox = sandbox
         self.reward_fn = MathReward(cfg.reward)
         self.python = PythonTool(_LazySandbox(self), cfg.code_timeout_s, cfg.code_memory_mb)
-        super().__init__([self.python], cfg.limits, samples, invalid_action_reply=None)
+        super().__init__([self.python], cfg.limits, samples, invalid_action_reply=None,
+                         tool_format=cfg.tool_format)
 
     @property
     def sandbox(self) -> Sandbox:
@@ -103,7 +119,10 @@ class MathToolEnv(ToolEnv):
         """The problem inside the ReTool instruction template."""
         if "problem" not in sample:
             raise ValueError(f"math sample {sample.get('id')!r} has no 'problem' field")
-        return self.config.prompt_template.format(problem=sample["problem"])
+        template = self.config.prompt_template
+        if self.tool_format != "tags" and template == PROMPT:
+            template = NATIVE_PROMPT
+        return template.format(problem=sample["problem"])
 
     def extract_answer(self, action: str) -> str | None:
         """Content of the last ``\\boxed{}`` in the action."""

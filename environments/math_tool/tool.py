@@ -16,6 +16,11 @@ reads a fenced code block, plus the slips models commonly make:
 * ``\\r\\n`` / ``\\r`` line endings become ``\\n``; indentation common to all code lines is
   removed (a fence indented inside a list); leading and trailing blank lines are dropped.
 
+In the native tool-call formats (``tool_format`` ``hermes`` / ``openai``) the tool is
+``python(code: string)`` (:data:`PYTHON_SCHEMA`); the ``code`` argument is read by the same
+rules (a JSON string holding a fenced block works too), and the response is the
+``<interpreter>`` body without the tags.
+
 No fence line reaches the sandbox. (Only a Python string literal could hold a line of three
 backticks; inside a block fenced with four or more, a shorter such line stays code, as in
 CommonMark.)
@@ -26,14 +31,25 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
+from collections.abc import Mapping
+from typing import Any
 
-from ..base import RegexTool, ToolCall
+from ..base import RegexTool, ToolCall, ToolSchema
 from ..errors import InfrastructureError
 from ..sandbox import Sandbox, SandboxResult, SandboxUnavailableError
 from ..sandbox.config import STATUS_SANDBOX_ERROR
 
 #: A tool call: the first ``<code>...</code>`` span; group 1 is the raw block (fences included).
 CODE_PATTERN = re.compile(r"<code>(.*?)</code>", re.DOTALL)
+#: The tool's JSON schema (native tool-call formats).
+PYTHON_SCHEMA = ToolSchema(
+    name="python",
+    description=("Run Python 3 code in a sandbox (no network, limited time and memory) and return its "
+                 "standard output; on failure, the error's last line. The value of a bare expression "
+                 "on the last line is printed. No state (variables, files) is kept between calls."),
+    parameters={"type": "object",
+                "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+                "required": ["code"]})
 _OPEN_FENCE = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*?)[ \t]*$")
 
 
@@ -106,7 +122,7 @@ class PythonTool(RegexTool):
     """Runs the Python code of a ``<code>`` block in the sandbox, renders ``<interpreter>``.
 
     The code is read from the block by :func:`extract_code` (fenced or bare; see the module
-    docstring).
+    docstring). Natively (:data:`PYTHON_SCHEMA`): :meth:`run_arguments` with ``{"code": ...}``.
 
     Args:
         sandbox: a started :class:`~environments.sandbox.Sandbox` (shared between envs).
@@ -115,6 +131,8 @@ class PythonTool(RegexTool):
 
     name = "python"
     pattern = CODE_PATTERN
+    schema = PYTHON_SCHEMA
+    payload_argument = "code"
 
     def __init__(self, sandbox: Sandbox, timeout_s: float = 10.0, memory_mb: int = 1024) -> None:
         self.sandbox, self.timeout_s, self.memory_mb = sandbox, timeout_s, memory_mb
@@ -125,6 +143,16 @@ class PythonTool(RegexTool):
         if m is None:
             return None
         return ToolCall(self.name, extract_code(m.group(1)), m.start(), m.end())
+
+    def run_arguments(self, arguments: Mapping[str, Any]) -> str:
+        """Run ``arguments["code"]`` (read by :func:`extract_code`); the :meth:`content` text.
+
+        Raises:
+            ToolArgumentError: ``arguments`` do not fit :data:`PYTHON_SCHEMA`.
+            InfrastructureError: see :meth:`run`.
+        """
+        args = self.schema.check_arguments(arguments)
+        return self.content(self.run(extract_code(args["code"])))
 
     def run(self, payload: str) -> SandboxResult:
         """Execute ``payload`` (last bare expression printed) in the sandbox.
@@ -150,12 +178,17 @@ class PythonTool(RegexTool):
             reasons.append(res.reason)
         raise InfrastructureError(f"python sandbox failed twice for one call: {'; '.join(reasons)}")
 
-    def render(self, result: SandboxResult) -> str:
-        """stdout, then (on failure) the error's last line or the kill reason."""
+    def content(self, result: SandboxResult) -> str:
+        """stdout, then (on failure) the error's last line or the kill reason; trailing
+        whitespace removed."""
         text = result.stdout
         if not result.ok:
             lines = [ln for ln in result.stderr.strip().splitlines() if ln.strip()]
             failed = f"{result.status}: {result.reason}"
             err = lines[-1] if result.status == "error" and lines else failed
             text = (text + ("\n" if text and not text.endswith("\n") else "") + err)
-        return f"\n<interpreter>\n{text.rstrip()}\n</interpreter>\n"
+        return text.rstrip()
+
+    def render(self, result: SandboxResult) -> str:
+        """:meth:`content` in ``\n<interpreter>\n...\n</interpreter>\n``."""
+        return f"\n<interpreter>\n{self.content(result)}\n</interpreter>\n"

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..base import EnvLimits, RegexTool, ToolEnv, check_prompt_template, with_overrides
+from ..base import EnvLimits, RegexTool, ToolEnv, ToolSchema, check_prompt_template, with_overrides
 from ..data import DEFAULT_DATA_DIR, load_jsonl, resolve_data_path
 from ..errors import InfrastructureError
+from ..tool_formats import call_format
 from .reward import exact_match, f1_score, substring_match
 
 PROMPT = (
@@ -21,6 +22,21 @@ PROMPT = (
     "many times as your want. If you find no further external knowledge needed, you can "
     "directly provide the answer inside <answer> and </answer>, without detailed "
     "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+#: Default prompt in the native tool-call formats (the chat template shows the search tool's schema).
+NATIVE_PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some "
+    "knowledge, you can call the search tool and it will return the top searched results. You "
+    "can search as many times as your want. If you find no further external knowledge needed, "
+    "you can directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+#: Invalid-action reply in the native tool-call formats.
+NATIVE_INVALID_ACTION_REPLY = (
+    "\nMy previous action is invalid. If I want to search, I should call the search tool. If I "
+    "want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
 )
 INVALID_ACTION_REPLY = (
     "\nMy previous action is invalid. If I want to search, I should put the query between "
@@ -46,6 +62,14 @@ class Retriever(Protocol):
 
 
 NO_RESULTS = "No results found for this query."
+#: The search tool's JSON schema (native tool-call formats).
+SEARCH_SCHEMA = ToolSchema(
+    name="search",
+    description=("Search a Wikipedia corpus and return the top passages for the query, as lines "
+                 "'Doc i(Title: T) text'."),
+    parameters={"type": "object",
+                "properties": {"query": {"type": "string", "description": "The search query."}},
+                "required": ["query"]})
 
 
 def format_passages(hits: Sequence[Mapping[str, Any]]) -> str:
@@ -71,10 +95,15 @@ class SearchTool(RegexTool):
     answer (connection errors, timeouts, 5xx after the client's retries) is an infrastructure
     failure: :class:`~environments.errors.InfrastructureError` is raised, so the episode is
     never trained on or scored as a wrong answer.
+
+    Natively (:data:`SEARCH_SCHEMA`): ``search(query)``, answered with the passages without the
+    ``<information>`` tags (:meth:`content`).
     """
 
     name = "search"
     pattern = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+    schema = SEARCH_SCHEMA
+    payload_argument = "query"
 
     def __init__(self, retriever: Retriever, topk: int = 3) -> None:
         self.retriever, self.topk = retriever, topk
@@ -97,10 +126,13 @@ class SearchTool(RegexTool):
         except Exception as e:
             raise InfrastructureError(f"retriever failed: {type(e).__name__}: {e}") from e
 
+    def content(self, result: list[dict[str, Any]] | str) -> str:
+        """The passages (:func:`format_passages`), :data:`NO_RESULTS` or the error text."""
+        return result if isinstance(result, str) else format_passages(result)
+
     def render(self, result: list[dict[str, Any]] | str) -> str:
         """The Search-R1 ``<information>`` block (hits, :data:`NO_RESULTS` or the error)."""
-        body = result if isinstance(result, str) else format_passages(result)
-        return f"\n\n<information>{body}</information>\n\n"
+        return f"\n\n<information>{self.content(result)}</information>\n\n"
 
 
 #: Largest ``topk`` a search may ask for (the retriever server's default ``max_topk``).
@@ -121,6 +153,10 @@ class SearchConfig:
         topk: passages per search (Search-R1 default 3).
         reward: ``"em"`` (exact match), ``"substring_em"`` or ``"f1"``.
         limits: :class:`EnvLimits`; ``max_turns`` default 4 (Search-R1).
+        prompt_template: ``str.format`` template with ``{question}`` (left at the default
+            :data:`PROMPT`, the native formats use :data:`NATIVE_PROMPT`).
+        tool_format: ``tags`` (Search-R1 ``<search>`` → ``<information>``) | ``hermes`` |
+            ``openai`` (``search(query)`` in JSON calls; the answer stays ``<answer>...</answer>``).
     """
 
     dataset: str | None = None
@@ -131,8 +167,10 @@ class SearchConfig:
     reward: str = "em"
     limits: EnvLimits = field(default_factory=lambda: EnvLimits(max_turns=4, max_tool_calls=4))
     prompt_template: str = PROMPT
+    tool_format: str = "tags"
 
     def __post_init__(self) -> None:
+        call_format(self.tool_format, "SearchConfig")
         if self.reward not in ("em", "substring_em", "f1"):
             raise ValueError(f"SearchConfig.reward={self.reward!r}: em | substring_em | f1")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) \
@@ -167,7 +205,8 @@ class SearchEnv(ToolEnv):
     An action with neither tag gets Search-R1's invalid-action reply. The reward (EM,
     substring EM or F1 against any golden answer) is computed on the final ``<answer>``,
     which is parsed from the model's text only. Keyword overrides are :class:`SearchConfig`
-    fields.
+    fields. ``tool_format: hermes`` / ``openai``: ``search(query)`` is called in JSON
+    (:data:`SEARCH_SCHEMA`), the answer is still ``<answer>...</answer>``.
 
     Args:
         config: :class:`SearchConfig`.
@@ -178,6 +217,7 @@ class SearchEnv(ToolEnv):
     """
 
     stop_strings = ("</search>", "</answer>")
+    answer_stop_strings = ("</answer>",)
 
     def __init__(self, config: SearchConfig | None = None, retriever: Retriever | None = None,
                  samples: Sequence[Mapping[str, Any]] | None = None, **overrides: Any) -> None:
@@ -197,8 +237,10 @@ class SearchEnv(ToolEnv):
                             f"{type(retriever).__name__}")
         self.retriever = retriever
         self.search = SearchTool(retriever, cfg.topk)
+        native = cfg.tool_format != "tags"
         super().__init__([self.search], cfg.limits, samples,
-                         invalid_action_reply=INVALID_ACTION_REPLY)
+                         invalid_action_reply=NATIVE_INVALID_ACTION_REPLY if native else INVALID_ACTION_REPLY,
+                         tool_format=cfg.tool_format)
 
     def build_prompt(self, sample: Mapping[str, Any]) -> str:
         """Search-R1 instruction with the question."""
@@ -207,7 +249,10 @@ class SearchEnv(ToolEnv):
         q = str(sample["question"]).strip()
         if not q.endswith("?"):
             q += "?"
-        return self.config.prompt_template.format(question=q)
+        template = self.config.prompt_template
+        if self.tool_format != "tags" and template == PROMPT:
+            template = NATIVE_PROMPT
+        return template.format(question=q)
 
     def extract_answer(self, action: str) -> str | None:
         """Content of the last ``<answer>...</answer>`` in the action."""

@@ -3,6 +3,11 @@
 Token-in/token-out: the context sent to the engine is always ``prompt_ids +
 response_ids`` as accumulated so far; earlier turns are never re-tokenised. Each
 observation is tokenised once, on its own, and appended with ``loss_mask = 0``.
+
+With ``use_chat_template``, an environment in a native tool-call format (``hermes`` /
+``openai``) gets its prompt rendered with its tools' schemas and its observations rendered as
+chat turns (``info["observation_messages"]``) by :class:`~trainer.rollout.observation.ChatTurns`,
+so the ids equal the template's rendering of the whole conversation.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 from environments.errors import InfrastructureError
 
 from ..engines.base import EngineError, InferenceEngine, SamplingParams
-from .observation import truncate_observation_ids
+from .observation import ChatTurns, truncate_observation_ids
 from .trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -36,7 +41,8 @@ class AgentLoopConfig:
             with ``finish_reason = "engine_error: ..."``).
         retry_backoff_s: first retry delay in seconds (doubles each retry).
         use_chat_template: wrap the prompt with the tokenizer's chat template (real
-            instruct models); tiny byte-level models have none.
+            instruct models; tiny byte-level models have none); observations of native
+            tool-call formats become chat turns too (:class:`~.observation.ChatTurns`).
     """
 
     max_total_tokens: int = 4096
@@ -62,11 +68,15 @@ class AgentLoopConfig:
             raise ValueError("AgentLoopConfig.engine_retries and retry_backoff_s must be >= 0")
 
 
-def encode_prompt(tokenizer: Any, text: str, use_chat_template: bool) -> list[int]:
-    """Token ids of the prompt (optionally through the chat template, generation prompt added)."""
+def encode_prompt(tokenizer: Any, text: str, use_chat_template: bool, tools: Any = None) -> list[int]:
+    """Token ids of the prompt: plain, or through the chat template as one ``user`` message with
+    the generation prompt added and ``tools`` (OpenAI function schemas) given to the template.
+
+    Raises:
+        ValueError: ``use_chat_template`` and the tokenizer has no chat template.
+    """
     if use_chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                  add_generation_prompt=True))
+        return ChatTurns(tokenizer, tools).prompt_ids(text)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -128,12 +138,15 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
     cfg = cfg or AgentLoopConfig()
     sid = sample.get("id")
     try:
-        prompt_text, _ = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
+        prompt_text, reset_info = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
     except InfrastructureError as e:  # e.g. a remote env / service that cannot start the episode
         return Trajectory(prompt_ids=[], sample_id=sid, group_id=sid if group_id is None else group_id,
                           finish_reason=f"infra_error: {e}")
-    traj = Trajectory(prompt_ids=encode_prompt(tokenizer, prompt_text, cfg.use_chat_template),
-                      sample_id=sid, group_id=sid if group_id is None else group_id)
+    tools = reset_info.get("tools") if isinstance(reset_info, Mapping) else None
+    chat = ChatTurns(tokenizer, tools) if cfg.use_chat_template else None
+    prompt_ids = chat.prompt_ids(prompt_text) if chat else encode_prompt(tokenizer, prompt_text, False)
+    traj = Trajectory(prompt_ids=prompt_ids, sample_id=sid,
+                      group_id=sid if group_id is None else group_id)
     stop = tuple(dict.fromkeys((*sampling.stop, *getattr(env, "stop_strings", ()))))
     for _ in range(cfg.max_turns):
         budget = cfg.max_total_tokens - len(traj.prompt_ids) - len(traj.response_ids)
@@ -173,7 +186,17 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         if terminated or truncated:
             traj.finish_reason = "terminated" if terminated else "truncated"
             break
-        obs_ids = truncate_observation_ids(tokenizer, obs, cfg.max_observation_tokens)
+        messages = info.get("observation_messages") if chat is not None else None
+        if messages:  # a native tool-call format: the observation is a chat turn
+            try:
+                obs_ids = chat.observation_ids(list(messages), cfg.max_observation_tokens,
+                                               after_token=res.token_ids[-1] if res.token_ids else None)
+            except Exception as e:  # a template that cannot render tool turns: a setup bug
+                traj.finish_reason = f"env_error: chat template: {type(e).__name__}: {e}"
+                traj.clear_rewards()
+                break
+        else:
+            obs_ids = truncate_observation_ids(tokenizer, obs, cfg.max_observation_tokens)
         traj.append_observation_tokens(obs_ids)
     else:
         traj.finish_reason = traj.finish_reason or "max_turns"

@@ -7,6 +7,10 @@ the tail (closing tag) are kept, with a visible marker in between saying how muc
 left out. Same wording as the environments' character-level cut
 (:data:`environments.base.TRUNCATION_MARKER`, ``...[truncated N characters]...``), counted
 in tokens here.
+
+:class:`ChatTurns` renders the prompt and the observation turns of environments in a native
+tool-call format (``hermes`` / ``openai``) through the tokenizer's chat template, keeping
+token-in/token-out parity with the template's rendering of the whole conversation.
 """
 
 from __future__ import annotations
@@ -109,3 +113,115 @@ def _clean_start(tokenizer: Any, tail: list[int], has_fffd: bool) -> list[int]:
             break
         tail = tail[1:]
     return tail
+
+
+#: Stands for the model's turn when a chat template renders an observation turn on its own.
+_TURN_MARK = "COPC_MODEL_TURN_7f3a9c"
+
+
+class ChatTurns:
+    """Prompt and observation tokens rendered through the tokenizer's chat template.
+
+    For environments in a native tool-call format (``tool_format: hermes`` / ``openai``,
+    :mod:`environments.tool_formats`), which return the chat messages an observation stands for
+    (``info["observation_messages"]``: ``role: "tool"`` / ``"user"``) and their tools' schemas
+    (``reset``'s ``info["tools"]``). The environment stays text-only; the rendering lives here,
+    where the tokenizer is.
+
+    Token-in/token-out parity: with the prompt ids from :meth:`prompt_ids`, the model's tokens as
+    generated (never re-tokenised) and each observation's ids from :meth:`observation_ids`, the
+    trajectory's ids equal the chat template's rendering of the whole conversation (``user``
+    prompt, ``assistant`` turns whose content is the model's text, the observation messages;
+    ``tools`` given) tokenised at once — for a template that renders an assistant message's
+    content verbatim and a tokenizer that splits at the template's special tokens. An observation
+    is the text the template puts after an assistant turn's content up to the next generation
+    prompt: for Qwen2.5, ``<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response>
+    <|im_end|>\\n<|im_start|>assistant\\n``. If the model's turn already ended with a special token
+    the observation starts with (its end-of-turn token, e.g. ``<|im_end|>`` after an ``openai``
+    format call), that text is not repeated.
+
+    Args:
+        tokenizer: the policy's tokenizer with a ``chat_template``.
+        tools: OpenAI function schemas for the template (``None``: none).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+
+    def __init__(self, tokenizer: Any, tools: Any = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("rollout.use_chat_template=True but the tokenizer has no chat_template")
+        self.tokenizer = tokenizer
+        self.tools = [dict(t) for t in tools] if tools else None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text of ``messages`` (with :attr:`tools`)."""
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids (no added BOS/EOS; special-token text becomes special tokens)."""
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)] if text else []
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Ids of the ``user`` message ``text`` with the generation prompt (the episode's prompt)."""
+        return self.encode(self.render([{"role": "user", "content": text}], add_generation_prompt=True))
+
+    def observation_text(self, messages: list[dict[str, Any]]) -> str:
+        """The template's text between a model turn's content and the next generation prompt's end.
+
+        Raises:
+            ValueError: the template does not render an assistant message's content verbatim.
+        """
+        ctx = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_MARK}]
+        full = self.render(ctx + [dict(m) for m in messages], add_generation_prompt=True)
+        if full.count(_TURN_MARK) != 1:
+            raise ValueError("the chat template does not render an assistant message's content verbatim, "
+                             "so observation turns cannot be rendered on their own")
+        return full[full.index(_TURN_MARK) + len(_TURN_MARK):]
+
+    def observation_ids(self, messages: list[dict[str, Any]], max_tokens: int,
+                        after_token: int | None = None) -> list[int]:
+        """Ids of the observation turn of ``messages``, within ``max_tokens`` where possible.
+
+        Too long: each message's ``content`` is cut in the middle
+        (:func:`truncate_observation_ids`, decoded back to text) so that the rendered turn fits;
+        the template's own tokens are never cut (a budget smaller than them is exceeded by them).
+
+        Args:
+            messages: the observation's chat messages (``info["observation_messages"]``).
+            max_tokens: budget in tokens (>= 1).
+            after_token: the model turn's last token id (see the class: end-of-turn handling).
+
+        Returns:
+            Token ids (``list[int]``).
+
+        Raises:
+            ValueError: ``max_tokens < 1``; see :meth:`observation_text`.
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"ChatTurns.observation_ids: max_tokens={max_tokens!r} must be an int >= 1")
+        skip = ""
+        if after_token is not None and after_token in set(getattr(self.tokenizer, "all_special_ids", ())):
+            skip = self.tokenizer.decode([after_token])
+
+        def ids_of(msgs: list[dict[str, Any]]) -> list[int]:
+            text = self.observation_text(msgs)
+            return self.encode(text[len(skip):] if skip and text.startswith(skip) else text)
+
+        ids = ids_of(messages)
+        if len(ids) <= max_tokens:
+            return ids
+        bare = ids_of([dict(m, content="") for m in messages])
+        budget = max_tokens - len(bare)
+        for _ in range(4):  # decoding and re-encoding a cut content can move a few tokens
+            per = budget // len(messages)
+            if per < 1:
+                break
+            cut = [dict(m, content=self.tokenizer.decode(truncate_observation_ids(
+                self.tokenizer, str(m.get("content", "")), per))) for m in messages]
+            ids = ids_of(cut)
+            if len(ids) <= max_tokens:
+                return ids
+            budget -= len(ids) - max_tokens
+        return ids_of([dict(m, content=SHORT_TRUNCATION_MARKER.strip()) for m in messages])
