@@ -46,6 +46,7 @@ GROUPS: tuple[Group, ...] = (
           "trainer.cli_train"),
     Group("analyze", "exact Prop. 2-3 bias/variance/MSE grid on a token tree (--out DIR)", "trainer.analyze"),
     Group("sweep", "grid of runs + heatmaps: copc sweep --config C --grid k=v1,v2", "trainer.sweep.command"),
+    Group("env", "serve an env over OpenEnv: copc env serve --env NAME --port N", "environments.remote.cli"),
 )
 
 

@@ -368,7 +368,7 @@ def test_build_task_resolves_an_env_file_that_registers_env_and_task(tmp_path, m
 def test_build_task_unknown_or_unloadable_env_names_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"task.env='calc': not registered; known: \[.*'math_tool', "
-                                          r"'search'.*\] \(register it with environments.register"):
+                                          r".*'search'.*\] \(register it with environments.register"):
         build_task(cfg_of("task.env=calc"))
     with pytest.raises(ConfigError, match=r"task.env='calc_env.py:calc': cannot load the environment's "
                                           r"module: FileNotFoundError: environment module file"):

@@ -27,6 +27,7 @@ from ..config import ConfigError, ExperimentConfig
 from .base import Task, check_env_settings
 from .generic import GenericTask
 from .math_tool import MathToolTask
+from .remote import RemoteTask
 from .search import SearchTask, start_retriever
 
 _TASKS: dict[str, type[Task]] = {}
@@ -138,6 +139,7 @@ def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 
 register_task("math_tool", MathToolTask)
 register_task("search", SearchTask)
+register_task("remote", RemoteTask)
 
 __all__ = [
     "GenericTask",

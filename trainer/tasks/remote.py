@@ -1,0 +1,127 @@
+"""The ``remote`` task: train on an environment served elsewhere (``copc env serve``, any OpenEnv
+server), with the data of the environment it serves.
+
+``task.env: remote`` with ``task.env_kwargs: {url: http://host:port, token_file: ..., remote_env:
+math_tool}`` builds :class:`~environments.remote.client.RemoteEnv` environments (every
+``env_kwargs`` key is a :class:`~environments.remote.client.RemoteEnvConfig` field). The served
+environment's id is ``remote_env``, else what the server reports (its ``/schema`` or
+``/metadata``). The data splits and warm-start traces are those of that id's task class
+(``math_tool``: datasets or generated arithmetic and ``retool_arithmetic`` traces; ``search``: QA
+sets and ``search_r1`` traces; an environment not registered here: the JSONL rows of
+``task.train_data``, as :class:`~trainer.tasks.generic.GenericTask`), with episodes (warm-start
+traces included) played on the server. The delegate task's own services are stopped as soon as
+its data is loaded: ``math_tool`` starts and stops a local sandbox pool once; a ``search`` delegate
+is given the remote URL as ``task.retriever_url`` so that it starts no retriever (the server's
+environment has its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import environments
+from environments.errors import InfrastructureError
+
+from ..config import ConfigError
+from .base import Task
+from .generic import GenericTask
+
+if TYPE_CHECKING:
+    import gymnasium
+
+    from ..config import WarmStartConfig
+    from ..warmstart.traces import Trace
+
+
+class RemoteTask(Task):
+    """``remote``: a served environment, with the data of the environment it serves.
+
+    ``info``: ``remote_url``, ``remote_env`` (the served id), ``remote_stop_strings``, plus the
+    delegate task's ``info``.
+
+    Attributes:
+        served_env: the served environment's id (``""`` until :meth:`start`).
+        delegate: the task of ``served_env`` that supplied the data (``None`` until :meth:`start`).
+    """
+
+    def __init__(self, cfg: Any, env_id: str | None = None) -> None:
+        super().__init__(cfg, env_id)
+        self.served_env = ""
+        self.delegate: Task | None = None
+
+    def start(self) -> None:
+        """Ask the server what it serves, then load that environment's data splits.
+
+        Raises:
+            ConfigError: ``task.env_kwargs.url`` missing or bad, a server that does not answer or
+                refuses the token, a ``remote_env`` other than the served one, or the delegate's
+                data errors.
+        """
+        from environments.remote.client import RemoteEnvConfig, fetch_server_info
+
+        from . import task_class
+
+        kw = self.env_kwargs
+        if not kw.get("url"):
+            raise ConfigError("task.env_kwargs.url: required for task.env=remote (the OpenEnv server's base "
+                              "URL, e.g. http://127.0.0.1:8100 from 'copc env serve --env math_tool')")
+        try:
+            rcfg = RemoteEnvConfig(**kw)
+            server = fetch_server_info(rcfg, rcfg.bearer_token())
+        except TypeError as e:
+            key = str(e).rpartition("argument ")[2].strip("'") or "?"
+            fields = [f.name for f in dataclasses.fields(RemoteEnvConfig)]
+            raise ConfigError(f"task.env_kwargs.{key}: not a setting of env 'remote' "
+                              f"(settings: {fields})") from e
+        except ValueError as e:
+            raise ConfigError(f"task.env_kwargs: {e}") from e
+        except InfrastructureError as e:
+            raise ConfigError(f"task.env_kwargs.url={kw['url']!r}: no OpenEnv server answers ({e})") from e
+        served = kw.get("remote_env") or server.env_id
+        self.served_env = served
+        known = served in environments.names() and served != self.env_id
+        delegate_cls = task_class(served) if known else GenericTask
+        if issubclass(delegate_cls, RemoteTask):  # a server serving a remote env: data as JSONL rows
+            delegate_cls = GenericTask
+        task_cfg = self.cfg.task
+        if not task_cfg.retriever_url:  # a search delegate must not start a retriever of its own
+            task_cfg = dataclasses.replace(task_cfg, retriever_url=rcfg.http_url)
+        delegate = delegate_cls(dataclasses.replace(self.cfg, task=task_cfg), served or self.env_id)
+        try:
+            delegate.start()
+        finally:
+            delegate.close()  # its services: the episodes run on the server
+        delegate.make_env = self.make_env  # warm-start traces play on the server too
+        self.delegate = delegate
+        self.train_samples, self.eval_samples = delegate.train_samples, delegate.eval_samples
+        self.info = {"remote_url": rcfg.http_url, "remote_env": served,
+                     "remote_stop_strings": list(server.stop_strings), **delegate.info}
+
+    def make_env(self) -> gymnasium.Env:
+        """A :class:`~environments.remote.client.RemoteEnv` with ``task.env_kwargs``."""
+        return environments.make(self.env_id, **self.env_kwargs)
+
+    def check_warm_start(self, ws: WarmStartConfig) -> None:
+        """The served environment's task decides (see :meth:`Task.check_warm_start`).
+
+        Raises:
+            ConfigError: that task cannot generate ``ws.kind`` traces.
+        """
+        if self.delegate is None:
+            super().check_warm_start(ws)
+        else:
+            self.delegate.check_warm_start(ws)
+
+    def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
+        """The served environment's task's traces, played on the server.
+
+        Raises:
+            ConfigError: see :meth:`check_warm_start`.
+        """
+        if self.delegate is None:
+            return super().warm_start_traces(ws, progress=progress)
+        return self.delegate.warm_start_traces(ws, progress=progress)
+
+
+__all__ = ["RemoteTask"]
