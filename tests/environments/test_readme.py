@@ -70,3 +70,16 @@ def test_readme_example_runs_and_trains(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+def test_readme_mcp_example_runs_as_written(tmp_path, monkeypatch):
+    """The README's MCP snippet, with ``calc_server.py`` the test suite's MCP server (stdio)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("<!-- section: network -->", 1)[1].split("<!-- section:", 1)[0]
+    [code] = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    shutil.copy(Path(__file__).with_name("mcp_calc_server.py"), tmp_path / "calc_server.py")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code.replace('"python"', repr(sys.executable)), "README.md", "exec"), scope)
+    assert scope["reward"] == 1.0 and scope["done"] is True
+    assert "add" in json.dumps(scope["info"]["tools"])  # the server's tools, with their schemas
