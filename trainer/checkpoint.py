@@ -6,6 +6,7 @@ Layout of a checkpoint directory (``CheckpointManager.directory``)::
         model.pt             one ``torch.save`` file per top-level key of the state
         optimizer.pt
         data_cursor.pt
+        learner_shards/      a directory value (:class:`DirectoryState`), e.g. sharded DCP files
         ...
         COMPLETE             the marker, written last: JSON {"step": 12, "keys": {...}, "time": unix_s}
     .tmp-step_00000013-...   a save in progress, or left by a crash (ignored, removed by the next save)
@@ -29,6 +30,11 @@ class wrote itself: never point ``load`` at a checkpoint from an untrusted sourc
 Tensors are loaded onto the CPU (``map_location="cpu"``); ``Optimizer.load_state_dict``
 and ``Module.load_state_dict`` move them to the parameters' device.
 
+A value may be a :class:`DirectoryState`: instead of ``torch.save`` its ``write(path)`` fills
+the directory ``<key>/`` inside the temporary checkpoint (every file in it is ``fsync``-ed
+before the marker), so sharded learner state written by several rank processes is part of
+the same atomic rename. ``load`` returns that key as the ``Path`` of the directory.
+
 Single-writer assumption: one process saves into a given directory at a time.
 """
 
@@ -42,6 +48,8 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +64,26 @@ _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class DirectoryState:
+    """A checkpoint value stored as a directory: ``write(path)`` fills the new directory ``path``
+    (e.g. every learner rank writes its shard there). Loading gives back the directory's ``Path``.
+
+    Attributes:
+        write: ``write(path: Path) -> None``; ``path`` exists and is empty when it is called.
+    """
+
+    write: Callable[[Path], None]
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (a :class:`DirectoryState`'s output)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            _fsync_file(Path(root) / name)
+        _fsync_dir(Path(root))
 
 
 def _fsync_file(path: Path) -> None:
@@ -116,7 +144,9 @@ class CheckpointManager:
         except (OSError, ValueError):
             return False
         files = meta.get("keys", {}) if isinstance(meta, dict) else {}
-        return isinstance(files, dict) and all((path / name).is_file() for name in files.values())
+        dirs = meta.get("dirs", {}) if isinstance(meta, dict) else {}
+        return (isinstance(files, dict) and all((path / name).is_file() for name in files.values())
+                and isinstance(dirs, dict) and all((path / name).is_dir() for name in dirs.values()))
 
     def checkpoints(self) -> list[Path]:
         """All complete checkpoints, oldest first (incomplete and temporary directories are ignored)."""
@@ -142,14 +172,16 @@ class CheckpointManager:
                 of ``latest()``: the old one stays visible until the new one is complete).
             state: top-level keys become file names ``<key>.pt`` (letters, digits,
                 ``_ . -``; not starting with ``.``/``-``); values are anything
-                ``torch.save`` can pickle: state dicts, tensors, plain python objects.
+                ``torch.save`` can pickle: state dicts, tensors, plain python objects; a
+                :class:`DirectoryState` value becomes the directory ``<key>/`` instead.
 
         Returns:
             The path of the new complete checkpoint directory.
 
         Raises:
             ValueError: bad ``step`` or key. TypeError: ``state`` is not a dict.
-            OSError / pickling errors from ``torch.save`` propagate; the partial
+            OSError / pickling errors from ``torch.save`` (or a :class:`DirectoryState`
+            writer's errors) propagate; the partial
             temporary directory is then removed and earlier checkpoints are untouched.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -169,13 +201,21 @@ class CheckpointManager:
         tmp.mkdir()
         trash = None
         try:
-            files = {}
+            files, dirs = {}, {}
             for key, value in state.items():
+                if isinstance(value, DirectoryState):
+                    (tmp / key).mkdir()
+                    value.write(tmp / key)
+                    _fsync_tree(tmp / key)
+                    dirs[key] = key
+                    continue
                 fname = f"{key}.pt"
                 torch.save(value, tmp / fname)
                 _fsync_file(tmp / fname)
                 files[key] = fname
             marker = {"step": step, "keys": files, "time": time.time()}
+            if dirs:
+                marker["dirs"] = dirs
             with open(tmp / MARKER, "w") as f:
                 json.dump(marker, f)
                 f.flush()
@@ -216,7 +256,8 @@ class CheckpointManager:
             keys: load only these keys (default: all).
 
         Returns:
-            The state dict, or ``None`` if ``path`` is None and there is no complete checkpoint.
+            The state dict (a :class:`DirectoryState` key as the ``Path`` of its directory), or
+            ``None`` if ``path`` is None and there is no complete checkpoint.
 
         Raises:
             FileNotFoundError: ``path`` is not a complete checkpoint (missing, or no marker).
@@ -231,13 +272,15 @@ class CheckpointManager:
             raise FileNotFoundError(
                 f"{str(path)!r} is not a complete checkpoint (no {MARKER} marker or a listed file is missing)"
             )
-        files = json.loads((path / MARKER).read_text())["keys"]
-        wanted = list(files) if keys is None else list(keys)
-        missing = [k for k in wanted if k not in files]
+        meta = json.loads((path / MARKER).read_text())
+        files, dirs = meta["keys"], meta.get("dirs", {})
+        wanted = [*files, *dirs] if keys is None else list(keys)
+        missing = [k for k in wanted if k not in files and k not in dirs]
         if missing:
-            raise KeyError(f"keys {missing} not in checkpoint {str(path)!r} (has {sorted(files)})")
+            raise KeyError(f"keys {missing} not in checkpoint {str(path)!r} (has {sorted([*files, *dirs])})")
         # weights_only=False: our own files hold plain python objects too (see module docstring).
-        return {k: torch.load(path / files[k], map_location="cpu", weights_only=False) for k in wanted}
+        return {k: path / dirs[k] if k in dirs else torch.load(path / files[k], map_location="cpu",
+                                                                weights_only=False) for k in wanted}
 
 
 # ------------------------------------------------------------------------ RNG

@@ -306,21 +306,81 @@ class LoggingConfig:
 
 @dataclass
 class LearnerSection:
-    """Which learner backend trains the actor and critic.
+    """Which learner backend trains the actor and critic, and how its ranks are laid out.
 
     Attributes:
         backend: a registered backend (:mod:`trainer.learner.base`): ``torch`` (one process,
-            CPU or one GPU; default) | a user's.
+            CPU or one GPU; default) | ``fsdp`` (PyTorch FSDP2, data parallel) | ``megatron``
+            (Megatron-core, tensor/pipeline/data parallel) | a user's.
+        world_size: rank processes of a distributed backend (1 for ``torch``).
+        tensor_parallel_size / pipeline_parallel_size: model-parallel sizes (``megatron``;
+            1 for ``torch`` and ``fsdp``). Data parallel size =
+            ``world_size / (tensor_parallel_size × pipeline_parallel_size)``.
+        launch: how the rank processes start: ``spawn`` (child processes on this machine,
+            default) | ``ray`` (one Ray actor per rank in a placement group; ``launcher.ray_address``
+            joins an existing cluster) | ``torchrun`` (this process is rank 0 of a group started by
+            ``torchrun``; the other ranks serve it).
+        dist_backend: ``auto`` (nccl with CUDA, else gloo) | ``gloo`` | ``nccl``.
+        cpu_offload: keep the optimizer state (and the sharded fp32 parameters) in CPU memory
+            (``fsdp``: FSDP2's ``CPUOffloadPolicy``).
+        optimizer: ``adamw`` (default) | ``sgd`` (plain SGD at the same learning rates; for exact
+            cross-backend parity checks, where Adam amplifies rounding differences).
+        timeout_s: seconds a collective or a rank's reply may take before the run fails
+            (a crashed or hung rank raises in the driver instead of hanging it).
     """
 
     backend: str = "torch"
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    launch: str = "spawn"
+    dist_backend: str = "auto"
+    cpu_offload: bool = False
+    optimizer: str = "adamw"
+    timeout_s: float = 1800.0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """``world_size // (tensor_parallel_size × pipeline_parallel_size)`` (exact after
+        :meth:`validate`)."""
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the key on a bad value."""
+        """Raise :class:`ConfigError` naming the key on a bad value.
+
+        Model-dependent checks (``tensor_parallel_size`` vs the number of attention heads) run
+        when the learner is built (:func:`trainer.learner.distributed.runtime.check_model_parallel`).
+        """
         from .learner.base import LEARNERS
+        from .learner.distributed.registry import RANK_LEARNERS
 
         _require(self.backend in LEARNERS.names(), "learner.backend", self.backend,
                  f"not a registered learner backend; known: {LEARNERS.names()}")
+        for k in ("world_size", "tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, k)
+            _require(isinstance(v, int) and v >= 1, f"learner.{k}", v, "must be an int >= 1")
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        _require(self.world_size % model_parallel == 0, "learner.world_size", self.world_size,
+                 f"must be divisible by learner.tensor_parallel_size × learner.pipeline_parallel_size "
+                 f"= {self.tensor_parallel_size} × {self.pipeline_parallel_size}")
+        _require(self.launch in ("spawn", "ray", "torchrun"), "learner.launch", self.launch,
+                 "must be 'spawn', 'ray' or 'torchrun'")
+        _require(self.dist_backend in ("auto", "gloo", "nccl"), "learner.dist_backend", self.dist_backend,
+                 "must be 'auto', 'gloo' or 'nccl'")
+        _require(self.optimizer in ("adamw", "sgd"), "learner.optimizer", self.optimizer,
+                 "must be 'adamw' or 'sgd'")
+        _require(self.timeout_s > 0, "learner.timeout_s", self.timeout_s, "must be > 0")
+        if self.backend not in RANK_LEARNERS.names():  # a single-process backend (torch, a user's)
+            for k, default in (("world_size", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1),
+                               ("cpu_offload", False), ("launch", "spawn"), ("dist_backend", "auto")):
+                _require(getattr(self, k) == default, f"learner.{k}", getattr(self, k),
+                         f"only for a distributed backend ({RANK_LEARNERS.names()}); learner.backend="
+                         f"{self.backend!r} runs in one process (leave it at {default!r})")
+        elif self.backend == "fsdp":
+            for k in ("tensor_parallel_size", "pipeline_parallel_size"):
+                _require(getattr(self, k) == 1, f"learner.{k}", getattr(self, k),
+                         "learner.backend='fsdp' is data parallel only (use 'megatron' for model "
+                         "parallelism)")
 
 
 @dataclass

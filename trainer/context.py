@@ -25,7 +25,7 @@ import torch
 
 from .checkpoint import CheckpointManager, set_rng_state
 from .config import ExperimentConfig
-from .learner import Learner, make_learner
+from .learner import Learner, make_learner, restore_learner
 from .metrics_log import MetricsLogger
 from .models.loading import load_model_and_tokenizer, load_tokenizer
 from .models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -108,11 +108,14 @@ class RunContext:
         return kept
 
     def close(self) -> None:
-        """Close the logger and the task's services."""
+        """Close the logger, the task's services and the learner (a distributed learner's ranks)."""
         try:
             self.logger.close()
         finally:
-            self.task.close()
+            try:
+                self.task.close()
+            finally:
+                close_learner(self.learner)
 
 
 def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
@@ -137,8 +140,18 @@ def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
         raise ConfigError(f"--checkpoint={str(checkpoint)!r}: neither a model directory (config.json) nor "
                           f"a complete training checkpoint{why}")
     learner = make_learner(cfg, model_dir)
-    learner.load_state_dict(state["learner"])
-    return dict(learner.export_policy_weights())
+    try:
+        restore_learner(learner, state)
+        return dict(learner.export_policy_weights())
+    finally:
+        close_learner(learner)
+
+
+def close_learner(learner: Any) -> None:
+    """Stop a learner's processes when it has any (``close()``: distributed backends)."""
+    close = getattr(learner, "close", None)
+    if callable(close):
+        close()
 
 
 def saved_counters(loop_state: dict) -> dict[str, int]:
@@ -212,6 +225,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
     if resume and state is None:
         log.warning("--resume: no checkpoint in %s; starting from scratch", out / "checkpoints")
     task = build_task(cfg)
+    learner = None
     try:
         if cfg.warm_start.enabled:
             task.check_warm_start(cfg.warm_start)  # before any model is loaded
@@ -232,10 +246,15 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
                          t_start=t_start)
     except BaseException:
         task.close()
+        close_learner(learner)
         raise
     if state is not None:
         summary.update(state.get("summary", {}))
-        learner.load_state_dict(state["learner"])
+        try:
+            restore_learner(learner, state)
+        except BaseException:
+            ctx.close()
+            raise
         ctx.prompts.load_state_dict(state["loop"]["prompts"])
         ctx.start_step = int(state["loop"]["step"])
         ctx.trained_uids = list(state["trained_uids"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .config import ConfigError, ExperimentConfig
 from .context import RunContext, build_context, checkpoint_policy_weights, initial_model_dir
 from .engines import ENGINES, EngineHandle, EngineSpec, make_engine
 from .engines.base import SamplingParams
+from .learner import learner_checkpoint_state
 from .metrics_log import write_summary
 from .orchestration.loop import AsyncTrainingLoop, LoopConfig
 from .progress import TrainProgress
@@ -67,10 +69,18 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     Resume: see :func:`trainer.context.build_context` (models, optimizers, schedulers, RNG
     states, prompt cursor, counters and step restored; metrics after the checkpoint re-done).
 
+    Under ``torchrun`` with ``learner.launch=torchrun`` a process with ``RANK > 0`` only serves as a
+    learner rank (:func:`~trainer.learner.distributed.worker.serve_torchrun_worker`) and returns ``{}``.
+
     Raises:
         ConfigError: a setting only checkable at start-up (the message names the key).
         TrainingError: the run stopped on a failure (the last good state is checkpointed).
     """
+    if cfg.learner.launch == "torchrun" and int(os.environ.get("RANK", "0")) > 0:
+        from .learner.distributed.worker import serve_torchrun_worker
+
+        serve_torchrun_worker(cfg)  # a learner rank serving rank 0 (the driver) until it is done
+        return {}
     try:
         ENGINES.preflight(cfg.rollout.engine, cfg)
     except KeyError as e:
@@ -139,8 +149,8 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
         progress.update(step, scalars, time.time() - t0)
 
     def on_checkpoint(step: int, loop_state: dict) -> None:
-        ctx.checkpoints.save(step, {"learner": learner.state_dict(), "loop": loop_state, "rng": rng_state(),
-                                    "trained_uids": list(ctx.trained_uids),
+        ctx.checkpoints.save(step, {**learner_checkpoint_state(learner), "loop": loop_state,
+                                    "rng": rng_state(), "trained_uids": list(ctx.trained_uids),
                                     "summary": ctx.resumable_summary()})
 
     async def sync(lrn: Any, version: int) -> None:

@@ -95,7 +95,7 @@ def test_torch_learner_is_a_learner_and_exports_hf_weights(tiny, tmp_path):
         assert torch.equal(v, learner.actor.state_dict()[k]), k
     assert (out / "tokenizer.json").is_file()
     with pytest.raises(ConfigError, match=r"learner.backend='nope': not a registered learner backend; "
-                                          r"known: \['torch'"):
+                                          r"known: \['fsdp', 'megatron', 'torch'\]"):
         load_config(None, ["learner.backend=nope"])
 
 

@@ -1,13 +1,42 @@
 """Learner backends behind one protocol (:class:`~trainer.learner.base.Learner`).
 
 ``make_learner(exp_cfg, model_dir)`` builds the backend named by ``learner.backend``;
-``register_learner(name, factory)`` adds one. Built in: ``torch`` (one process).
+``register_learner(name, factory)`` adds one. Built in: ``torch`` (one process), ``fsdp``
+(PyTorch FSDP2 over ``learner.world_size`` ranks) and, when :mod:`trainer.learner.megatron` is
+present, ``megatron``. Distributed backends register a per-rank factory with
+:func:`~trainer.learner.distributed.registry.register_rank_learner`; the driver side is then
+:class:`~trainer.learner.distributed.runtime.DistributedLearner`.
 """
 
-from .base import LEARNERS, Learner, LearnerRegistry, make_learner, register_learner
+import importlib
+import importlib.util
+
+from .base import (
+    LEARNERS,
+    Learner,
+    LearnerRegistry,
+    ShardedCheckpoint,
+    learner_checkpoint_state,
+    make_learner,
+    register_learner,
+    restore_learner,
+)
+from .distributed.registry import RANK_LEARNERS, register_rank_learner
 from .torch_learner import LearnerConfig, TorchLearner
 
-register_learner("torch", TorchLearner.from_config)
 
-__all__ = ["LEARNERS", "Learner", "LearnerConfig", "LearnerRegistry", "TorchLearner", "make_learner",
-           "register_learner"]
+def _build_fsdp(exp_cfg, model_dir, ctx):
+    """The ``fsdp`` rank learner (imports FSDP only inside the rank process)."""
+    from .fsdp_learner import build_fsdp_rank_learner
+
+    return build_fsdp_rank_learner(exp_cfg, model_dir, ctx)
+
+
+register_learner("torch", TorchLearner.from_config)
+register_rank_learner("fsdp", _build_fsdp)
+if importlib.util.find_spec(f"{__name__}.megatron") is not None:  # registers "megatron" (lazy factory)
+    importlib.import_module(f"{__name__}.megatron")
+
+__all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "LearnerRegistry", "ShardedCheckpoint",
+           "TorchLearner", "learner_checkpoint_state", "make_learner", "register_learner",
+           "register_rank_learner", "restore_learner"]

@@ -7,6 +7,11 @@ and ``run.py`` use only this protocol. The RL maths a backend reuses lives in
 :mod:`trainer.learner.algorithm` (which calls :mod:`copc`).
 
 Adding a backend = one file defining the class + one :func:`register_learner` call.
+
+A backend whose state is sharded over processes (``fsdp``, ``megatron``) also implements
+:class:`ShardedCheckpoint`: its ranks write the state into a directory of the checkpoint being
+built. ``run.py`` and ``context.py`` go through :func:`learner_checkpoint_state` /
+:func:`restore_learner`, which handle both kinds.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..checkpoint import DirectoryState
+from ..errors import ConfigError
 from ..rollout.batch import RolloutBatch
+
+#: Checkpoint key of a :class:`ShardedCheckpoint` learner's directory (next to ``learner``).
+SHARDED_STATE_KEY = "learner_shards"
 
 
 @runtime_checkable
@@ -105,3 +115,44 @@ def make_learner(exp_cfg: Any, model_dir: str | Path) -> Learner:
         KeyError: unknown backend.
     """
     return LEARNERS.make(exp_cfg.learner.backend, exp_cfg, model_dir)
+
+
+@runtime_checkable
+class ShardedCheckpoint(Protocol):
+    """A learner whose resumable state lives in a directory written by its ranks (collective).
+
+    ``state_dict()`` then returns only a small description; the checkpoint also gets a
+    directory ``learner_shards/`` (:data:`SHARDED_STATE_KEY`) filled by :meth:`save_dir`.
+    """
+
+    def save_dir(self, path: Path) -> None:
+        """Write the complete resumable state into the (new, empty) directory ``path``."""
+
+    def load_dir(self, path: Path) -> None:
+        """Restore the state written by :meth:`save_dir` into ``path``."""
+
+
+def learner_checkpoint_state(learner: Learner) -> dict[str, Any]:
+    """The learner's top-level checkpoint entries: ``{"learner": state_dict()}`` plus, for a
+    :class:`ShardedCheckpoint` learner, ``{"learner_shards": DirectoryState(save_dir)}``
+    (written inside the atomic checkpoint by :meth:`~trainer.checkpoint.CheckpointManager.save`)."""
+    out: dict[str, Any] = {"learner": learner.state_dict()}
+    if isinstance(learner, ShardedCheckpoint):
+        out[SHARDED_STATE_KEY] = DirectoryState(learner.save_dir)
+    return out
+
+
+def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
+    """Restore a learner from a loaded checkpoint (the inverse of :func:`learner_checkpoint_state`).
+
+    Raises:
+        ConfigError: the checkpoint's kind does not match the learner (a sharded learner and a
+            checkpoint without ``learner_shards``, or the reverse), naming ``learner.backend``.
+    """
+    learner.load_state_dict(state["learner"])
+    sharded = isinstance(learner, ShardedCheckpoint)
+    if sharded != (SHARDED_STATE_KEY in state):
+        raise ConfigError(f"learner.backend: the checkpoint {'lacks' if sharded else 'has'} sharded learner "
+                          f"state ({SHARDED_STATE_KEY}/); resume with the learner.backend that wrote it")
+    if sharded:
+        learner.load_dir(Path(state[SHARDED_STATE_KEY]))

@@ -39,6 +39,7 @@ class LearnerConfig:
         num_mini_batches: updates per step. micro_batch_size: rows per forward/backward.
         temperature: sampling temperature of the rollouts (log-probs are of ``logits / T``).
         seed: mini-batch permutation seed.
+        optimizer: ``adamw`` | ``sgd`` (``learner.optimizer``; :func:`make_optimizer`).
     """
 
     actor_lr: float = 1e-6
@@ -51,6 +52,7 @@ class LearnerConfig:
     micro_batch_size: int = 8
     temperature: float = 1.0
     seed: int = 0
+    optimizer: str = "adamw"
 
     @classmethod
     def from_config(cls, exp: Any) -> LearnerConfig:
@@ -59,7 +61,22 @@ class LearnerConfig:
         return cls(actor_lr=t.actor_lr, critic_lr=t.critic_lr, weight_decay=t.weight_decay,
                    warmup_steps=t.warmup_steps, grad_clip=t.grad_clip,
                    critic_warmup_steps=t.critic_warmup_steps, num_mini_batches=t.num_mini_batches,
-                   micro_batch_size=t.micro_batch_size, temperature=exp.rollout.temperature, seed=t.seed)
+                   micro_batch_size=t.micro_batch_size, temperature=exp.rollout.temperature, seed=t.seed,
+                   optimizer=exp.learner.optimizer)
+
+
+def make_optimizer(name: str, params: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """``adamw`` (:class:`torch.optim.AdamW`) or ``sgd`` (plain :class:`torch.optim.SGD`, decoupled-free
+    L2 ``weight_decay``) over ``params``.
+
+    Raises:
+        ValueError: another name (naming ``learner.optimizer``).
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"learner.optimizer={name!r}: must be 'adamw' or 'sgd'")
 
 
 def response_logprobs(model: nn.Module, b: RolloutBatch, temperature: float) -> Tensor:
@@ -96,12 +113,12 @@ class TorchLearner:
                                               micro_batch_size=cfg.micro_batch_size,
                                               critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
         self.critic = (critic or ValueModel.from_causal_lm(actor)) if algo.use_critic else None
-        self.actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=cfg.weight_decay)
+        self.actor_opt = make_optimizer(cfg.optimizer, actor.parameters(), cfg.actor_lr, cfg.weight_decay)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _warmup(cfg.warmup_steps))
         self.critic_opt = self.critic_sched = None
         if self.critic is not None:
-            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
-                                                weight_decay=cfg.weight_decay)
+            self.critic_opt = make_optimizer(cfg.optimizer, self.critic.parameters(), cfg.critic_lr,
+                                             cfg.weight_decay)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _warmup(cfg.warmup_steps))
         self.steps_done = 0
 

@@ -1,0 +1,183 @@
+"""The driver side of a distributed learner: :class:`DistributedLearner` (a
+:class:`~trainer.learner.base.Learner`) runs a registered rank learner on ``learner.world_size``
+ranks and looks like any other backend to the loop, the Ray launcher and ``run.py``.
+
+* ``step(batch)``: the same full batch goes to every rank; rank 0's metrics come back.
+* ``export_policy_weights()``: the ranks gather the actor's full tensors on rank 0, which
+  sends them here (shared memory with ``spawn``, the object store with ``ray``).
+* Checkpoints: :meth:`state_dict` is small (backend, layout, policy version); the sharded state
+  is written by the ranks into a directory of the checkpoint being built (:meth:`save_dir`,
+  called by :class:`~trainer.checkpoint.CheckpointManager` through
+  :func:`~trainer.learner.base.learner_checkpoint_state`) and read back by :meth:`load_dir`.
+* Failures: a rank that raises, dies or hangs longer than ``learner.timeout_s`` raises
+  :class:`~.launch.RankError` here; the ranks are then stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+from ...rollout.batch import RolloutBatch
+from .launch import RankGroup, start_ranks
+
+
+def check_model_parallel(section: Any, model_dir: str | Path) -> None:
+    """Model-dependent checks of the parallel sizes, against ``model_dir/config.json``.
+
+    ``learner.tensor_parallel_size`` must divide the number of attention heads and of key/value
+    heads (Megatron splits heads across tensor-parallel ranks); ``learner.pipeline_parallel_size``
+    must not exceed the number of layers.
+
+    Raises:
+        ConfigError: naming the key, the value and the model's count.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return
+    cfg = json.loads(path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    tp, pp = section.tensor_parallel_size, section.pipeline_parallel_size
+    heads = int(cfg.get("num_attention_heads", 0) or 0)
+    kv = int(cfg.get("num_key_value_heads", heads) or heads)
+    layers = int(cfg.get("num_hidden_layers", 0) or 0)
+    for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
+        if count and (tp > count or count % tp):
+            raise ConfigError(f"learner.tensor_parallel_size={tp}: must divide the model's {count} {what} "
+                              f"({path})")
+    if layers and pp > layers:
+        raise ConfigError(f"learner.pipeline_parallel_size={pp}: more stages than the model's {layers} "
+                          f"layers ({path})")
+
+
+class DistributedLearner:
+    """A :class:`~trainer.learner.base.Learner` whose work runs on ``learner.world_size`` ranks.
+
+    Args:
+        exp_cfg: the :class:`~trainer.config.ExperimentConfig` (``learner.backend`` names a rank
+            learner registered with :func:`~.registry.register_rank_learner`).
+        model_dir: ``save_pretrained`` directory of the actor (every rank reads it; with Ray on
+            several nodes it must be visible at the same path everywhere).
+
+    Raises:
+        ConfigError: model-dependent sizes (:func:`check_model_parallel`); ``launcher.kind=ray``
+            (its learner actor copies learner state through ``state_dict``, which for a
+            distributed learner holds no weights).
+        RankError: a rank failed to start.
+    """
+
+    def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
+        from .registry import RANK_LEARNERS
+
+        sec = exp_cfg.learner
+        RANK_LEARNERS.get(sec.backend)  # KeyError naming learner.backend
+        if getattr(exp_cfg.launcher, "kind", "local") == "ray":
+            raise ConfigError(f"launcher.kind='ray' with learner.backend={sec.backend!r}: not supported (the "
+                              "Ray rollout launcher hosts the learner in one actor); use launcher.kind=local "
+                              "with learner.launch=ray to run the learner ranks as Ray actors")
+        check_model_parallel(sec, model_dir)
+        self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), sec.backend
+        self._group: RankGroup = start_ranks(exp_cfg, model_dir)
+        self._finalizer = weakref.finalize(self, self._group.close)
+        self._version = int(self._group.ready[0])
+
+    @classmethod
+    def from_config(cls, exp: Any, model_dir: str | Path) -> DistributedLearner:
+        """The :data:`~trainer.learner.base.LearnerFactory` of every distributed backend."""
+        return cls(exp, model_dir)
+
+    # -- the Learner protocol -------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """Updates done (resumes included), as reported by rank 0."""
+        return self._version
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train every rank on ``batch``; rank 0's metrics plus ``perf/learner_rpc_s`` (driver
+        wall time of the call, transfers included).
+
+        Raises:
+            RankError: a rank raised, died or timed out.
+        """
+        t0 = time.perf_counter()
+        out = self._group.call("step", batch)[0]
+        self._version = int(out["policy_version"])
+        metrics = dict(out["metrics"])
+        metrics["perf/learner_rpc_s"] = time.perf_counter() - t0
+        return metrics
+
+    def export_policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's full weights in Hugging Face names (CPU tensors gathered on rank 0).
+
+        The gather runs when this is called (not lazily), so callers see a failure here.
+        """
+        pairs = self._group.call("export")[0]
+        return iter(pairs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The small driver state: ``{"backend", "world_size", "tensor_parallel_size",
+        "pipeline_parallel_size", "policy_version", "sharded": True}``; the weights and optimizer
+        state are written by :meth:`save_dir`."""
+        sec = self.exp_cfg.learner
+        return {"backend": self.backend, "world_size": sec.world_size,
+                "tensor_parallel_size": sec.tensor_parallel_size,
+                "pipeline_parallel_size": sec.pipeline_parallel_size,
+                "policy_version": self._version, "sharded": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check a :meth:`state_dict` against this learner (the sharded state comes through
+        :meth:`load_dir`).
+
+        Raises:
+            ConfigError: ``state`` is another backend's (e.g. a ``torch`` checkpoint resumed with
+                ``learner.backend=fsdp``), naming ``learner.backend``.
+        """
+        sharded = isinstance(state, dict) and bool(state.get("sharded"))
+        if not sharded or state.get("backend") != self.backend:
+            got = state.get("backend") if sharded else "torch"
+            raise ConfigError(f"learner.backend={self.backend!r}: the checkpoint was written by backend "
+                              f"{got!r}; resume with the same learner.backend")
+
+    # -- sharded checkpoint hooks (trainer.learner.base.ShardedCheckpoint) ----------------
+    def save_dir(self, path: Path) -> None:
+        """Every rank writes its shard of the complete state into ``path`` (collective)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._group.call("save", str(path))
+
+    def load_dir(self, path: Path) -> None:
+        """Every rank restores its state from ``path`` (written by :meth:`save_dir`, possibly by
+        another data-parallel size)."""
+        self._version = int(self._group.call("load", str(path))[0])
+
+    # -- extras ---------------------------------------------------------------------------
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients of the last update (``actor.<HF name>`` / ``critic.<name>``, full, float32);
+        see :class:`~.base.GradientProbe` (tests)."""
+        return self._group.call("gradients")[0]
+
+    def rank_state_bytes(self) -> list[dict[str, int]]:
+        """Per rank (rank order): bytes of parameters, gradients and optimizer state it holds
+        (:class:`~.base.MemoryProbe`; ``torchrun``: rank 0 only)."""
+        return self._group.call("state_bytes")
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of the ranks (``spawn`` only; tests)."""
+        return list(getattr(self._group, "pids", []))
+
+    def close(self) -> None:
+        """Stop the ranks (idempotent; also runs when the learner is garbage-collected or at exit)."""
+        self._finalizer()
+
+    def __enter__(self) -> DistributedLearner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,290 @@
+"""Inside a rank process: ``torch.distributed`` set-up, the rank learner, and its command loop.
+
+The driver (:class:`~trainer.learner.distributed.runtime.DistributedLearner`) sends the same
+command to every rank; :class:`RankServer` runs it on the rank's
+:class:`~trainer.learner.distributed.base.RankLearner`. Three transports carry the commands
+(:mod:`.launch`): a pipe per spawned process (:func:`spawn_main`), Ray actor calls, and, under
+``torchrun``, a broadcast from rank 0 (:func:`serve_torchrun_worker`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
+
+log = logging.getLogger(__name__)
+
+#: Commands a rank serves (each maps to one collective call on the rank learner).
+COMMANDS = ("step", "export", "save", "load", "gradients", "state_bytes", "version")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """How one rank joins the process group.
+
+    Attributes:
+        rank / world_size: global rank and size. local_rank: rank on its machine.
+        local_world_size: ranks on its machine (splits the CPU threads).
+        init_method: ``tcp://host:port`` (spawn, ray) or ``env://`` (torchrun).
+        tp_size / pp_size: model-parallel sizes (the layout of :class:`RankContext`).
+        dist_backend: ``auto`` | ``gloo`` | ``nccl``. timeout_s: collective timeout.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    init_method: str
+    tp_size: int = 1
+    pp_size: int = 1
+    dist_backend: str = "auto"
+    timeout_s: float = 1800.0
+
+    @classmethod
+    def from_section(cls, section: Any, rank: int, init_method: str, local_rank: int | None = None,
+                     local_world_size: int | None = None) -> RankSpec:
+        """The spec of ``rank`` from a :class:`~trainer.config.LearnerSection`."""
+        return cls(rank=rank, world_size=section.world_size,
+                   local_rank=rank if local_rank is None else local_rank,
+                   local_world_size=section.world_size if local_world_size is None else local_world_size,
+                   init_method=init_method, tp_size=section.tensor_parallel_size,
+                   pp_size=section.pipeline_parallel_size, dist_backend=section.dist_backend,
+                   timeout_s=section.timeout_s)
+
+
+def resolve_dist_backend(name: str) -> str:
+    """``auto`` → ``nccl`` when CUDA is available, else ``gloo``; other names unchanged.
+
+    Raises:
+        ValueError: ``nccl`` without CUDA (naming ``learner.dist_backend``).
+    """
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError("learner.dist_backend='nccl' needs CUDA; this machine has none (use 'gloo' or "
+                         "'auto')")
+    return name
+
+
+def init_rank(spec: RankSpec, threads: int = 0) -> RankContext:
+    """Join the process group (``init_process_group``) and describe this rank.
+
+    Args:
+        spec: the rank's :class:`RankSpec`.
+        threads: torch intra-op threads (0: this machine's cores split between its ranks).
+
+    Returns:
+        The :class:`RankContext` (a gloo ``cpu_group`` is created when the default group is NCCL).
+
+    Raises:
+        ValueError: bad sizes or backend. RuntimeError / DistNetworkError from
+            ``init_process_group`` (e.g. the rendezvous timed out).
+    """
+    backend = resolve_dist_backend(spec.dist_backend)
+    layout = RankContext.layout(spec.rank, spec.world_size, spec.tp_size, spec.pp_size)
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, spec.local_world_size)))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        index = spec.local_rank if torch.cuda.device_count() > spec.local_rank else 0
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    dist.init_process_group(backend=backend, init_method=spec.init_method, rank=spec.rank,
+                            world_size=spec.world_size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    return RankContext(rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank, device=device,
+                       dist_backend=backend, cpu_group=cpu_group, dp_group=None, timeout=timeout,
+                       tp_size=spec.tp_size, pp_size=spec.pp_size, **layout)
+
+
+def build_rank_learner(exp_cfg: Any, model_dir: str | Path, ctx: RankContext) -> RankLearner:
+    """The rank learner of ``learner.backend`` (plug-ins imported first, as in the driver).
+
+    Raises:
+        KeyError: no rank learner registered under that name. Whatever the factory raises.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from ...plugins import import_plugins
+    from .registry import RANK_LEARNERS
+
+    hf_logging.disable_progress_bar()  # N ranks × "Loading weights" bars say nothing the driver does not
+    import_plugins(exp_cfg.plugins)
+    return RANK_LEARNERS.get(exp_cfg.learner.backend)(exp_cfg, Path(model_dir), ctx)
+
+
+class RankServer:
+    """Runs driver commands on one rank's learner.
+
+    Args:
+        learner: the :class:`RankLearner`. ctx: its :class:`RankContext`.
+    """
+
+    def __init__(self, learner: RankLearner, ctx: RankContext) -> None:
+        self.learner, self.ctx = learner, ctx
+
+    def handle(self, cmd: str, args: tuple) -> Any:
+        """Run one command; returns its picklable result (rank 0's is the one the driver reads).
+
+        ``step(batch)`` → ``{"metrics", "policy_version"}``; ``export()`` → list of ``(HF name,
+        tensor)`` (rank 0; ``[]`` elsewhere); ``save(dir)`` / ``load(dir)`` / ``version()`` →
+        ``policy_version``; ``gradients()`` → :meth:`GradientProbe.named_gradients`;
+        ``state_bytes()`` → :meth:`MemoryProbe.state_bytes` (every rank's own).
+
+        Raises:
+            ValueError: unknown command. TypeError: ``gradients`` / ``state_bytes`` on a learner
+                without them.
+        """
+        lrn = self.learner
+        if cmd == "step":
+            return {"metrics": lrn.step(*args), "policy_version": lrn.policy_version}
+        if cmd == "export":
+            pairs = list(lrn.export_policy_weights())  # every rank iterates: the gathers are collective
+            return pairs if self.ctx.is_rank0 else []
+        if cmd in ("save", "load"):
+            getattr(lrn, cmd)(Path(args[0]))
+            return lrn.policy_version
+        if cmd == "version":
+            return lrn.policy_version
+        if cmd == "gradients":
+            if not isinstance(lrn, GradientProbe):
+                raise TypeError(f"{type(lrn).__name__} has no named_gradients()")
+            grads = lrn.named_gradients()
+            return grads if self.ctx.is_rank0 else {}
+        if cmd == "state_bytes":
+            if not isinstance(lrn, MemoryProbe):
+                raise TypeError(f"{type(lrn).__name__} has no state_bytes()")
+            return lrn.state_bytes()
+        raise ValueError(f"unknown rank command {cmd!r}; known: {COMMANDS}")
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit this process when its parent dies (a SIGKILLed driver leaves no orphan ranks, even
+    while a rank waits inside a collective)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="copc-parent-watch", daemon=True).start()
+
+
+def spawn_main(conn: Any) -> None:
+    """Main of a spawned rank (:class:`~.launch.SpawnGroup`): read ``(RankSpec, exp_cfg, model_dir)``
+    from the driver's connection, join, build, then serve ``(cmd, args)`` messages until
+    ``shutdown`` or EOF; replies ``("ok", result)`` or ``("error", traceback)``. The first reply
+    (after the build) is ``("ok", policy_version)``. Exits the process when done."""
+    _exit_with_parent()
+    server = None
+    try:
+        spec, exp_cfg, model_dir = conn.recv()
+        ctx = init_rank(spec, exp_cfg.train.torch_threads)
+        server = RankServer(build_rank_learner(exp_cfg, model_dir, ctx), ctx)
+        conn.send(("ok", server.learner.policy_version))
+        while True:
+            try:
+                cmd, args = conn.recv()
+            except EOFError:
+                return
+            if cmd == "shutdown":
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", server.handle(cmd, args)))
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # nothing left to flush (checkpoints are fsync-ed); skips seconds of interpreter teardown
+
+
+def torchrun_spec(section: Any) -> RankSpec:
+    """This process's :class:`RankSpec` from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``).
+
+    Raises:
+        ValueError: not started by torchrun, or ``WORLD_SIZE`` differs from ``learner.world_size``.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError("learner.launch='torchrun': RANK/WORLD_SIZE are not set; start the run with "
+                         "`torchrun --nproc-per-node N -m trainer.cli train ...`")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != section.world_size:
+        raise ValueError(f"learner.world_size={section.world_size} but torchrun started WORLD_SIZE={world}")
+    rank = int(os.environ["RANK"])
+    return RankSpec.from_section(section, rank, "env://", local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def broadcast_command(msg: Any, ctx: RankContext) -> Any:
+    """Rank 0's ``msg`` on every rank (``broadcast_object_list`` on the gloo ``cpu_group``)."""
+    box = [msg if ctx.is_rank0 else None]
+    dist.broadcast_object_list(box, src=0, group=ctx.cpu_group)
+    return box[0]
+
+
+def run_and_report(server: RankServer | None, cmd: str, args: tuple, ctx: RankContext,
+                   build: Any = None) -> tuple[Any, list[str | None]]:
+    """Run a command on this rank, then all-gather every rank's error (None = ok).
+
+    ``build`` (a zero-argument callable returning a :class:`RankServer`) replaces ``server`` for
+    the ``build`` command. Returns ``(result or new server, errors by rank)``. Collective.
+    """
+    result, err = None, None
+    try:
+        result = build() if cmd == "build" else server.handle(cmd, args)  # type: ignore[union-attr]
+    except BaseException:
+        err = traceback.format_exc()
+    errors: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(errors, err, group=ctx.cpu_group)
+    return result, errors
+
+
+def serve_torchrun_worker(exp_cfg: Any) -> None:
+    """Main of ranks > 0 under ``torchrun``: join, then run rank 0's broadcast commands (the first
+    is ``build`` with the model directory) until ``shutdown``. Returns when rank 0 shuts down.
+
+    Raises:
+        ValueError: as :func:`torchrun_spec`.
+    """
+    ctx = init_rank(torchrun_spec(exp_cfg.learner), exp_cfg.train.torch_threads)
+    server: RankServer | None = None
+    try:
+        while True:
+            cmd, args = broadcast_command(None, ctx)
+            if cmd == "shutdown":
+                return
+            result, errors = run_and_report(
+                server, cmd, args, ctx,
+                build=lambda a=args: RankServer(build_rank_learner(a[0], a[1], ctx), ctx))
+            if cmd == "build" and errors[ctx.rank] is None:
+                server = result
+            if any(errors):
+                log.error("torchrun rank %d: command %r failed on some rank; stopping", ctx.rank, cmd)
+                return
+    finally:
+        dist.destroy_process_group()
+

@@ -1,0 +1,376 @@
+"""The FSDP2 rank learner (``learner.backend: fsdp``): PyTorch ``fully_shard`` over the actor and
+the critic, data parallel over the ranks of a
+:class:`~trainer.learner.distributed.runtime.DistributedLearner`.
+
+Per rank: parameters, gradients and optimizer state are sharded (each decoder layer its own
+FSDP unit, then the root: embeddings, final norm, LM / value head). The step is the torch
+backend's (:class:`~trainer.learner.torch_learner.TorchLearner`) with the rows of every
+mini-batch split over the data-parallel ranks:
+
+* ``logp_old`` / ``values_old`` are recomputed on each rank's rows and all-gathered, so the
+  advantages (:class:`~trainer.learner.algorithm.ActorCriticAlgorithm`, any estimator, group
+  statistics and whitening included) are those of the whole batch on every rank;
+* micro-batch losses use the denominators of the WHOLE mini-batch
+  (:func:`~trainer.learner.distributed.shard.global_denominators`);
+* FSDP's reduce-scatter would AVERAGE the rank gradients; the gradient divide factor is set to
+  1 so they are SUMMED, which with global denominators is exactly the single-process gradient;
+* gradient clipping uses the global norm over all shards (the DTensor norm's ``full_tensor``);
+* metrics of every rank's micro-batches are all-gathered and combined by the same
+  :class:`~trainer.learner.algorithm.MetricAccumulator` rules.
+
+Forward passes (:func:`~trainer.learner.torch_learner.response_logprobs`,
+:func:`~trainer.learner.torch_learner.mb_values`) and the critic
+(:class:`~trainer.learner.critic.ValueModel`) are the torch backend's; no RL maths here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import copc
+
+from ..rollout.batch import RolloutBatch
+from .algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
+from .critic import ValueModel
+from .distributed.base import RankContext
+from .distributed.shard import (
+    gather_objects,
+    gather_rows,
+    global_denominators,
+    micro_plan,
+    training_state_bytes,
+)
+from .torch_learner import LearnerConfig, _warmup, make_optimizer, mb_values, response_logprobs
+
+Tensor = torch.Tensor
+
+#: DCP sub-directory and the small (replicated) state file inside a rank learner's save directory.
+DCP_DIR, SMALL_STATE = "dcp", "learner_state.pt"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a ``transformers`` causal LM or base model (``….layers``).
+
+    Raises:
+        ValueError: no ``layers`` list found (the model is not a decoder-only transformer).
+    """
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__}: no decoder `layers` to shard (learner.backend=fsdp "
+                         "needs a decoder-only transformers model)")
+    return list(layers)
+
+
+def global_grad_norm_clip_(params: list[nn.Parameter], max_norm: float) -> float:
+    """Clip gradients in place to global L2 norm ``max_norm`` over ALL shards; returns the norm
+    before clipping (as :func:`torch.nn.utils.clip_grad_norm_` on the unsharded model).
+
+    The norm of sharded (DTensor) gradients is a partial DTensor; ``full_tensor()`` all-reduces it.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def batch_to(b: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """``b`` with every tensor on ``device`` (``b`` itself when already there)."""
+    if b.input_ids.device == device:
+        return b
+    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
+                                     if isinstance(getattr(b, f.name), Tensor)})
+
+
+def inputs_to(x: StepInputs, device: torch.device) -> StepInputs:
+    """``x`` with every tensor on ``device``."""
+    if x.logp_old.device == device:
+        return x
+    return StepInputs(*(None if t is None else t.to(device) for t in (x.logp_old, x.values_old, x.advantages,
+                                                                      x.returns)))
+
+
+class FSDPRankLearner:
+    """One data-parallel rank of the ``fsdp`` backend (a
+    :class:`~trainer.learner.distributed.base.RankLearner`).
+
+    Args:
+        actor: the policy, identical on every rank (loaded from the same directory); sharded here.
+        algo: the preset. cfg: :class:`LearnerConfig` (same settings as the torch backend).
+        ctx: this rank's :class:`RankContext` (``tp_size == pp_size == 1``).
+        critic: the value model (default: built from the actor before sharding, zero head).
+        cpu_offload: FSDP2 ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer
+            state in CPU memory; on a CPU-only machine everything is there already).
+        param_dtype: compute dtype (``bfloat16`` / ``float16``: mixed precision with float32
+            sharded master weights and float32 gradient reduction; None: the loaded dtype).
+
+    Raises:
+        ValueError: model parallel sizes > 1, or a model without decoder layers.
+    """
+
+    def __init__(self, actor: nn.Module, algo: copc.AlgorithmConfig, cfg: LearnerConfig, ctx: RankContext,
+                 critic: ValueModel | None = None, *, cpu_offload: bool = False,
+                 param_dtype: torch.dtype | None = None) -> None:
+        if ctx.tp_size != 1 or ctx.pp_size != 1:
+            raise ValueError(f"learner.backend=fsdp is data parallel only; got tensor_parallel_size="
+                             f"{ctx.tp_size}, pipeline_parallel_size={ctx.pp_size}")
+        self.ctx, self.algo, self.cfg = ctx, algo, cfg
+        # ValueModel returns a (read-only) view of the head output; nothing here writes into it in place
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        self.export_dtype = param_dtype or next(actor.parameters()).dtype
+        self.algorithm = ActorCriticAlgorithm(algo, num_mini_batches=cfg.num_mini_batches,
+                                              micro_batch_size=cfg.micro_batch_size,
+                                              critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
+        self.critic = (critic or ValueModel.from_causal_lm(actor)) if algo.use_critic else None
+        self.mesh = init_device_mesh(ctx.device.type, (ctx.dp_size,), mesh_dim_names=("dp",))
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+            MixedPrecisionPolicy()
+        self._shard_kw = {"mesh": self.mesh, "mp_policy": mp,
+                          "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+                          if cpu_offload else OffloadPolicy()}
+        self.actor = self._shard(actor.to(ctx.device))
+        if self.critic is not None:
+            self.critic = self._shard(self.critic.to(ctx.device))
+        self.actor_opt = make_optimizer(cfg.optimizer, self.actor.parameters(), cfg.actor_lr,
+                                        cfg.weight_decay)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _warmup(cfg.warmup_steps))
+        self.critic_opt = self.critic_sched = None
+        if self.critic is not None:
+            self.critic_opt = make_optimizer(cfg.optimizer, self.critic.parameters(), cfg.critic_lr,
+                                             cfg.weight_decay)
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _warmup(cfg.warmup_steps))
+        self.steps_done = 0
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        """``fully_shard`` each decoder layer, then the root. Every FSDP unit SUMS the rank gradients
+        (divide factor 1, plain SUM collectives: gloo has no PREMUL_SUM); with global denominators
+        that is exactly the single-process gradient."""
+        units = decoder_layers(model.backbone if isinstance(model, ValueModel) else model)
+        for layer in units:
+            fully_shard(layer, **self._shard_kw)
+        fully_shard(model, **self._shard_kw)
+        for unit in [*units, model]:  # the factor is per FSDP unit (parameter group)
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(self.ctx.dist_backend == "gloo")
+        return model
+
+    # -- the RankLearner protocol ----------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """Updates done (resumes included)."""
+        return self.steps_done
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One learner step on this rank's rows of ``batch`` (the full batch, same on every rank);
+        returns the whole batch's metrics (identical on every rank), keys as the torch backend."""
+        t0 = time.perf_counter()
+        alg = self.algorithm
+        logp_old, values_old = self._recompute(batch)
+        x, metrics = alg.advantages(batch, logp_old, values_old, self.policy_version,
+                                    steps_done=self.steps_done)
+        acc = MetricAccumulator()
+        update_actor = alg.update_actor(self.steps_done, self.critic is not None)
+        for idx in alg.mini_batches(len(batch), self.steps_done):
+            mini, xm = batch.select(idx), x.rows(idx)
+            den = global_denominators(alg, mini)
+            if update_actor:
+                self._update("actor", self.actor, self.actor_opt, mini, xm, acc,
+                             lambda mb, xs, den=den: self._actor_loss(mb, xs, den))
+            if self.critic is not None:
+                self._update("critic", self.critic, self.critic_opt, mini, xm, acc,
+                             lambda mb, xs, den=den: self.algorithm.value_loss(mb_values(self.critic, mb), mb,
+                                                                               xs, den))
+            acc.end_mini_batch()
+        if update_actor:
+            self.actor_sched.step()
+        if self.critic_sched is not None:
+            self.critic_sched.step()
+        self.steps_done += 1
+        metrics.update(acc.result())
+        metrics["actor/lr"] = self.actor_sched.get_last_lr()[0]
+        metrics["actor/updated"] = float(update_actor)
+        metrics["perf/learner_step_s"] = time.perf_counter() - t0
+        metrics["perf/tokens"] = float(batch.attention_mask.sum())
+        return metrics
+
+    def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The actor's full state dict in Hugging Face names, on the CPU of rank 0 (collective
+        gather; other ranks yield nothing), in the model's dtype."""
+        full = get_model_state_dict(self.actor,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.ctx.is_rank0:
+            for name, t in full.items():
+                yield name, t.to(self.export_dtype)
+
+    def named_gradients(self) -> dict[str, Tensor]:
+        """Full float32 gradients of the last update (``actor.<HF name>``, ``critic.<name>``) on
+        rank 0 (collective)."""
+        out: dict[str, Tensor] = {}
+        for prefix, model in (("actor", self.actor), ("critic", self.critic)):
+            if model is None:
+                continue
+            for name, p in model.named_parameters():
+                if p.grad is None:
+                    continue
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                if self.ctx.is_rank0:
+                    out[f"{prefix}.{name}"] = g.detach().float().cpu().clone()
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameter, gradient and optimizer-state shards
+        (:func:`~trainer.learner.distributed.shard.training_state_bytes`)."""
+        models = self._models()
+        return training_state_bytes([m for _, m, _ in models], [o for _, _, o in models])
+
+    def save(self, directory: Path) -> None:
+        """Sharded model + optimizer state with DCP into ``directory/dcp``; schedulers, step count and
+        diagnostics (replicated) by rank 0 into ``directory/learner_state.pt``. Collective."""
+        dcp.save(self._dcp_state(), checkpoint_id=str(Path(directory) / DCP_DIR))
+        if self.ctx.is_rank0:
+            torch.save(self._small_state(), Path(directory) / SMALL_STATE)
+        dist.barrier(group=self.ctx.cpu_group)
+
+    def load(self, directory: Path) -> None:
+        """Restore :meth:`save` output (DCP reshards: another data-parallel size may have written it).
+
+        Raises:
+            FileNotFoundError: ``directory`` lacks the DCP files or ``learner_state.pt``.
+        """
+        directory = Path(directory)
+        if not (directory / DCP_DIR).is_dir() or not (directory / SMALL_STATE).is_file():
+            raise FileNotFoundError(f"{directory}: not an fsdp learner checkpoint (needs {DCP_DIR}/ and "
+                                    f"{SMALL_STATE})")
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
+        for name, model, opt in self._models():
+            set_state_dict(model, opt, model_state_dict=state[name], optim_state_dict=state[f"{name}_opt"])
+        small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=False)
+        self.actor_sched.load_state_dict(small["actor_sched"])
+        if self.critic_sched is not None:
+            self.critic_sched.load_state_dict(small["critic_sched"])
+        self.steps_done = int(small["steps_done"])
+        self.algorithm.value_bias.load_state_dict(small["diagnostics"])
+
+    # -- backend part ----------------------------------------------------------------------
+    def _models(self) -> list[tuple[str, nn.Module, torch.optim.Optimizer]]:
+        out = [("actor", self.actor, self.actor_opt)]
+        if self.critic is not None:
+            out.append(("critic", self.critic, self.critic_opt))
+        return out
+
+    def _dcp_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for name, model, opt in self._models():
+            state[name], state[f"{name}_opt"] = get_state_dict(model, opt)
+        return state
+
+    def _small_state(self) -> dict[str, Any]:
+        out = {"steps_done": self.steps_done, "actor_sched": self.actor_sched.state_dict(),
+               "diagnostics": self.algorithm.value_bias.state_dict()}
+        if self.critic_sched is not None:
+            out["critic_sched"] = self.critic_sched.state_dict()
+        return out
+
+    def _plan(self, n_rows: int) -> list[slice | None]:
+        return micro_plan(n_rows, self.ctx.dp_rank, self.ctx.dp_size, self.cfg.micro_batch_size)
+
+    @torch.no_grad()
+    def _recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+        """Whole-batch ``logp_old`` / ``values_old`` ``(B, T)``: this rank's rows, all-gathered."""
+        self.actor.eval()
+        if self.critic is not None:
+            self.critic.eval()
+        lps, vals = [], []
+        for sl in self._plan(len(batch)):  # None: a padding pass, for the collectives only
+            mb = batch_to(batch.select(sl if sl is not None else slice(0, 1)), self.ctx.device)
+            lp = response_logprobs(self.actor, mb, self.cfg.temperature)
+            v = mb_values(self.critic, mb) if self.critic is not None else None
+            if sl is not None:
+                lps.append(lp)
+                vals.append(v)
+        T = batch.loss_mask.shape[1]
+        empty = torch.zeros((0, T), dtype=torch.float32, device=self.ctx.device)
+        n, r, d = len(batch), self.ctx.dp_rank, self.ctx.dp_size
+        logp = gather_rows(torch.cat(lps) if lps else empty, n, r, d).cpu()
+        values = None
+        if self.critic is not None:
+            values = gather_rows(torch.cat(vals) if vals else empty, n, r, d).cpu()
+        return logp, values
+
+    def _actor_loss(self, mb: RolloutBatch, xs: StepInputs, den: copc.Denominators) -> tuple[Tensor, dict]:
+        logp = response_logprobs(self.actor, mb, self.cfg.temperature)
+        loss, met = self.algorithm.policy_loss(logp, mb, xs, den)
+        return loss, {**met, "actor/loss": float(loss.detach())}
+
+    def _update(self, prefix: str, model: nn.Module, opt: torch.optim.Optimizer, mini: RolloutBatch,
+                xm: StepInputs, acc: MetricAccumulator,
+                loss_fn: Callable[[RolloutBatch, StepInputs], tuple[Tensor, dict]]) -> None:
+        """One optimizer update of ``model`` on this rank's rows of ``mini`` (gradients summed over
+        ranks by FSDP), metrics of every rank's micro-batches added to ``acc``."""
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        local = []
+        for sl in self._plan(len(mini)):
+            rows = sl if sl is not None else slice(0, 1)
+            mb = batch_to(mini.select(rows), self.ctx.device)
+            loss, met = loss_fn(mb, inputs_to(xm.rows_slice(rows), self.ctx.device))
+            if sl is None:  # a padding pass: zero weight, keeps the FSDP collectives in step
+                (loss * 0.0).backward()
+                continue
+            loss.backward()
+            local.append((met, float(mb.loss_mask.sum())))
+        for rank_items in gather_objects(local, self.ctx.cpu_group):
+            for met, tokens in rank_items:
+                acc.add_micro(met, tokens)
+        if self.cfg.grad_clip > 0:
+            norm = global_grad_norm_clip_(list(model.parameters()), self.cfg.grad_clip)
+            acc.add(f"{prefix}/grad_norm", norm if math.isfinite(norm) else float("nan"))
+        opt.step()
+
+
+def build_fsdp_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> FSDPRankLearner:
+    """The ``fsdp`` rank-learner factory (see
+    :func:`~trainer.learner.distributed.registry.register_rank_learner`).
+
+    Loads the actor from ``model_dir`` (float32 master weights; ``model.dtype`` bfloat16/float16
+    becomes the compute dtype through FSDP mixed precision), gradient checkpointing as
+    ``model.gradient_checkpointing``, the critic from the actor (as the torch backend).
+    """
+    from ..models.loading import load_model_and_tokenizer
+
+    dtype = getattr(torch, exp_cfg.model.dtype)
+    actor, _ = load_model_and_tokenizer(model_dir, dtype=torch.float32,
+                                        attn_implementation=exp_cfg.model.attn_implementation)
+    if exp_cfg.model.gradient_checkpointing:
+        actor.gradient_checkpointing_enable()
+    return FSDPRankLearner(actor, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg), ctx,
+                           cpu_offload=exp_cfg.learner.cpu_offload,
+                           param_dtype=None if dtype == torch.float32 else dtype)
