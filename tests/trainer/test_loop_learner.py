@@ -200,3 +200,24 @@ def test_critic_free_presets_are_not_held_back_by_critic_warmup(tiny_small):
                            LearnerConfig(actor_lr=1e-2, critic_warmup_steps=2))
     assert learner.critic is None
     assert learner.step(_batch(tok), version=0)["actor/updated"] == 1.0
+
+
+@pytest.mark.parametrize("preset", ["ppo_async", "vtrace"])
+def test_actor_total_loss_is_the_mini_batch_loss_whatever_the_micro_batches(tiny_small, preset):
+    """``actor/total_loss`` sums the micro-batch shares (global denominators), so it is the same for
+    any ``micro_batch_size`` (it used to be a token-weighted mean of the shares: -0.08 / -0.13 / -0.25)."""
+    out = []
+    for mbs in (1, 3, 8):
+        actor, tok = load_model_and_tokenizer(tiny_small)
+        learner = TorchLearner(actor, copc.get_preset(preset), LearnerConfig(micro_batch_size=mbs))
+        torch.manual_seed(0)
+        trajs = []
+        for i in range(6):
+            tr = Trajectory(prompt_ids=[1, 2])
+            n = 2 + i % 3
+            tr.append_model_tokens(list(range(3, 3 + n)), [-1.0 - 0.1 * j for j in range(n)], [0] * n)
+            tr.reward = float(i % 2)
+            trajs.append(tr)
+        out.append(learner.step(to_batch(trajs, tok.pad_token_id))["actor/total_loss"])
+    assert out[0] == pytest.approx(out[1], abs=1e-6) and out[0] == pytest.approx(out[2], abs=1e-6)
+    assert abs(out[0]) > 1e-4

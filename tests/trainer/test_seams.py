@@ -203,7 +203,7 @@ def test_plugins_register_before_validation_and_train(tmp_path, monkeypatch):
         copc.ADVANTAGE_ESTIMATORS.unregister("plugin_mc")
     assert summary["steps"] == 2
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "actor/total_loss" in r] == [1, 2]
     assert not any("critic/value_loss" in r for r in rows)
 
 

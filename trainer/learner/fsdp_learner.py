@@ -328,7 +328,7 @@ class FSDPRankLearner:
     def _actor_loss(self, mb: RolloutBatch, xs: StepInputs, den: copc.Denominators) -> tuple[Tensor, dict]:
         logp = response_logprobs(self.actor, mb, self.cfg.temperature)
         loss, met = self.algorithm.policy_loss(logp, mb, xs, den)
-        return loss, {**met, "actor/loss": float(loss.detach())}
+        return loss, {**met, "actor/total_loss": float(loss.detach())}
 
     def _update(self, prefix: str, model: nn.Module, opt: torch.optim.Optimizer, mini: RolloutBatch,
                 xm: StepInputs, acc: MetricAccumulator,

@@ -227,7 +227,7 @@ class TorchLearner:
             logp = response_logprobs(self.actor, mb, self.cfg.temperature)
             loss, met = self.algorithm.policy_loss(logp, mb, x.rows_slice(sl), den)
             loss.backward()
-            acc.add_micro({**met, "actor/loss": float(loss.detach())}, float(mb.loss_mask.sum()))
+            acc.add_micro({**met, "actor/total_loss": float(loss.detach())}, float(mb.loss_mask.sum()))
         if self.cfg.grad_clip > 0:
             norm = nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
             acc.add("actor/grad_norm", float(norm))
