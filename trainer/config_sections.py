@@ -122,7 +122,8 @@ class RolloutConfig:
         concurrency: episodes in flight at once.
         max_total_tokens, max_turns, max_observation_tokens: episode budgets (tokens / turns).
         engine_max_batch_size: embedded engine batch size (sequences).
-        sglang_port / sglang_tp / sglang_mem_fraction: SGLang server settings.
+        sglang_port / sglang_tp / sglang_dp / sglang_base_gpu_id / sglang_mem_fraction: SGLang
+            server settings (``tp × dp`` GPUs from ``base_gpu_id`` on).
         use_chat_template: wrap prompts with the tokenizer's chat template (real instruct
             models; the tiny byte-level models have none).
     """
@@ -140,6 +141,8 @@ class RolloutConfig:
     engine_max_batch_size: int = 32
     sglang_port: int = 30000
     sglang_tp: int = 1
+    sglang_dp: int = 1
+    sglang_base_gpu_id: int = 0
     sglang_mem_fraction: float = 0.8
     use_chat_template: bool = False
 
@@ -152,8 +155,10 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
-                  "max_turns", "max_observation_tokens", "engine_max_batch_size"):
+                  "max_turns", "max_observation_tokens", "engine_max_batch_size", "sglang_tp", "sglang_dp"):
             _require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")
+        _require(self.sglang_base_gpu_id >= 0, "rollout.sglang_base_gpu_id", self.sglang_base_gpu_id,
+                 "must be >= 0")
 
 
 @dataclass

@@ -85,6 +85,12 @@ def test_paper_preset_configs(task, preset, tmp_path):
     n = cfg.rollout.n_samples_per_prompt
     assert n >= 2 if preset == "dapo" else n == 1
     assert algo.use_critic == (preset not in ("sao", "dapo"))
+    # the paper's horizons, and 8 GPUs: a Megatron learner on GPUs 0-3, SGLang replicas on 4-7
+    assert cfg.train.total_steps == {"math_tool": 120, "search": 450}[task]
+    lrn, r = cfg.learner, cfg.rollout
+    sizes = (lrn.world_size, lrn.tensor_parallel_size, lrn.pipeline_parallel_size)
+    assert lrn.backend == "megatron" and sizes == (4, 2, 1)
+    assert r.sglang_base_gpu_id == lrn.world_size and lrn.world_size + r.sglang_tp * r.sglang_dp == 8
 
 
 @pytest.mark.parametrize("task", sorted(TASK_STALENESS))

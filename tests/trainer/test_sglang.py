@@ -107,6 +107,12 @@ def test_build_command_exact():
     minimal = build_command(SGLangLauncherConfig(model_path="/m", python="py"), 5)
     assert minimal == ["py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
                        "--port", "5", "--tp-size", "1", "--mem-fraction-static", "0.8"]
+    # rollouts on GPUs 4..7 next to a learner on 0..3 (the paper-scale layout)
+    split = build_command(SGLangLauncherConfig(model_path="/m", python="py", dp=4, base_gpu_id=4), 5)
+    assert split[-4:] == ["--dp-size", "4", "--base-gpu-id", "4"]
+    for field, bad in (("dp", 0), ("base_gpu_id", -1)):
+        with pytest.raises(ValueError, match=field):
+            SGLangLauncherConfig(model_path="/m", **{field: bad})
 
 
 # ---------------------------------------------------------------- request mapping

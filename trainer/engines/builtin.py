@@ -70,7 +70,9 @@ def sglang_engine(spec: EngineSpec) -> EngineHandle:
     if spec.weights is not None:
         start_dir = save_hf_weights(spec.weights, spec.model_dir, root / f"v{spec.version}")
     launcher = SGLangLauncher(SGLangLauncherConfig(model_path=str(start_dir), port=r.sglang_port,
-                                                   tp=r.sglang_tp, mem_fraction_static=r.sglang_mem_fraction))
+                                                   tp=r.sglang_tp, dp=r.sglang_dp,
+                                                   base_gpu_id=r.sglang_base_gpu_id,
+                                                   mem_fraction_static=r.sglang_mem_fraction))
     launcher.start()
     engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=spec.version))
 

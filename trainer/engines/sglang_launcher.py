@@ -59,6 +59,10 @@ class SGLangLauncherConfig:
         host: interface to bind; loopback by default.
         port: TCP port; ``None`` picks a free one.
         tp: tensor-parallel size (GPUs), >= 1 (``--tp-size``).
+        dp: data-parallel replicas behind the one endpoint, >= 1 (``--dp-size``; the server
+            uses ``tp × dp`` GPUs).
+        base_gpu_id: first GPU index the server uses, >= 0 (``--base-gpu-id``), so rollouts can
+            take GPUs the learner's ranks do not (learner on 0..3, SGLang from 4).
         mem_fraction_static: fraction of GPU memory for weights + KV cache, in (0, 1).
         dtype: ``--dtype`` (``auto``, ``half``, ``float16``, ``bfloat16``, ``float``,
             ``float32``); ``None`` leaves SGLang's default.
@@ -85,6 +89,8 @@ class SGLangLauncherConfig:
     host: str = "127.0.0.1"
     port: int | None = None
     tp: int = 1
+    dp: int = 1
+    base_gpu_id: int = 0
     mem_fraction_static: float = 0.8
     dtype: str | None = None
     random_seed: int | None = None
@@ -114,6 +120,10 @@ class SGLangLauncherConfig:
             raise bad("port", "must be None or an int in 1..65535")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise bad("tp", "must be an int >= 1")
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise bad("dp", "must be an int >= 1")
+        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
+            raise bad("base_gpu_id", "must be an int >= 0")
         if not 0 < self.mem_fraction_static < 1:
             raise bad("mem_fraction_static", "must be in (0, 1)")
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -153,6 +163,10 @@ def build_command(cfg: SGLangLauncherConfig, port: int) -> list[str]:
            "--port", str(port),
            "--tp-size", str(cfg.tp),
            "--mem-fraction-static", repr(float(cfg.mem_fraction_static))]
+    if cfg.dp != 1:
+        cmd += ["--dp-size", str(cfg.dp)]
+    if cfg.base_gpu_id:
+        cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
     if cfg.dtype is not None:
         cmd += ["--dtype", cfg.dtype]
     if cfg.random_seed is not None:
