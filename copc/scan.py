@@ -34,6 +34,9 @@ DEFAULT_BLOCK = 256
 MATMUL_BLOCK = 16
 #: Group length of the rescaled level of :func:`linear_reverse_scan` (the block carries).
 CARRY_BLOCK = 32
+#: Inputs of these dtypes are scanned in float32 and the result cast back: float16 cannot hold
+#: the rescaling factors ``c^{-L}`` (max 65504) nor a small ``c`` (subnormal below 6e-5).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def action_block_bounds(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -163,13 +166,14 @@ def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
 def _block_size(c: float, dtype: torch.dtype, block: int) -> int:
     """Largest block for which ``c ** -block`` stays well inside ``dtype``'s range.
 
-    ``c^L ≥ 10^{-25}`` (float32 and narrower) or ``10^{-250}`` (float64), so the in-block
+    ``c^L ≥ 10^{-25}`` (float32) or ``10^{-250}`` (float64; half dtypes never get here: they
+    are scanned in float32, see :data:`HALF_DTYPES`), so the in-block
     weights ``c^{n}`` (``n ≤ L``) neither underflow to subnormals nor overflow when divided
     by (``c`` in ``(0, 1]``).
     """
     if c >= 1.0:
         return block
-    safe = 25.0 if dtype in (torch.float32, torch.bfloat16, torch.float16) else 250.0
+    safe = 25.0 if dtype == torch.float32 else 250.0  # half dtypes are scanned in float32
     return max(1, min(block, int(safe / -math.log10(c))))
 
 
@@ -227,13 +231,16 @@ def linear_reverse_scan(x: Tensor, a: Tensor, *, a_min: float = 0.0, block: int 
         block: maximum group length.
 
     Returns:
-        ``G``, ``(B, N)`` with the dtype of ``x`` (possibly a view of a larger buffer).
+        ``G``, ``(B, N)`` with the dtype of ``x`` (possibly a view of a larger buffer);
+        float16/bfloat16 inputs are scanned in float32 and rounded once.
 
     Raises:
         ValueError: if ``x`` is not 2-D or ``a`` has another shape.
     """
     if x.dim() != 2 or a.shape != x.shape:
         raise ValueError(f"x and a must be (B, N) of one shape, got {tuple(x.shape)} and {tuple(a.shape)}")
+    if x.dtype in HALF_DTYPES:  # rescaling by a_min^{-L} needs float32's range
+        return linear_reverse_scan(x.float(), a.float(), a_min=a_min, block=block).to(x.dtype)
     B, N = x.shape
     L = _block_size(a_min, x.dtype, block) if a_min > 0.0 else 1
     if L < 2 or x.shape[1] <= 2 * block:  # short rows: the doubling's few small ops are cheaper
@@ -322,7 +329,7 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
 
     Returns:
         ``G_next``, ``(B, T)`` with the dtype of ``x`` (a new tensor, possibly a view of a
-        padded buffer).
+        padded buffer); float16/bfloat16 inputs are scanned in float32 and rounded once.
 
     Raises:
         ValueError: if ``c`` is outside ``[0, 1]`` or ``block < 1``.
@@ -336,6 +343,8 @@ def reverse_action_scan(x: Tensor, mask: Tensor, c: float, *, block: int = DEFAU
                          f"{tuple(mask.shape)}")
     if mask.dtype != torch.bool:
         mask = mask != 0
+    if x.dtype in HALF_DTYPES:  # c^{-L} and the rounded c leave float16's range / precision
+        return reverse_action_scan(x.float(), mask, c, block=block).to(x.dtype)
     B, T = x.shape
     if T == 0:
         return x.clone()

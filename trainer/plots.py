@@ -186,8 +186,23 @@ def _present(metrics: list[dict], keys: tuple[str, ...]) -> list[str]:
     return [k for k in keys if _keys(metrics, lambda q, k=k: q == k)]
 
 
-def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
-    """The off-policy diagnostics figure (module docstring, ``diagnostics.png``); None if no key."""
+def _fraction_ylim(metrics: list[dict], keys: list[str]) -> tuple[float, float]:
+    """y-range of a panel of fractions: 0 (less a 2 % margin) to the largest value plus 5 %, at
+    least 0.001 wide, so that fractions of a few tokens in a thousand are not squashed flat."""
+    top = max((v for k in keys for v in _series(metrics, k)[1] if math.isfinite(v)), default=0.0)
+    top = max(top, 1e-3) * 1.05
+    return -0.02 * top, top
+
+
+def diagnostics_figure(metrics: list[dict]) -> Figure | None:
+    """The off-policy diagnostics figure of ``diagnostics.png`` (module docstring), unsaved.
+
+    Args:
+        metrics: per-step records (``metrics.jsonl``), each with an int ``step``.
+
+    Returns:
+        One panel (axes, in the order of the module docstring) per group present; None if none is.
+    """
     policy = _present(metrics, POLICY_MASK_KEYS) or _present(metrics, POLICY_MASK_FALLBACK)
     level_keys = _keys(metrics, lambda q: bool(_ABS_LOG_RATIO_RE.match(q)))
     level_keys.sort(key=lambda k: int(_ABS_LOG_RATIO_RE.match(k).group(1)))
@@ -207,8 +222,10 @@ def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
         _line_plot(ax, metrics, keys, ylabel)
         ax.set_title(title, fontsize=10)
         ax.ticklabel_format(axis="y", useOffset=False)
-        if keys is not level_keys and "critic/value_bias" not in keys:  # fractions and ESS/N ∈ [0, 1]
-            ax.set_ylim(-0.02, 1.05 if any("ess_frac" in k for k in keys) else None)
+        if any("ess_frac" in k for k in keys):  # ESS/N ∈ [0, 1]
+            ax.set_ylim(-0.02, 1.05)
+        elif keys is not level_keys and "critic/value_bias" not in keys:  # fractions, often ≪ 1
+            ax.set_ylim(*_fraction_ylim(metrics, keys))
         if keys is level_keys and len(keys) > 1:  # staleness levels coloured along a colour map
             cmap = matplotlib.colormaps["viridis"]
             for j, line in enumerate(ax.get_lines()):
@@ -216,7 +233,13 @@ def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
             ax.legend(fontsize=8)
         if "critic/value_bias" in keys:
             ax.axhline(0.0, color="gray", linewidth=0.8)
-    return _save(fig, path)
+    return fig
+
+
+def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
+    """Write :func:`diagnostics_figure` to ``path``; None (nothing written) if it has no panel."""
+    fig = diagnostics_figure(metrics)
+    return None if fig is None else _save(fig, path)
 
 
 def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:

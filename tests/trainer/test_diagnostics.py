@@ -43,7 +43,7 @@ from trainer.learner.torch_learner import LearnerConfig, TorchLearner, mb_values
 from trainer.metrics_log import MetricsLogger
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.plots import make_plots
+from trainer.plots import diagnostics_figure, make_plots
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -383,6 +383,22 @@ def test_diagnostics_png_has_one_panel_per_group(tmp_path):
     make_plots(no_critic, tmp_path / "nc")
     assert _png_height(tmp_path / "nc" / "diagnostics.png") == 3 * 320
     assert "diagnostics.png" not in [p.name for p in make_plots([{"step": 1, "x": 1.0}], tmp_path / "none")]
+
+
+def test_small_masked_fractions_fill_their_panel():
+    """Regression: the masked/clipped panel had y from -0.02 up to the data, so the usual fractions
+    of ~0.001 were squashed into the top few pixels. Now it spans 0 (less 2 %) to the max + 5 %."""
+    recs = [{"step": s, "diag/policy_masked_low_frac": 0.001 * s, "diag/policy_masked_high_frac": 0.0,
+             "advantage/clipped_low_frac": 0.0005, "advantage/clipped_high_frac": 0.0,
+             "diag/policy_ess_frac": 0.99, "diag/advantage_ess_frac": 1.0} for s in range(1, 5)]
+    fig = diagnostics_figure(recs)
+    frac, ess = fig.axes
+    assert frac.get_ylim() == pytest.approx((-0.02 * 0.004 * 1.05, 0.004 * 1.05))
+    assert ess.get_ylim() == pytest.approx((-0.02, 1.05))
+    # all-zero fractions: a 0.001-wide panel, not a degenerate one
+    zeros = [{**r, "diag/policy_masked_low_frac": 0.0, "advantage/clipped_low_frac": 0.0} for r in recs]
+    assert diagnostics_figure(zeros).axes[0].get_ylim() == pytest.approx((-0.02 * 1.05e-3, 1.05e-3))
+    assert diagnostics_figure([{"step": 1, "x": 1.0}]) is None
 
 
 def test_diagnostics_reach_jsonl_and_tensorboard(tmp_path):

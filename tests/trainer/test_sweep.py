@@ -180,6 +180,31 @@ def test_other_up_front_errors_exit_2(tmp_path, capsys):
     assert not (tmp_path / "s").exists()
 
 
+def test_fixed_lag_axis_without_fixed_mode_exits_2(tmp_path, capsys):
+    """Regression: ``--grid train.fixed_lag=0,2`` without ``train.staleness_mode=fixed`` used to run
+    identical bounded cells (the lag is ignored when bounded) and draw a meaningless heatmap."""
+    out = tmp_path / "s"
+    rc = main(["sweep", "--config", TINY, "--out", str(out), "--grid", "train.fixed_lag=0,2", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cell fixed_lag0 (seed 0): grid key train.fixed_lag has no effect with " \
+        "train.staleness_mode='bounded' (the bound train.max_staleness=8 applies)" in err, err
+    rc = main(["sweep", "--config", TINY, "--out", str(out), "--grid", "train.fixed_lag=0,2", "--dry-run",
+               "train.staleness_mode=fixed"])
+    assert rc == 0
+    plan = build_plan(spec_from_args(build_parser(["sweep"]).parse_args(
+        ["sweep", "--config", TINY, "--out", str(out), "--grid", "train.fixed_lag=0,2",
+         "train.staleness_mode=fixed"])))
+    assert [load_lag(r) for r in plan.runs] == [0, 2]
+
+
+def load_lag(run) -> int:
+    """The fixed lag a planned run trains with (its config loaded as ``copc train`` would)."""
+    from trainer.config import load_config
+    cfg = load_config(run.config, list(run.overrides))
+    assert cfg.train.staleness_mode == "fixed"
+    return cfg.max_staleness
+
+
 # ------------------------------------------------------------ heatmap numbers == CSV aggregates
 def _fake_finished_run(run, final: float, during: float | None = None) -> None:
     """The files a finished ``copc train`` leaves (summary.json, metrics.jsonl), with given metrics."""
@@ -329,6 +354,22 @@ def test_resume_skips_finished_and_resumes_unfinished(tiny_sweep, tmp_path):
     assert main(["sweep", "--spec", str(spec), "--out", str(out), "--eval-checkpoints"]) == 0
     assert json.loads((out / "cells/eta_a0.75/seed0/summary.json").read_text()) == again
     assert done.stat().st_mtime_ns == stamp
+
+
+def test_rerun_with_other_settings_is_refused_not_skipped(tiny_sweep, tmp_path, capsys):
+    """Regression: re-running into the same --out with a changed override used to count the old
+    runs as done and report their numbers as those of the new settings."""
+    _, first, spec = tiny_sweep
+    out = tmp_path / "out"
+    shutil.copytree(first, out)  # a moved sweep (output_dir, warm_start.cache_dir differ) is fine
+    assert main(["sweep", "--spec", str(spec), "--out", str(out), "--eval-checkpoints", "--dry-run"]) == 0
+    assert "2 run(s), 2 already done" in capsys.readouterr().out
+    rc = main(["sweep", "--spec", str(spec), "--out", str(out), "--eval-checkpoints", "--dry-run",
+               "train.actor_lr=0.002"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert (f"cell eta_a0.25 (seed 0): {out / 'cells/eta_a0.25/seed0'} holds a run with other settings "
+            "(train.actor_lr: 0.0001 there, 0.002 now)") in err
 
 
 def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):

@@ -21,8 +21,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from trainer.checkpoint import CheckpointManager
-from trainer.config import ExperimentConfig, load_config
+from trainer.config import ExperimentConfig, load_config, to_yaml
 from trainer.errors import ConfigError
 from trainer.metrics_log import SUMMARY_FILE
 
@@ -38,6 +40,12 @@ EVAL_METRICS = ("accuracy", "mean_reward", "em", "n", "episodes", "infra_failed"
 POSTHOC_DIR = "posthoc_eval"
 #: Where a sweep's cells share their warm-start (``warm_start.cache_dir``), inside the sweep directory.
 WARM_START_CACHE = "warm_start_cache"
+#: Config keys (dotted; a trailing ``.`` is a whole section) a run directory may differ in from the
+#: plan when a sweep is re-run: where the sweep lives (it may be moved), the Ray cluster's address,
+#: how many checkpoints are kept (``--eval-checkpoints``) and logging. Any other difference means
+#: the directory holds a run of other settings.
+RERUN_FREE_KEYS = ("output_dir", "warm_start.cache_dir", "launcher.ray_address", "checkpoint.keep_last",
+                   "logging.")
 
 
 @dataclass(frozen=True)
@@ -169,7 +177,9 @@ def build_plan(spec: SweepSpec) -> SweepPlan:
     Raises:
         ConfigError: no base config; an override that sets a grid key or a key the sweep sets
             (``output_dir``, ``train.seed``); a run whose config does not load (the message names
-            the cell, the seed and the key); a run with ``eval.enabled=false``; an unknown metric.
+            the cell, the seed and the key); a run with ``eval.enabled=false``; an unknown metric;
+            a grid over ``train.fixed_lag`` without ``train.staleness_mode=fixed``; a run directory
+            holding a run of other settings (:func:`_check_same_settings`).
     """
     if not spec.config:
         raise ConfigError("--config (or a spec's config:) is required")
@@ -207,10 +217,68 @@ def build_plan(spec: SweepSpec) -> SweepPlan:
                 raise ConfigError(f"{where}: {e}") from None
             if not cfg.eval.enabled:
                 raise ConfigError(f"{where}: eval.enabled=False: a sweep compares evaluation metrics")
+            _check_lag_axis(spec, cfg, where)
+            _check_same_settings(cfg, run_dir, where)
             _check_metric(metric, cfg, where)
             plan.runs.append(RunPlan(cell, seed, config, (*common, *cell.overrides(), *keep, *tail), run_dir,
                                      cfg.train.total_steps, spec.eval_checkpoints))
     return plan
+
+
+def _check_lag_axis(spec: SweepSpec, cfg: ExperimentConfig, where: str) -> None:
+    """Refuse a grid over ``train.fixed_lag`` in bounded staleness mode, where the lag is ignored
+    (every cell would be the same run at ``train.max_staleness``).
+
+    Raises:
+        ConfigError: naming the cell, the key and the missing ``train.staleness_mode=fixed``.
+    """
+    if "train.fixed_lag" in spec.grid.axes and cfg.train.staleness_mode != "fixed":
+        raise ConfigError(f"{where}: grid key train.fixed_lag has no effect with train.staleness_mode="
+                          f"{cfg.train.staleness_mode!r} (the bound train.max_staleness="
+                          f"{cfg.train.max_staleness} applies); add the override train.staleness_mode=fixed")
+
+
+def _flatten(d: object, prefix: str = "") -> dict[str, object]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists and scalars are leaves)."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _check_same_settings(cfg: ExperimentConfig, run_dir: Path, where: str) -> None:
+    """Refuse to skip or resume a run whose directory was trained with other settings.
+
+    A re-run of the sweep with a changed override, base config or spec would otherwise skip the
+    finished runs (and report their numbers as the new settings') and resume the unfinished ones
+    with mixed settings. The run's ``config.yaml`` (written by ``copc train`` at start) is
+    compared with the planned config on the keys both have (a key only one has is a config field
+    added or removed by a code change since), ignoring :data:`RERUN_FREE_KEYS`; a missing or
+    unreadable one (a run killed before writing it) is not checked.
+
+    Raises:
+        ConfigError: naming the run, up to five differing keys with both values, and the fixes.
+    """
+    saved = run_dir / "config.yaml"
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    if not isinstance(old, dict):
+        return
+    a, b = _flatten(old), _flatten(yaml.safe_load(to_yaml(cfg)))
+    free = tuple(k for k in RERUN_FREE_KEYS if not k.endswith("."))
+    sections = tuple(k for k in RERUN_FREE_KEYS if k.endswith("."))
+    # keys in only one of them are fields added or removed by a code change since that run
+    diff = [k for k in sorted(set(a) & set(b))
+            if a[k] != b[k] and k not in free and not k.startswith(sections)]
+    if diff:
+        shown = ", ".join(f"{k}: {a[k]!r} there, {b[k]!r} now" for k in diff[:5])
+        more = f" (and {len(diff) - 5} more)" if len(diff) > 5 else ""
+        raise ConfigError(f"{where}: {run_dir} holds a run with other settings ({shown}{more}); "
+                          "use another --out, or delete that run's directory to re-run it")
 
 
 def _keep_all(cfg: ExperimentConfig) -> list[str]:
