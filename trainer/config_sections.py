@@ -216,6 +216,9 @@ class TrainConfig:
             _require(getattr(self, k) > 0, f"train.{k}", getattr(self, k), "must be > 0")
         _require(self.staleness_mode in ("bounded", "fixed"), "train.staleness_mode", self.staleness_mode,
                  "must be 'bounded' or 'fixed'")
+        _require(self.staleness_mode == "fixed" or self.fixed_lag == 0, "train.fixed_lag", self.fixed_lag,
+                 "has no effect with train.staleness_mode='bounded' (train.max_staleness is the bound "
+                 "there); set train.staleness_mode=fixed")
         for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "max_staleness",
                   "torch_threads", "fixed_lag"):
             _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")

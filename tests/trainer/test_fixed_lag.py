@@ -160,6 +160,8 @@ def test_config_validation_names_the_key():
         load_config(None, ["preset=ppo", "train.staleness_mode=fixed", "train.fixed_lag=2"])
     cfg = load_config(None, ["train.staleness_mode=fixed", "train.fixed_lag=5", "train.max_staleness=1"])
     assert cfg.max_staleness == 5
+    with pytest.raises(ConfigError, match=r"train\.fixed_lag=3: has no effect with train\.staleness_mode="):
+        load_config(None, ["train.fixed_lag=3"])  # silently ignored before
 
 
 def _step_rows(path):
@@ -175,6 +177,9 @@ def test_fixed_lag_zero_equals_synchronous_training_bit_for_bit(tmp_path):
     runs = {}
     for name, extra in (("bounded", {"train.max_staleness": "0"}),
                         ("fixed", {"train.staleness_mode": "fixed", "train.fixed_lag": "0"})):
+        # one sequence per engine forward: batched generation varies µ's log-probs by ~1e-8
+        # between any two runs (either mode), so bit-for-bit needs deterministic generation
+        extra["rollout.engine_max_batch_size"] = "1"
         cfg = load_config(None, overrides(tmp_path / name, "ppo_async", steps=4, **extra))
         run_experiment(cfg)
         runs[name] = _step_rows(tmp_path / name / "metrics.jsonl")

@@ -4,6 +4,7 @@ failures, and heatmap annotations equal to the CSV aggregates."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -135,7 +136,9 @@ def test_spec_file_with_cli_flags_on_top(tmp_path):
 
 
 def test_shipped_sweep_specs_validate(tmp_path):
-    tiny = build_plan(load_spec(REPO / "configs/sweeps/cpu_tiny.yaml"))
+    spec = load_spec(REPO / "configs/sweeps/cpu_tiny.yaml")
+    spec = dataclasses.replace(spec, out=str(tmp_path / "grid"))  # not the spec's (maybe used) runs/ dir
+    tiny = build_plan(spec)
     assert len(tiny.cells) == 8 and len(tiny.runs) == 8
     assert all(r.total_steps == tiny.runs[0].total_steps for r in tiny.runs)
     paper = load_spec(REPO / "configs/sweeps/figure1_paper.yaml")

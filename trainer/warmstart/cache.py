@@ -21,6 +21,11 @@ from typing import Any
 
 #: Bump when the warm-start procedure changes in a way old entries must not be reused for.
 CACHE_FORMAT = 1
+#: ``rollout`` keys that only concern RL generation (engine, sampling, concurrency), never the
+#: supervised warm-start; the episode budgets (``max_*``, ``use_chat_template``) stay in the key.
+_ROLLOUT_NOT_SFT = frozenset({"engine", "temperature", "top_p", "top_k", "n_samples_per_prompt",
+                              "concurrency", "engine_max_batch_size", "sglang_port", "sglang_tp", "sglang_dp",
+                              "sglang_base_gpu_id", "sglang_mem_fraction"})
 
 
 def cache_key(cfg: Any) -> str:
@@ -30,15 +35,17 @@ def cache_key(cfg: Any) -> str:
         cfg: an :class:`~trainer.config.ExperimentConfig`.
 
     Returns:
-        A 20-hex-digit key: SHA-256 of the canonical JSON of ``model``, ``task``, ``rollout``,
-        ``warm_start`` (minus ``cache_dir``), ``train.seed``, ``train.torch_threads`` and
-        :data:`CACHE_FORMAT`. RL settings (preset, algorithm, staleness, learning rates of RL,
+        A 20-hex-digit key: SHA-256 of the canonical JSON of ``model``, ``task``, ``rollout``
+        (minus the RL-generation keys :data:`_ROLLOUT_NOT_SFT`), ``warm_start`` (minus
+        ``cache_dir``), ``train.seed``, ``train.torch_threads`` and :data:`CACHE_FORMAT`.
+        RL settings (preset, algorithm, staleness, learning rates of RL,
         evaluation) are not part of it.
     """
     ws = dataclasses.asdict(cfg.warm_start)
     ws.pop("cache_dir", None)
+    rollout = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in _ROLLOUT_NOT_SFT}
     parts = {"format": CACHE_FORMAT, "model": dataclasses.asdict(cfg.model),
-             "task": dataclasses.asdict(cfg.task), "rollout": dataclasses.asdict(cfg.rollout),
+             "task": dataclasses.asdict(cfg.task), "rollout": rollout,
              "warm_start": ws, "seed": cfg.train.seed, "torch_threads": cfg.train.torch_threads}
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
