@@ -1,0 +1,220 @@
+"""The Megatron backend's optimizers behind one interface (:class:`RankOptimizer`).
+
+* CPU (gloo): :class:`TorchRankOptimizer` — the torch backend's optimizer
+  (:func:`~trainer.learner.torch_learner.make_optimizer`: AdamW or SGD) over the gradients that
+  Megatron DDP accumulates in ``param.main_grad``, with the same clipping rule as
+  :func:`torch.nn.utils.clip_grad_norm_` on the global norm (tensor-parallel shards counted
+  once, replicated parameters once). Megatron's own optimizers and gradient clipping allocate on
+  ``device="cuda"``.
+* GPU: :class:`MegatronRankOptimizer` — Megatron's ``get_megatron_optimizer`` (distributed
+  optimizer: Adam/SGD state sharded over the data-parallel ranks, fp32 master weights for
+  bf16/fp16 models, its own clipping).
+
+Both: ``zero_grad`` → (forward/backward of the micro-batches) → ``step`` (data-parallel SUM of
+the gradients by ``finalize_model_grads`` — with global loss denominators that is the
+single-process gradient — then clip and update) → ``schedule_step`` once per learner step
+(linear warm-up, as the torch backend's ``LambdaLR``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..torch_learner import _warmup, make_optimizer
+
+Tensor = torch.Tensor
+
+
+class RankOptimizer(Protocol):
+    """One model's optimizer on one rank (collective methods: call on every rank)."""
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers before a mini-batch."""
+
+    def step(self) -> float | None:
+        """Reduce the gradients over data parallel, clip, update; the global gradient norm before
+        clipping (None when clipping is off)."""
+
+    def schedule_step(self) -> None:
+        """Advance the learning-rate schedule (once per learner step)."""
+
+    @property
+    def lr(self) -> float:
+        """The current learning rate."""
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """Optimizer + schedule state for ``dist_checkpointing`` (tensors sharded like the model's);
+        ``is_loading``: a template to load into (state materialised first)."""
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore the output of a ``dist_checkpointing.load`` of :meth:`sharded_state_dict`."""
+
+
+def global_grad_norm(params: list[nn.Parameter], group: Any) -> float:
+    """L2 norm of all gradients of a tensor-parallel model, as if it were one unsharded model.
+
+    Tensor-parallel shards are counted on every rank, replicated parameters (norms, biases of
+    row-parallel layers, the value head) only on tensor-parallel rank 0
+    (``param_is_not_tensor_parallel_duplicate``); the squares are summed over ``group`` (the
+    model-parallel group). Collective.
+    """
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+    sq = (local.double() ** 2).reshape(1)
+    torch.distributed.all_reduce(sq, group=group)
+    return float(sq.sqrt())
+
+
+class TorchRankOptimizer:
+    """torch AdamW/SGD over Megatron DDP's ``main_grad`` (the CPU path).
+
+    Args:
+        ddp: the model wrapped in Megatron ``DistributedDataParallel`` (no distributed optimizer).
+        name: ``adamw`` | ``sgd`` (``learner.optimizer``). lr / weight_decay / warmup_steps /
+            grad_clip: as the torch backend (``train.*``; ``grad_clip`` 0 = off).
+        model_parallel_group: the group over which the gradient norm is summed.
+    """
+
+    def __init__(self, ddp: nn.Module, name: str, lr: float, weight_decay: float, warmup_steps: int,
+                 grad_clip: float, model_parallel_group: Any) -> None:
+        self.ddp, self.grad_clip, self.group = ddp, grad_clip, model_parallel_group
+        self.params = [p for p in ddp.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(name, self.params, lr, weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(warmup_steps))
+
+    def zero_grad(self) -> None:
+        """Zero DDP's grad buffers (``main_grad``) and drop ``.grad``."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float | None:
+        """DP all-reduce (SUM), ``grad ← main_grad``, clip to ``grad_clip`` (global norm), update."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        norm = None
+        if self.grad_clip > 0:
+            norm = global_grad_norm(self.params, self.group)
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, torch.tensor(norm))
+            norm = norm if math.isfinite(norm) else float("nan")
+        self.optimizer.step()
+        return norm
+
+    def schedule_step(self) -> None:
+        """One ``LambdaLR`` step (linear warm-up)."""
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        """The current learning rate."""
+        return self.scheduler.get_last_lr()[0]
+
+    def _init_state(self) -> None:
+        """Materialise the optimizer state (zeros) so a checkpoint can be loaded into it."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if self.optimizer.state[p] or not isinstance(self.optimizer, torch.optim.AdamW):
+                    continue
+                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                           "exp_avg_sq": torch.zeros_like(p)}
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """``{"optimizer": torch state with ShardedTensors, "common_step", "scheduler"}``.
+
+        Per-parameter tensors (``exp_avg``, ``exp_avg_sq``) get the sharding of their parameter
+        (megatron ``optim_state_to_sharding_state``); Adam's per-parameter ``step`` (the same
+        count for every parameter) is saved once.
+        """
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        del is_loading  # the state is materialised either way (zeros before the first step)
+        self._init_state()
+        state = self.optimizer.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+        params = itertools.chain.from_iterable(g["params"] for g in self.optimizer.param_groups)
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        return {"optimizer": state, "common_step": max(steps) if steps else None,
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore :meth:`sharded_state_dict` output (after ``dist_checkpointing.load``)."""
+        opt = state["optimizer"]
+        if state.get("common_step") is not None:
+            for s in opt["state"].values():
+                s["step"] = torch.tensor(float(state["common_step"]))
+        self.optimizer.load_state_dict(opt)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class MegatronRankOptimizer:
+    """Megatron's distributed optimizer (the GPU path; ``get_megatron_optimizer``).
+
+    Args:
+        ddp: the model in Megatron DDP built with ``use_distributed_optimizer=True``.
+        name: ``adamw`` (Megatron ``adam``: decoupled weight decay) | ``sgd``.
+        lr / weight_decay / warmup_steps / grad_clip: as :class:`TorchRankOptimizer`.
+        dtype: the model's parameter dtype (bf16/fp16 → fp32 master weights).
+    """
+
+    def __init__(self, ddp: nn.Module, name: str, lr: float, weight_decay: float, warmup_steps: int,
+                 grad_clip: float, dtype: torch.dtype) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = OptimizerConfig(optimizer="adam" if name == "adamw" else "sgd", lr=lr,
+                              weight_decay=weight_decay, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
+                              fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True)
+        self.ddp, self.base_lr, self.grad_clip = ddp, lr, grad_clip
+        self.optimizer = get_megatron_optimizer(cfg, [ddp])
+        self._warmup, self._n = _warmup(warmup_steps), 0
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base_lr * self._warmup(self._n)
+
+    def zero_grad(self) -> None:
+        """Zero the grad buffers (DDP and the optimizer's)."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float | None:
+        """``finalize_model_grads`` (reduce-scatter over data parallel), then Megatron's step."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        _ok, norm, _zeros = self.optimizer.step()
+        return float(norm) if self.grad_clip > 0 and norm is not None else None
+
+    def schedule_step(self) -> None:
+        """Advance the linear warm-up."""
+        self._n += 1
+        self._set_lr()
+
+    @property
+    def lr(self) -> float:
+        """The current learning rate."""
+        return self.base_lr * self._warmup(self._n)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """Megatron's optimizer ``sharded_state_dict`` plus the warm-up counter."""
+        state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+        return {"optimizer": state, "scheduler": self._n}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore :meth:`sharded_state_dict` output."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._n = int(state["scheduler"])
+        self._set_lr()
