@@ -32,11 +32,15 @@ from .tool_formats import (
     call_format,
 )
 
-__all__ = ["TOOL_FORMATS", "EnvLimits", "RegexTool", "SchemaTool", "TextSpace", "Tool", "ToolArgumentError",
-           "ToolCall", "ToolEnv", "ToolSchema", "check_prompt_template", "truncate_observation",
-           "with_overrides"]
+__all__ = ["MAX_ERROR_CHARS", "TOOL_FORMATS", "EnvLimits", "RegexTool", "SchemaTool", "TextSpace", "Tool",
+           "ToolArgumentError", "ToolCall", "ToolEnv", "ToolSchema", "check_prompt_template", "clip",
+           "truncate_observation", "with_overrides"]
 
 TRUNCATION_MARKER = "\n...[truncated {n} characters]...\n"
+#: Longest explanation of a malformed native tool call shown to the policy (characters; the rest
+#: of a quoted argument value is cut), and longest tool name echoed in its response.
+MAX_ERROR_CHARS = 512
+MAX_ERROR_NAME_CHARS = 128
 
 
 class TextSpace(spaces.Text):
@@ -191,6 +195,14 @@ def check_prompt_template(owner: str, template: str, field_name: str) -> None:
         raise ValueError(f"{owner}.prompt_template={template!r}: not a str.format template with only "
                          f"{{{field_name}}} ({type(e).__name__}: {e}); "
                          "write literal braces as {{ }}") from None
+
+
+def clip(text: str, max_chars: int) -> str:
+    """``text`` if at most ``max_chars`` characters, else its first ``max_chars`` characters and
+    ``"...[N more characters]"``."""
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}...[{len(text) - max_chars} more characters]"
 
 
 def truncate_observation(text: str, max_chars: int) -> str:
@@ -388,13 +400,18 @@ class ToolEnv(gymnasium.Env):
         assert ep is not None
 
         def error(why: str, kind: str = "malformed") -> tuple[ToolResponse, str]:
-            return ToolResponse(call.call_id, call.name, f"error: {why}", error=True), kind
+            # a schema error quotes the offending value and an unknown tool its name: both are the
+            # policy's and may be as long as its whole turn, so both are cut
+            name = call.name if call.name is None or len(call.name) <= MAX_ERROR_NAME_CHARS else (
+                call.name[:MAX_ERROR_NAME_CHARS] + "...")
+            return ToolResponse(call.call_id, name, f"error: {clip(why, MAX_ERROR_CHARS)}", error=True), kind
 
         if call.error is not None:
             return error(call.error)
         tool = self.schema_tools.get(call.name or "")
         if tool is None:
-            return error(f"unknown tool {call.name!r}; available tools: {', '.join(self.schema_tools)}")
+            return error(f"unknown tool {clip(call.name or '', MAX_ERROR_NAME_CHARS)!r}; available tools: "
+                         f"{', '.join(self.schema_tools)}")
         if ep.tool_calls >= self.limits.max_tool_calls:
             return error(f"tool call limit of {self.limits.max_tool_calls} reached; give your final answer",
                          "limit")

@@ -218,9 +218,12 @@ def _call_from_json(obj: Any, call_id: str) -> ParsedCall:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
+            why = _lone_surrogate(args)
         except (ValueError, RecursionError) as e:
+            why = str(e)
+        if why:
             return ParsedCall(call_id, name, None, f'"arguments" of {name!r} is a string that is not '
-                              f"valid JSON: {e}")
+                              f"valid JSON: {why}")
     if not isinstance(args, dict):
         return ParsedCall(call_id, name, None, f'"arguments" of {name!r} must be a JSON object, got '
                           f"{type(args).__name__}")
@@ -228,11 +231,30 @@ def _call_from_json(obj: Any, call_id: str) -> ParsedCall:
 
 
 def _loads(text: str) -> tuple[Any, str | None]:
-    """``(json.loads(text), None)``, or ``(None, why)`` for text that is not JSON."""
+    """``(json.loads(text), None)``, or ``(None, why)`` for text that is not JSON, is nested too
+    deeply to parse, or holds a lone UTF-16 surrogate escape (``"\\ud800"``: valid JSON syntax but
+    not Unicode text; a tool would fail to encode it — a sandbox raises, an MCP session breaks)."""
     try:
-        return json.loads(text), None
+        obj = json.loads(text)
+        lone = _lone_surrogate(obj)
     except (ValueError, RecursionError) as e:
         return None, f"{type(e).__name__}: {e}"
+    return (None, lone) if lone else (obj, None)
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """Why decoded JSON ``obj`` is not Unicode text (a string or key holding a lone UTF-16
+    surrogate, which ``json.loads`` lets through from a ``\\ud800`` escape), or ``None``.
+
+    Raises:
+        RecursionError: ``obj`` nested too deeply to re-encode.
+    """
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(e.object[e.start])
+        return f"a string holds a lone surrogate escape \\u{code:04x} (not a Unicode character)"
+    return None
 
 
 @runtime_checkable

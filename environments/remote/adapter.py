@@ -108,7 +108,9 @@ class GymTextEnvironment(Environment[TextAction, TextObservation, EpisodeState])
         Raises:
             RequestError: ``EPISODE_OVER`` (409, field ``data.text``) before a reset or after the
                 episode ended; ``PAYLOAD_TOO_LARGE`` (413, field ``data.text``) for an action
-                longer than ``max_action_chars``.
+                longer than ``max_action_chars``; ``VALIDATION_ERROR`` (422, field ``data.text``)
+                for an action that is not valid Unicode (a lone surrogate, which JSON's
+                ``\\uD800`` escapes can carry); the episode goes on.
             InfrastructureError: raised by the environment (propagates; the episode is over).
         """
         if self._episode_id is None or self._done:
@@ -118,6 +120,12 @@ class GymTextEnvironment(Environment[TextAction, TextObservation, EpisodeState])
             raise RequestError(PAYLOAD_TOO_LARGE, "data.text",
                                f"step: the action text has {len(action.text)} characters, more than the "
                                f"environment's limit of {self.max_action_chars} (action_space.max_length)")
+        try:
+            action.text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON "\\ud800" escape: not text any tool can take
+            bad = action.text[e.start]
+            raise RequestError(VALIDATION_ERROR, "data.text", f"step: the action text has a lone UTF-16 "
+                               f"surrogate ({bad!r}) at character {e.start}; send valid Unicode") from None
         self._steps += 1
         self._done = True  # stays over if env.step raises (its state is unknown then)
         text, reward, terminated, truncated, info = self.env.step(action.text)

@@ -10,7 +10,8 @@ Environment settings are ``key=value`` words after the options: dotted keys buil
 mappings, values are YAML (``limits.max_turns=4``, ``reward.mode=math_verify``,
 ``"prompt_template='Q: {problem}'"``), as ``copc train`` overrides. A bad setting, an unknown
 environment, an unreadable token file or a non-loopback ``--host`` without a token print one line
-naming the option and exit with status 2.
+naming the option and exit with status 2; an environment whose services cannot start (its
+sandbox, an MCP server that exits or never answers) prints one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--token-file", default=None, metavar="F",
                    help="file holding the bearer token clients must send (Authorization: Bearer ...)")
     s.add_argument("--max-request-bytes", type=int, default=0,
-                   help="largest HTTP body / WebSocket message (default: 8 bytes per action character "
+                   help="largest HTTP body / WebSocket message (default: 12 bytes per action character "
                         "+ 64 KiB)")
     s.add_argument("--sandbox-workers", type=int, default=2,
                    help="workers of the shared sandbox pool of environments that run code (default 2)")
@@ -96,6 +97,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Run ``copc env serve``; returns the exit status (2 for bad options)."""
+    from environments.errors import InfrastructureError
     from environments.sandbox import SandboxUnavailableError
 
     from .auth import read_token_file
@@ -122,6 +124,10 @@ def serve_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except SandboxUnavailableError as e:
         print(f"copc env serve: the environment's sandbox cannot start: {e}", file=sys.stderr)
+        return 1
+    except InfrastructureError as e:  # e.g. an MCP server that exits or never answers at start
+        print(f"copc env serve: env {args.env!r} could not be built (a service it needs failed): {e}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -110,6 +110,13 @@ class RemoteEnvConfig:
         p = urlsplit(self.http_url)
         return urlunsplit(({"http": "ws", "https": "wss"}[p.scheme], p.netloc, p.path + "/ws", "", ""))
 
+    def token_field(self) -> str:
+        """``RemoteEnvConfig.<field>=<value>`` of the token setting in use (for messages; a token
+        itself is never shown)."""
+        if self.token is not None:
+            return "RemoteEnvConfig.token=<hidden>"
+        return f"RemoteEnvConfig.token_file={self.token_file!r}"
+
     def bearer_token(self) -> str | None:
         """The token (read from ``token_file`` if given).
 
@@ -196,7 +203,7 @@ def fetch_server_info(cfg: RemoteEnvConfig, token: str | None) -> ServerInfo:
                 last = e
                 continue
             if r.status_code in (401, 403):
-                raise ValueError(f"RemoteEnvConfig.token_file={cfg.token_file!r}: {cfg.http_url} refused the "
+                raise ValueError(f"{cfg.token_field()}: {cfg.http_url} refused the "
                                  f"request (HTTP {r.status_code}: {_detail(r.text)})")
             if r.status_code >= 500:
                 last = RuntimeError(f"HTTP {r.status_code}: {_detail(r.text)}")
@@ -248,6 +255,10 @@ class RemoteEnv(gymnasium.Env):
 
     Args:
         config: :class:`RemoteEnvConfig`; or its fields as keyword arguments.
+        server_info: what :func:`fetch_server_info` returned for this config (the training task
+            passes it), so that constructing the environment does no network I/O: a server that
+            is down then fails the episode's :meth:`reset` (an infrastructure failure of that
+            episode) instead of the environment's construction. ``None``: ask the server here.
 
     Attributes:
         config, server (:class:`ServerInfo`), stop_strings, action_space / observation_space
@@ -261,7 +272,8 @@ class RemoteEnv(gymnasium.Env):
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 - gymnasium convention
 
-    def __init__(self, config: RemoteEnvConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: RemoteEnvConfig | None = None, *, server_info: ServerInfo | None = None,
+                 **overrides: Any) -> None:
         if config is None:
             config = RemoteEnvConfig(**overrides)
         elif overrides:
@@ -270,7 +282,9 @@ class RemoteEnv(gymnasium.Env):
             config = replace(config, **overrides)
         self.config = config
         self._token = config.bearer_token()
-        self.server = fetch_server_info(config, self._token)
+        if server_info is not None and not isinstance(server_info, ServerInfo):
+            raise ValueError(f"RemoteEnv: server_info={server_info!r} must be a ServerInfo or None")
+        self.server = server_info or fetch_server_info(config, self._token)
         self.stop_strings: tuple[str, ...] = self.server.stop_strings
         self.action_space = TextSpace(self.server.max_action_chars)
         self.observation_space = TextSpace(self.server.max_observation_chars)
@@ -350,7 +364,7 @@ class RemoteEnv(gymnasium.Env):
                 status = e.response.status_code
                 if status in (401, 403):
                     why = _detail(e.response.body.decode(errors="replace"))
-                    raise ValueError(f"RemoteEnvConfig.token_file={self.config.token_file!r}: the server "
+                    raise ValueError(f"{self.config.token_field()}: the server "
                                      f"refused the session (HTTP {status}: {why})") from None
                 last = f"handshake refused with HTTP {status}"
                 continue

@@ -25,7 +25,7 @@ class ServerConfig:
         max_sessions: most sessions open at once (>= 1).
         idle_timeout_s: a session without a request for this long is closed (seconds, > 0).
         token: bearer token every request must carry (``None``: none, loopback only).
-        max_request_bytes: largest HTTP body / WebSocket message (bytes); ``0``: 8 bytes per
+        max_request_bytes: largest HTTP body / WebSocket message (bytes); ``0``: 12 bytes per
             character of the longest action plus 64 KiB (any action up to its length limit
             then reaches the server and is refused by name, with 413, if too long).
         reuse_envs: keep an environment for the next session after its session ends normally.

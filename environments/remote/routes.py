@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: Message of a JSON body / message nested deeper than Python's parser can follow (a client's
+#: fault: 400 ``INVALID_JSON``, never a 500 blamed on the environment).
+NESTED_TOO_DEEP = "is nested too deeply for the server's JSON parser (not accepted as JSON)"
+
+
 def validation_error(e: ValidationError, prefix: str) -> RequestError:
     """A pydantic ``ValidationError`` as a 422 :class:`RequestError` whose field is the first
     error's location under ``prefix`` (``"data.text: Field required"``)."""
@@ -128,7 +133,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
     Raises:
         RequestError: ``PAYLOAD_TOO_LARGE`` (413) over ``limit``; ``INVALID_JSON`` (400) for a
-            body that is not JSON; ``VALIDATION_ERROR`` (422) for one that is not an object.
+            body that is not JSON (or nested too deeply to parse); ``VALIDATION_ERROR`` (422) for
+            one that is not an object.
     """
     size, chunks = 0, []
     async for chunk in request.stream():
@@ -142,6 +148,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(raw) if raw.strip() else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(INVALID_JSON, "body", f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(INVALID_JSON, "body", f"request body {NESTED_TOO_DEEP}") from None
     if not isinstance(body, dict):
         raise RequestError(VALIDATION_ERROR, "body", f"request body must be a JSON object, got "
                                                      f"{type(body).__name__}")
@@ -286,7 +294,9 @@ class WebSocketSession:
                 if owned:
                     await sessions.close(self.session)
             if self.ws.application_state != WebSocketState.DISCONNECTED:
-                with contextlib.suppress(RuntimeError):
+                # the client may be gone already (closing its session's environment takes time):
+                # the ASGI server then raises WebSocketDisconnect, which must not reach it
+                with contextlib.suppress(RuntimeError, WebSocketDisconnect):
                     await self.ws.close()
 
     async def _refuse(self, e: RequestError) -> None:
@@ -309,6 +319,8 @@ class WebSocketSession:
                 message = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise RequestError(INVALID_JSON, "message", f"message is not valid JSON: {e}") from None
+            except RecursionError:
+                raise RequestError(INVALID_JSON, "message", f"message {NESTED_TOO_DEEP}") from None
             if not isinstance(message, dict):
                 raise RequestError(VALIDATION_ERROR, "message",
                                    f"message must be a JSON object, got {type(message).__name__}")

@@ -40,6 +40,12 @@ from .sessions import SessionManager
 
 log = logging.getLogger(__name__)
 
+#: Most bytes one action character takes in a JSON message: a character outside the Basic
+#: Multilingual Plane, ASCII-escaped as a surrogate pair (``\ud83d\ude00``) as Python's ``json``
+#: writes it by default.
+MAX_JSON_BYTES_PER_CHAR = 12
+
+
 class EnvServer:
     """A started environment server (not yet listening): its app, sessions and services.
 
@@ -87,7 +93,9 @@ class EnvServer:
         self.stop_strings = probe.stop_strings
         self.max_action_chars = probe.max_action_chars
         self.max_observation_chars = space_max_length(probe.env.observation_space, 1 << 20)
-        self.max_request_bytes = cfg.max_request_bytes or 8 * self.max_action_chars + 65536
+        # so that a longest action always arrives (and a longer one is refused by name, 413)
+        per_char = MAX_JSON_BYTES_PER_CHAR
+        self.max_request_bytes = cfg.max_request_bytes or per_char * self.max_action_chars + 65536
         self.metadata = probe.get_metadata()
         self.schema = {"action": action_schema(self.max_action_chars, self.stop_strings, self.env_id),
                        "observation": observation_schema(self.max_observation_chars),

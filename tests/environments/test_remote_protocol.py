@@ -129,8 +129,8 @@ def test_bad_http_requests_get_4xx_naming_the_field(math_server):
     assert "episode is over" in b["detail"]
     assert httpx.get(f"{url}/state", params={"session_id": sid}).json()["done"] is True
     _expect(httpx.get(f"{url}/state"), 422, "VALIDATION_ERROR", "session_id")
-    # a body over the request limit (8 bytes per action character + 64 KiB by default)
-    _expect(httpx.post(f"{url}/step", content=b"x" * (8 * MAX_ACTION + 65537)), 413, "PAYLOAD_TOO_LARGE",
+    # a body over the request limit (12 bytes per action character + 64 KiB by default)
+    _expect(httpx.post(f"{url}/step", content=b"x" * (12 * MAX_ACTION + 65537)), 413, "PAYLOAD_TOO_LARGE",
             "body")
     assert httpx.delete(f"{url}/sessions/{sid}").json() == {"session_id": sid, "closed": True}
     _expect(httpx.delete(f"{url}/sessions/{sid}"), 404, "UNKNOWN_SESSION", "session_id")

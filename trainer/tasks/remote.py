@@ -49,6 +49,7 @@ class RemoteTask(Task):
         super().__init__(cfg, env_id)
         self.served_env = ""
         self.delegate: Task | None = None
+        self._server_info: Any = None  # ServerInfo of the server, once started
 
     def start(self) -> None:
         """Ask the server what it serves, then load that environment's data splits.
@@ -73,13 +74,15 @@ class RemoteTask(Task):
             key = str(e).rpartition("argument ")[2].strip("'") or "?"
             fields = [f.name for f in dataclasses.fields(RemoteEnvConfig)]
             raise ConfigError(f"task.env_kwargs.{key}: not a setting of env 'remote' "
-                              f"(settings: {fields})") from e
+                              f"(settings: {fields}); the served environment's own settings "
+                              "(prompt_template, reward, limits, ...) go on the server's command line: "
+                              "'copc env serve --env ID key=value ...' (docs/remote_envs.md)") from e
         except ValueError as e:
             raise ConfigError(f"task.env_kwargs: {e}") from e
         except InfrastructureError as e:
             raise ConfigError(f"task.env_kwargs.url={kw['url']!r}: no OpenEnv server answers ({e})") from e
         served = kw.get("remote_env") or server.env_id
-        self.served_env = served
+        self.served_env, self._server_info = served, server
         known = served in environments.names() and served != self.env_id
         delegate_cls = task_class(served) if known else GenericTask
         if issubclass(delegate_cls, RemoteTask):  # a server serving a remote env: data as JSONL rows
@@ -99,8 +102,16 @@ class RemoteTask(Task):
                      "remote_stop_strings": list(server.stop_strings), **delegate.info}
 
     def make_env(self) -> gymnasium.Env:
-        """A :class:`~environments.remote.client.RemoteEnv` with ``task.env_kwargs``."""
-        return environments.make(self.env_id, **self.env_kwargs)
+        """A :class:`~environments.remote.client.RemoteEnv` with ``task.env_kwargs``.
+
+        After :meth:`start` it is given the server's schema read there, so building it does no
+        network I/O: environments are built lazily by the rollout's env pool, and a server that
+        went down must fail the episode's ``reset`` (an infrastructure failure, re-queued) rather
+        than the pool's construction (which would end the run with a traceback).
+        """
+        if self._server_info is None:
+            return environments.make(self.env_id, **self.env_kwargs)
+        return environments.make(self.env_id, server_info=self._server_info, **self.env_kwargs)
 
     def check_warm_start(self, ws: WarmStartConfig) -> None:
         """The served environment's task decides (see :meth:`Task.check_warm_start`).
@@ -118,10 +129,32 @@ class RemoteTask(Task):
 
         Raises:
             ConfigError: see :meth:`check_warm_start`.
+            ConfigError: the served environment did not play a scripted trace as expected (its
+                settings are not the ones the traces are written for: e.g. a ``tool_format``
+                other than ``tags``, which the trace generators write).
+            TrainingError: the server failed while the traces were played (an infrastructure
+                failure: the message names the server and the failure; nothing was trained yet).
         """
+        from ..warmstart.traces import TraceError
+
         if self.delegate is None:
             return super().warm_start_traces(ws, progress=progress)
-        return self.delegate.warm_start_traces(ws, progress=progress)
+        try:
+            return self.delegate.warm_start_traces(ws, progress=progress)
+        except TraceError as e:
+            stops = self.info.get("remote_stop_strings")
+            raise ConfigError(f"warm_start.kind={ws.kind!r}: the served environment did not play a scripted "
+                              f"trace as expected ({e}); the traces are written in the tags tool-call format "
+                              f"for the env's default settings: is it served with another tool_format "
+                              f"(its stop strings: {stops})? Serve it with tool_format=tags, or set "
+                              "warm_start.enabled=false") from e
+        except InfrastructureError as e:
+            from ..orchestration.loop import TrainingError
+
+            url = self.info.get("remote_url", self.env_kwargs.get("url"))
+            raise TrainingError(f"warm start: the environment server at {url} failed while playing the "
+                                f"warm-start traces (an infrastructure failure, not the model's): {e}; "
+                                "nothing was trained; run again once the server is back") from e
 
 
 __all__ = ["RemoteTask"]
