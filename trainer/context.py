@@ -23,12 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from environments.errors import InfrastructureError
+
 from .checkpoint import CheckpointManager, set_rng_state
 from .config import ExperimentConfig
 from .learner import Learner, make_learner, restore_learner
 from .metrics_log import MetricsLogger
 from .models.loading import load_model_and_tokenizer, load_tokenizer
 from .models.tiny import TinyModelConfig, save_tiny_checkpoint
+from .orchestration.loop import TrainingError
 from .orchestration.prompts import PromptStream
 from .rollout.agent_loop import AgentLoopConfig
 from .warmstart.cache import cache_key, restore, store
@@ -185,7 +188,10 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     t0 = time.time()
     actor, tok = load_model_and_tokenizer(model_dir, dtype=getattr(torch, cfg.model.dtype),
                                           attn_implementation=cfg.model.attn_implementation)
-    traces = task.warm_start_traces(w, progress=cfg.logging.progress)
+    try:
+        traces = task.warm_start_traces(w, progress=cfg.logging.progress)
+    except InfrastructureError as e:  # a sandbox / retriever failure is not a bug of the run
+        raise TrainingError(f"warm start: {e} (nothing trained yet; run again once it is back)") from e
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
     metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
                              progress=cfg.logging.progress, agent_cfg=AgentLoopConfig.from_config(cfg),

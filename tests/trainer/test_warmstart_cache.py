@@ -7,6 +7,7 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -80,3 +81,39 @@ def test_two_runs_share_one_warm_start(tmp_path):
     sft_a = json.loads((tmp_path / "a" / "warm_start_model" / "sft_metrics.json").read_text())
     assert second["warm_start"]["sft/loss_last"] == sft_a["sft/loss_last"]
     assert second["warm_start"]["wall_s"] == 0.0
+
+
+def test_native_tool_format_with_tag_warm_start_is_a_config_error(tmp_path):
+    """The built-in warm-start traces are tag-format: asking for them with ``tool_format: hermes``
+    used to crash deep inside trace generation (TraceError traceback)."""
+    from trainer.config import ConfigError
+    from trainer.tasks import build_task
+
+    cfg = load_config(None, overrides(tmp_path / "h", "copc", steps=1, **{
+        "warm_start.enabled": "true", "task.train_data": "[]",
+        "task.env_kwargs": "{prompt_template: 'Q: {problem}\n', tool_format: hermes}"}))
+    task = build_task(cfg)
+    try:
+        with pytest.raises(ConfigError, match=r"task\.env_kwargs\.tool_format='hermes': the "
+                                              r"'retool_arithmetic' warm-start traces are written in "
+                                              r"\['tags'\] format"):
+            task.check_warm_start(cfg.warm_start)
+    finally:
+        task.close()
+
+
+def test_infrastructure_failure_during_warm_start_stops_with_a_training_error(tmp_path, monkeypatch):
+    """A sandbox / retriever failure while the warm-start traces are played is a TrainingError
+    (``copc train: stopped: warm start: ...``, exit 1), not a traceback of an unexpected crash."""
+    from environments.errors import InfrastructureError
+    from trainer.orchestration.loop import TrainingError
+    from trainer.tasks.math_tool import MathToolTask
+
+    def broken(self, ws, *, progress=True):
+        raise InfrastructureError("sandbox worker died")
+
+    monkeypatch.setattr(MathToolTask, "warm_start_traces", broken)
+    cfg = load_config(None, overrides(tmp_path / "w", "copc", steps=1, **{
+        "warm_start.enabled": "true", "warm_start.steps": "2", "task.train_data": "[]"}))
+    with pytest.raises(TrainingError, match=r"warm start: sandbox worker died \(nothing trained yet"):
+        run_experiment(cfg)

@@ -59,6 +59,9 @@ class Task:
     """
 
     warm_start_kinds: ClassVar[tuple[str, ...]] = ()
+    #: ``task.env_kwargs.tool_format`` values the warm-start traces are written in (the built-in
+    #: generators write the tag formats of ReTool / Search-R1).
+    warm_start_tool_formats: ClassVar[tuple[str, ...]] = ("tags",)
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         self.cfg = cfg
@@ -118,8 +121,14 @@ class Task:
             ws: the ``warm_start`` config section.
 
         Raises:
-            ConfigError: ``ws.enabled`` and ``ws.kind`` not in :attr:`warm_start_kinds`.
+            ConfigError: ``ws.enabled`` and ``ws.kind`` not in :attr:`warm_start_kinds`, or the
+                environment's ``tool_format`` is not one the traces are written in.
         """
+        fmt = (self.cfg.task.env_kwargs or {}).get("tool_format", "tags")
+        if ws.enabled and ws.kind in self.warm_start_kinds and fmt not in self.warm_start_tool_formats:
+            raise ConfigError(f"task.env_kwargs.tool_format={fmt!r}: the {ws.kind!r} warm-start traces are "
+                              f"written in {list(self.warm_start_tool_formats)} format; set "
+                              "warm_start.enabled=false (start from an instruct model) or tool_format=tags")
         if not ws.enabled or ws.kind in self.warm_start_kinds:
             return
         if not self.warm_start_kinds:
