@@ -34,8 +34,8 @@ class ValueModel(nn.Module):
     def from_causal_lm(cls, lm: nn.Module) -> ValueModel:
         """A critic initialised from a causal LM's backbone (deep copy) with a zero value head."""
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model
-        return cls(copy.deepcopy(backbone), int(lm.config.hidden_size)).to(
-            next(lm.parameters()).dtype)
+        p = next(lm.parameters())
+        return cls(copy.deepcopy(backbone), int(lm.config.hidden_size)).to(device=p.device, dtype=p.dtype)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         """``(B, L)`` float32 values of every prefix."""

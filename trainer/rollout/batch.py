@@ -64,7 +64,7 @@ class RolloutBatch:
     def select(self, idx: Sequence[int] | slice) -> RolloutBatch:
         """Rows ``idx`` as a new batch (for mini-/micro-batches); the padding is kept."""
         rows = list(range(len(self)))[idx] if isinstance(idx, slice) else list(idx)
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)  # CUDA batches too
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
