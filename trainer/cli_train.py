@@ -86,7 +86,7 @@ def train_command(args: argparse.Namespace) -> int:
     cfg = _load(args, "train")
     if cfg is None:
         return EXIT_CONFIG_ERROR
-    from trainer.orchestration.loop import TrainingError
+    from trainer.errors import TrainingError
     from trainer.run import run_experiment  # heavy (torch, engines): only once the config is valid
 
     try:

@@ -27,11 +27,11 @@ from environments.errors import InfrastructureError
 
 from .checkpoint import CheckpointManager, set_rng_state
 from .config import ExperimentConfig
+from .errors import TrainingError
 from .learner import Learner, make_learner, restore_learner
 from .metrics_log import MetricsLogger
 from .models.loading import load_model_and_tokenizer, load_tokenizer
 from .models.tiny import TinyModelConfig, save_tiny_checkpoint
-from .orchestration.loop import TrainingError
 from .orchestration.prompts import PromptStream
 from .rollout.agent_loop import AgentLoopConfig
 from .warmstart.cache import cache_key, restore, store

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
+from ..errors import TrainingError
 from .lag import generating_version
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ class FixedLagScheduling:
             TrainingError: a rollout task failed, or a group has tokens of another policy version
                 than the batch's lagged one (the engine did not apply the weights it was sent).
         """
-        from .loop import TrainingError
-
         need, step = self.cfg.prompts_per_step, self.step
         async with self._cond:
             await self._cond.wait_for(lambda: self._failure is not None

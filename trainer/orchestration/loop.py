@@ -50,6 +50,7 @@ from typing import Any
 import copc
 
 from ..engines.base import InferenceEngine, SamplingParams
+from ..errors import TrainingError
 from ..learner.base import Learner
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.batch import to_batch
@@ -76,14 +77,6 @@ COUNTER_METRICS = {"episodes": "rollout/episodes_total", "episodes_trained": "ro
                    "tokens_trained": "rollout/tokens_trained_total", "dropped_stale": "rollout/dropped_stale",
                    "infra_failed": "rollout/infra_failed",
                    "infra_failed_groups": "rollout/infra_failed_groups"}
-
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (a rollout task raised, or too many infrastructure failures).
-
-    The message says what failed and where the last checkpoint is; ``__cause__`` is the
-    original exception when there is one.
-    """
 
 
 #: ``async f(uid, sample, n) -> trajectories`` — plays the episodes of one prompt group.

@@ -149,7 +149,7 @@ class RemoteTask(Task):
                               f"(its stop strings: {stops})? Serve it with tool_format=tags, or set "
                               "warm_start.enabled=false") from e
         except InfrastructureError as e:
-            from ..orchestration.loop import TrainingError
+            from ..errors import TrainingError
 
             url = self.info.get("remote_url", self.env_kwargs.get("url"))
             raise TrainingError(f"warm start: the environment server at {url} failed while playing the "
