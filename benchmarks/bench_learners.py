@@ -4,7 +4,7 @@ The same batch (multi-turn episodes, two PPO mini-batches) is trained on by
 
 * ``torch``: one process (the reference), ``torch_threads`` = all cores;
 * ``fsdp DP=2``: two rank processes (FSDP2), one thread each;
-* ``megatron TP=2`` (when the ``megatron`` backend is registered; a hook for its helper).
+* ``megatron TP=2`` (when the ``megatron`` backend is registered: the ``megatron`` extra).
 
 Reported per backend: the median learner step time over ``--steps`` steps (after one warm-up
 step) and its ratio to torch (no goal on 2 cores), and the memory per rank of the persistent

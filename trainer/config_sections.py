@@ -389,6 +389,11 @@ class LearnerSection:
                 _require(getattr(self, k) == 1, f"learner.{k}", getattr(self, k),
                          "learner.backend='fsdp' is data parallel only (use 'megatron' for model "
                          "parallelism)")
+        elif self.backend == "megatron":
+            pp = self.pipeline_parallel_size
+            _require(pp == 1, "learner.pipeline_parallel_size", pp,
+                     "learner.backend='megatron' runs pipeline size 1 only (tensor x data parallel); use "
+                     "learner.tensor_parallel_size for model parallelism")
 
 
 @dataclass

@@ -102,7 +102,90 @@ def test_bf16_mixed_precision_and_checkpoint_kind_checks(tiny):
             make_learner(fsdp_cfg("launcher.kind=ray"), tiny)
 
 
+def test_a_torch_learner_refuses_a_sharded_checkpoint_naming_the_settings_that_wrote_it(tiny, tmp_path):
+    """``copc eval --checkpoint`` / ``--resume`` of a megatron run with the default ``torch`` backend:
+    a ConfigError naming the settings to use (it was a KeyError deep in ``load_state_dict``), and
+    the learner is left untouched."""
+    lrn = make_learner(load_config(None, []), tiny)
+    before = {k: v.clone() for k, v in lrn.actor.state_dict().items()}
+    state = {"learner": {"backend": "megatron", "world_size": 2, "tensor_parallel_size": 2,
+                         "pipeline_parallel_size": 1, "policy_version": 3, "sharded": True},
+             "learner_shards": tmp_path}
+    with pytest.raises(ConfigError, match=r"learner.backend: the checkpoint holds sharded learner state "
+                                          r"\(learner_shards/\) that this TorchLearner cannot read; .*: "
+                                          r"learner.backend=megatron learner.world_size=2 "
+                                          r"learner.tensor_parallel_size=2 "
+                                          r"learner.pipeline_parallel_size=1$"):
+        restore_learner(lrn, state)
+    assert lrn.policy_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in lrn.actor.state_dict().items())
+
+
+def test_spawned_ranks_get_no_torchrun_rendezvous_variables_and_spawn_under_torchrun_is_refused(monkeypatch):
+    """Under torchrun, ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited by spawned ranks made every rank
+    wait for a rendezvous store nobody starts (a hang until ``learner.timeout_s``); several torchrun
+    processes each spawning ranks would each run the whole experiment. ``learner.launch=torchrun``
+    without torchrun, or at another world size, is a config error (exit 2), not a ValueError."""
+    from trainer.learner.distributed.launch import spawn_env
+    from trainer.learner.distributed.runtime import check_launch
+    from trainer.learner.distributed.worker import torchrun_spec
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GROUP_RANK": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none"}
+    env = spawn_env({**torchrun, "PATH": "/usr/bin", "PYTHONPATH": "/x"}, "ab12")
+    assert env == {"PATH": "/usr/bin", "COPC_RANK_AUTHKEY": "ab12", "PYTHONPATH": f"{REPO}{os.pathsep}/x"}
+    spawn = fsdp_cfg().learner
+    with pytest.raises(ConfigError, match=r"learner.launch='spawn': this process is one of WORLD_SIZE=2 "
+                                          r"started by torchrun"):
+        check_launch(spawn, torchrun)
+    check_launch(spawn, {**torchrun, "WORLD_SIZE": "1"})  # torchrun --nproc-per-node 1: one driver
+    check_launch(spawn, {})
+    check_launch(fsdp_cfg("learner.launch=torchrun").learner, torchrun)
+
+    section = fsdp_cfg("learner.launch=torchrun").learner
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError, match=r"learner.launch='torchrun': RANK/WORLD_SIZE are not set"):
+        torchrun_spec(section)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"learner.world_size=2 but torchrun started WORLD_SIZE=4"):
+        torchrun_spec(section)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    spec = torchrun_spec(section)
+    assert (spec.rank, spec.world_size, spec.local_rank, spec.init_method) == (1, 2, 1, "env://")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_nccl_without_cuda_is_a_config_error_naming_the_key():
+    from trainer.learner.distributed.worker import resolve_dist_backend
+
+    assert resolve_dist_backend("auto") == "gloo" and resolve_dist_backend("gloo") == "gloo"
+    with pytest.raises(ConfigError, match=r"learner.dist_backend='nccl' needs CUDA"):
+        resolve_dist_backend("nccl")
+
+
 # -- failures ------------------------------------------------------------------------------------
+
+def test_a_setting_a_rank_refuses_is_a_config_error_in_the_driver(tiny):
+    """A ConfigError raised while a rank builds its learner (megatron refuses ``learner.cpu_offload``)
+    reaches the driver as a ConfigError (``copc train`` exits 2), not a RankError with a traceback;
+    no rank process is left."""
+    import trainer.learner.megatron  # noqa: F401 - registers the megatron backend
+
+    cfg = load_config(None, ["learner.backend=megatron", "learner.world_size=2",
+                             "learner.tensor_parallel_size=2", "learner.cpu_offload=true",
+                             "learner.timeout_s=120"])
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^learner.cpu_offload=true: an fsdp option"):
+        make_learner(cfg, tiny)
+    assert time.monotonic() - t0 < 60
+    ranks = [c for c in psutil.Process().children(recursive=True)
+             if "rank_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
+    assert ranks == []
+
 
 def test_a_rank_raising_mid_step_raises_in_the_driver_with_its_traceback(tiny):
     bad = small_batch()
@@ -265,3 +348,22 @@ def test_copc_train_under_torchrun(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert trained_steps(out) == [1, 2]
+
+
+@pytest.mark.slow
+def test_torchrun_without_launch_torchrun_is_refused_and_one_process_spawns_its_ranks(tmp_path):
+    """``torchrun --nproc-per-node 2`` without ``learner.launch=torchrun``: exit 2 naming
+    ``learner.launch`` (it used to hang until ``learner.timeout_s``: the spawned ranks inherited
+    torchrun's agent-store setting). ``--nproc-per-node 1`` with spawned ranks runs."""
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--master-port",
+                str(29_500 + os.getpid() % 1000)]
+    t0 = time.monotonic()
+    res = copc_train(train_overrides(tmp_path / "two", 1, "learner.timeout_s=120"),
+                     launcher=[*torchrun, "--nproc-per-node", "2", "-m"], timeout=300)
+    assert res.returncode != 0 and time.monotonic() - t0 < 110, res.stderr[-3000:]
+    assert "config error: learner.launch='spawn': this process is one of WORLD_SIZE=2" in res.stderr
+    out = tmp_path / "one"
+    res = copc_train(train_overrides(out, 1, "learner.timeout_s=120"),
+                     launcher=[*torchrun, "--nproc-per-node", "1", "-m"], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert trained_steps(out) == [1]

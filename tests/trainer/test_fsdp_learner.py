@@ -173,6 +173,8 @@ def test_data_parallel_row_split_and_equal_pass_counts():
     (["learner.backend=fsdp", "learner.optimizer=lion"], r"learner.optimizer='lion': must be 'adamw'"),
     (["learner.backend=fsdp", "learner.world_size=0"], r"learner.world_size=0: must be an int >= 1"),
     (["learner.backend=fsdp", "learner.dist_backend=mpi"], r"learner.dist_backend='mpi'"),
+    (["learner.backend=megatron", "learner.world_size=2", "learner.pipeline_parallel_size=2"],
+     r"learner.pipeline_parallel_size=2: learner.backend='megatron' runs pipeline size 1 only"),
 ])
 def test_bad_learner_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):

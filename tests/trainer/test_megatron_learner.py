@@ -131,6 +131,28 @@ def _r_call(state: dict, key: str, method: str, *args):
     return out
 
 
+def _r_step_counting_layer_calls(state: dict, key: str, batch: RolloutBatch) -> tuple[dict, int, int]:
+    """One step of ``state[key]``; returns its metrics and how often the actor's and the critic's
+    first transformer layer ran forward during it (activation recompute re-runs a layer in the
+    backward pass)."""
+    from trainer.learner.megatron.rank_learner import init_parallel_state
+
+    lrn = state[key]
+    init_parallel_state(lrn.ctx)
+    counts = [0, 0]
+    hooks = []
+    for i, model in enumerate((lrn.actor, lrn.critic)):
+        def hook(*_args, i=i) -> None:
+            counts[i] += 1
+        hooks.append(model.module.decoder.layers[0].register_forward_hook(hook))
+    try:
+        metrics = lrn.step(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return metrics, counts[0], counts[1]
+
+
 def build(pool: RankPool, key: str, exp_cfg, path: str, tp: int) -> None:
     assert pool.run(_r_build, key, exp_cfg, path, tp) == [0, 0]
 
@@ -209,13 +231,40 @@ def test_megatron_adamw_step_and_dist_checkpoint_resume(pool, tiny, tmp_path):
 
 
 @pytest.mark.parametrize("extra,tp,pp,match", [
-    (["model.gradient_checkpointing=true"], 2, 1, "model.gradient_checkpointing=true: not supported"),
     (["learner.cpu_offload=true"], 2, 1, "learner.cpu_offload=true: an fsdp option"),
     (["model.dtype=bfloat16"], 2, 1, "model.dtype=bfloat16: the megatron backend on CPU runs float32 only"),
+    # the config refuses pipeline_parallel_size=2 at load; the rank learner checks its context too
     ([], 1, 2, "learner.pipeline_parallel_size=2: the megatron backend runs pipeline size 1"),
 ])
 def test_unsupported_settings_are_refused_naming_the_key(pool, tiny, extra, tp, pp, match):
     cfg = load_config(None, overrides("copc", "adamw") + extra + [
-        "learner.backend=megatron", "learner.world_size=2", f"learner.tensor_parallel_size={tp}",
-        f"learner.pipeline_parallel_size={pp}"])
+        "learner.backend=megatron", "learner.world_size=2", f"learner.tensor_parallel_size={tp}"])
     assert all(match in msg for msg in pool.run(_r_build_error, cfg, tiny, tp, pp))
+
+
+def test_gradient_checkpointing_is_megatron_activation_recompute_with_the_same_gradients(pool, tiny):
+    """``model.gradient_checkpointing=true`` (set by the paper configs) turns on Megatron's full
+    recompute: each layer re-runs in the backward pass, and the step (metrics, actor and critic
+    gradients, SGD-updated weights) is bit-identical to the step without recompute (TP = 2).
+
+    Layer forward passes per rank (TP = 2: every rank sees all 6 rows; micro-batch 1): without
+    recompute, 6 no-grad passes for logp_old / values_old + 6 training passes = 12 per model; with
+    recompute each of the 6 training passes re-runs the layer once more in backward = 18."""
+    batch = multiturn_batch()
+    plain_cfg = load_config(None, overrides("copc", "sgd"))
+    rc_cfg = load_config(None, overrides("copc", "sgd", **{"model.gradient_checkpointing": "true"}))
+    out = {}
+    for key, cfg in (("plain", plain_cfg), ("recompute", rc_cfg)):
+        build(pool, key, cfg, tiny, 2)
+        per_rank = pool.run(_r_step_counting_layer_calls, key, batch)
+        metrics, actor_calls, critic_calls = per_rank[0]
+        assert all(r[1:] == (actor_calls, critic_calls) for r in per_rank)
+        out[key] = (metrics, actor_calls, critic_calls, call(pool, key, "named_gradients"),
+                    call(pool, key, "export_policy_weights"))
+    m0, a0, c0, g0, w0 = out["plain"]
+    m1, a1, c1, g1, w1 = out["recompute"]
+    assert m0["actor/updated"] == 1.0 and (a0, c0) == (12, 12) and (a1, c1) == (18, 18)
+    assert {k: v for k, v in m1.items() if not k.startswith("perf/")} == \
+        {k: v for k, v in m0.items() if not k.startswith("perf/")}
+    assert max(float(g.abs().max()) for g in g0.values()) > 1e-3  # the gradients are not ~0
+    assert max_diff(g1, g0) == 0.0 and max_diff(w1, w0) == 0.0

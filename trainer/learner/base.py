@@ -147,10 +147,20 @@ def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
 
     Raises:
         ConfigError: the checkpoint's kind does not match the learner (a sharded learner and a
-            checkpoint without ``learner_shards``, or the reverse), naming ``learner.backend``.
+            checkpoint without ``learner_shards``, or the reverse), naming ``learner.backend``
+            (and, for a sharded checkpoint, the ``learner.*`` settings that wrote it).
     """
-    learner.load_state_dict(state["learner"])
+    saved = state["learner"]
     sharded = isinstance(learner, ShardedCheckpoint)
+    if not sharded and (SHARDED_STATE_KEY in state or (isinstance(saved, dict) and saved.get("sharded"))):
+        info = saved if isinstance(saved, dict) else {}
+        wrote = " ".join(f"learner.{k}={info[k]}" for k in ("backend", "world_size", "tensor_parallel_size",
+                                                              "pipeline_parallel_size") if k in info)
+        raise ConfigError(f"learner.backend: the checkpoint holds sharded learner state "
+                          f"({SHARDED_STATE_KEY}/) that this {type(learner).__name__} cannot read; resume or "
+                          f"evaluate it with the settings that wrote it: "
+                          f"{wrote or 'its distributed learner.backend'}")
+    learner.load_state_dict(saved)
     if sharded != (SHARDED_STATE_KEY in state):
         raise ConfigError(f"learner.backend: the checkpoint {'lacks' if sharded else 'has'} sharded learner "
                           f"state ({SHARDED_STATE_KEY}/); resume with the learner.backend that wrote it")

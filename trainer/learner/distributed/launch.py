@@ -3,7 +3,10 @@
 Each launcher returns a :class:`RankGroup`: ``call(cmd, *args)`` runs one command on every
 rank (:class:`~trainer.learner.distributed.worker.RankServer`) and returns the per-rank results,
 or raises :class:`RankError` promptly when a rank raises, dies or exceeds
-``learner.timeout_s`` (the group is then closed: no rank is left waiting in a collective).
+``learner.timeout_s`` (the group is then closed: no rank is left waiting in a collective). A
+:class:`~trainer.errors.ConfigError` raised in a rank (a setting the rank learner refuses, e.g.
+``model.dtype=bfloat16`` for ``megatron`` on CPU) is raised again as a ``ConfigError`` in the
+driver (``copc train`` exits with status 2), the group closed the same way.
 
 * ``spawn``: ``world_size`` child interpreters on this machine, one socket pair each (tensors
   travel through shared memory);
@@ -29,7 +32,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from ...errors import ConfigError
 from .worker import (
+    CONFIG_ERROR,
     RankServer,
     RankSpec,
     broadcast_command,
@@ -56,10 +61,30 @@ class RankGroup(Protocol):
 
         Raises:
             RankError: a rank raised, died or timed out (the group is closed).
+            ConfigError: a rank refused a setting (the group is closed).
         """
 
     def close(self) -> None:
         """Stop the ranks (idempotent)."""
+
+
+#: Variables set by ``torchrun`` (torch elastic) that must not reach spawned ranks: with
+#: ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited, ``init_process_group`` expects torchrun's
+#: agent to host the rendezvous store, so no rank starts one and all of them wait until
+#: ``learner.timeout_s``.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def spawn_env(base: dict[str, str], authkey: str) -> dict[str, str]:
+    """The environment of a spawned rank: ``base`` without torchrun's variables
+    (:data:`TORCHRUN_ENV`, ``TORCHELASTIC_*``), plus the driver's multiprocessing ``authkey``
+    (``COPC_RANK_AUTHKEY``) and this repository on ``PYTHONPATH``."""
+    env = {k: v for k, v in base.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    env["COPC_RANK_AUTHKEY"] = authkey
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3]),
+                                         base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,6 +107,7 @@ class SpawnGroup:
 
     Raises:
         RankError: a rank failed to start (its traceback in the message).
+        ConfigError: a rank refused a setting while building its learner.
     """
 
     def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
@@ -90,9 +116,7 @@ class SpawnGroup:
         sec = exp_cfg.learner
         self.world_size, self.timeout_s = sec.world_size, sec.timeout_s
         init = f"tcp://127.0.0.1:{free_port()}"
-        env = {**os.environ, "COPC_RANK_AUTHKEY": multiprocessing.current_process().authkey.hex(),
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[3]),
-                                              os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        env = spawn_env(dict(os.environ), multiprocessing.current_process().authkey.hex())
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._closed = False
@@ -143,7 +167,10 @@ class SpawnGroup:
                         status, value = self.conns[r].recv()
                     except (EOFError, OSError):
                         self._died(r, cmd)
-                    if status == "error":
+                    if status == CONFIG_ERROR:
+                        self.close(graceful=False)
+                        raise ConfigError(value)
+                    if status != "ok":
                         self._fail(f"learner rank {r} raised during {cmd!r}:\n{value}")
                     results[r] = value
                     pending.discard(r)
@@ -264,6 +291,10 @@ class RayGroup:
             try:
                 ray.get(done[0])
             except Exception as e:  # RayTaskError (a rank raised) or RayActorError (a rank died)
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, ConfigError):
+                    self.close()
+                    raise ConfigError(str(cause)) from None
                 self._fail(f"learner rank {refs.index(done[0])} failed during {cmd!r}: {e}")
         return ray.get(refs)
 
@@ -302,7 +333,8 @@ class TorchrunGroup:
     each command, so a rank's exception raises here (a hung collective ends at ``timeout_s``).
 
     Raises:
-        ValueError: not started by torchrun (see :func:`~.worker.torchrun_spec`).
+        ConfigError: not started by torchrun, or another world size (see
+            :func:`~.worker.torchrun_spec`); a rank refused a setting.
         RankError: the build failed on some rank.
     """
 
@@ -328,7 +360,10 @@ class TorchrunGroup:
         if bad:
             self._closed = True
             dist.destroy_process_group()
-            raise RankError(f"learner rank {bad[0][0]} raised during {cmd!r}:\n{bad[0][1]}")
+            rank, (status, text) = bad[0]
+            if status == CONFIG_ERROR:
+                raise ConfigError(text)
+            raise RankError(f"learner rank {rank} raised during {cmd!r}:\n{text}")
         return result
 
     def call(self, cmd: str, *args: Any) -> list[Any]:
@@ -351,6 +386,7 @@ def start_ranks(exp_cfg: Any, model_dir: str | Path) -> RankGroup:
     """Start the ranks of ``learner.launch`` and build their learners (blocks until all are ready).
 
     Raises:
-        RankError: a rank failed to start. ValueError: torchrun environment missing.
+        RankError: a rank failed to start. ConfigError: a rank refused a setting; torchrun
+            environment missing or of another size.
     """
     return LAUNCHERS[exp_cfg.learner.launch](exp_cfg, model_dir)

@@ -16,6 +16,7 @@ ranks and looks like any other backend to the loop, the Ray launcher and ``run.p
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -27,6 +28,25 @@ import torch
 from ...errors import ConfigError
 from ...rollout.batch import RolloutBatch
 from .launch import RankGroup, start_ranks
+
+
+def check_launch(section: Any, environ: dict[str, str] | None = None) -> None:
+    """Refuse ``learner.launch`` spawn / ray in a process that ``torchrun`` started with more than
+    one process: each of them would run the whole experiment (engine, rollouts, its own learner
+    ranks) into the same ``output_dir``.
+
+    Args:
+        section: the :class:`~trainer.config.LearnerSection`. environ: default ``os.environ``.
+
+    Raises:
+        ConfigError: naming ``learner.launch`` and torchrun's ``WORLD_SIZE``.
+    """
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if section.launch != "torchrun" and "RANK" in env and world > 1:
+        raise ConfigError(f"learner.launch={section.launch!r}: this process is one of WORLD_SIZE={world} "
+                          "started by torchrun, and each would run the whole experiment; with torchrun set "
+                          "learner.launch=torchrun (or run copc train without torchrun)")
 
 
 def check_model_parallel(section: Any, model_dir: str | Path) -> None:
@@ -67,7 +87,8 @@ class DistributedLearner:
             several nodes it must be visible at the same path everywhere).
 
     Raises:
-        ConfigError: model-dependent sizes (:func:`check_model_parallel`); ``launcher.kind=ray``
+        ConfigError: model-dependent sizes (:func:`check_model_parallel`); spawn / ray ranks
+            under a multi-process torchrun (:func:`check_launch`); ``launcher.kind=ray``
             (its learner actor copies learner state through ``state_dict``, which for a
             distributed learner holds no weights).
         RankError: a rank failed to start.
@@ -82,6 +103,7 @@ class DistributedLearner:
             raise ConfigError(f"launcher.kind='ray' with learner.backend={sec.backend!r}: not supported (the "
                               "Ray rollout launcher hosts the learner in one actor); use launcher.kind=local "
                               "with learner.launch=ray to run the learner ranks as Ray actors")
+        check_launch(sec)
         check_model_parallel(sec, model_dir)
         self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), sec.backend
         self._group: RankGroup = start_ranks(exp_cfg, model_dir)

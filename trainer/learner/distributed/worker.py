@@ -24,9 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...errors import ConfigError
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
 
 log = logging.getLogger(__name__)
+
+#: Reply statuses of a failed rank command: a bad setting only checkable inside a rank (the
+#: driver raises :class:`~trainer.errors.ConfigError` with the message), or any other exception
+#: (the driver raises ``RankError`` with the traceback).
+CONFIG_ERROR, ERROR = "config_error", "error"
 
 #: Commands a rank serves (each maps to one collective call on the rank learner).
 COMMANDS = ("step", "export", "save", "load", "gradients", "state_bytes", "version")
@@ -70,12 +76,12 @@ def resolve_dist_backend(name: str) -> str:
     """``auto`` → ``nccl`` when CUDA is available, else ``gloo``; other names unchanged.
 
     Raises:
-        ValueError: ``nccl`` without CUDA (naming ``learner.dist_backend``).
+        ConfigError: ``nccl`` without CUDA (naming ``learner.dist_backend``).
     """
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("learner.dist_backend='nccl' needs CUDA; this machine has none (use 'gloo' or "
+        raise ConfigError("learner.dist_backend='nccl' needs CUDA; this machine has none (use 'gloo' or "
                          "'auto')")
     return name
 
@@ -91,7 +97,7 @@ def init_rank(spec: RankSpec, threads: int = 0) -> RankContext:
         The :class:`RankContext` (a gloo ``cpu_group`` is created when the default group is NCCL).
 
     Raises:
-        ValueError: bad sizes or backend. RuntimeError / DistNetworkError from
+        ValueError: bad sizes. ConfigError: ``nccl`` without CUDA. RuntimeError / DistNetworkError from
             ``init_process_group`` (e.g. the rendezvous timed out).
     """
     backend = resolve_dist_backend(spec.dist_backend)
@@ -172,6 +178,15 @@ class RankServer:
         raise ValueError(f"unknown rank command {cmd!r}; known: {COMMANDS}")
 
 
+def failure_reply(exc: BaseException) -> tuple[str, str]:
+    """A rank's reply for a command that raised ``exc`` (call inside the ``except`` block):
+    ``(CONFIG_ERROR, message)`` for a :class:`~trainer.errors.ConfigError` (e.g. a setting the
+    rank learner refuses at build), else ``(ERROR, traceback)``."""
+    if isinstance(exc, ConfigError):
+        return CONFIG_ERROR, str(exc)
+    return ERROR, traceback.format_exc()
+
+
 def _exit_with_parent(poll_s: float = 1.0) -> None:
     """Exit this process when its parent dies (a SIGKILLed driver leaves no orphan ranks, even
     while a rank waits inside a collective)."""
@@ -189,8 +204,9 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
 def spawn_main(conn: Any) -> None:
     """Main of a spawned rank (:class:`~.launch.SpawnGroup`): read ``(RankSpec, exp_cfg, model_dir)``
     from the driver's connection, join, build, then serve ``(cmd, args)`` messages until
-    ``shutdown`` or EOF; replies ``("ok", result)`` or ``("error", traceback)``. The first reply
-    (after the build) is ``("ok", policy_version)``. Exits the process when done."""
+    ``shutdown`` or EOF; replies ``("ok", result)``, or :func:`failure_reply` (``("error",
+    traceback)`` / ``("config_error", message)``). The first reply (after the build) is
+    ``("ok", policy_version)``. Exits the process when done."""
     _exit_with_parent()
     server = None
     try:
@@ -208,11 +224,11 @@ def spawn_main(conn: Any) -> None:
                 return
             try:
                 conn.send(("ok", server.handle(cmd, args)))
-            except BaseException:
-                conn.send(("error", traceback.format_exc()))
-    except BaseException:
+            except BaseException as e:
+                conn.send(failure_reply(e))
+    except BaseException as e:
         with contextlib.suppress(OSError):
-            conn.send(("error", traceback.format_exc()))
+            conn.send(failure_reply(e))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -226,14 +242,15 @@ def torchrun_spec(section: Any) -> RankSpec:
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``).
 
     Raises:
-        ValueError: not started by torchrun, or ``WORLD_SIZE`` differs from ``learner.world_size``.
+        ConfigError: not started by torchrun, or ``WORLD_SIZE`` differs from ``learner.world_size``
+            (naming ``learner.launch`` / ``learner.world_size``; ``copc train`` exits 2).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ValueError("learner.launch='torchrun': RANK/WORLD_SIZE are not set; start the run with "
+        raise ConfigError("learner.launch='torchrun': RANK/WORLD_SIZE are not set; start the run with "
                          "`torchrun --nproc-per-node N -m trainer.cli train ...`")
     world = int(os.environ["WORLD_SIZE"])
     if world != section.world_size:
-        raise ValueError(f"learner.world_size={section.world_size} but torchrun started WORLD_SIZE={world}")
+        raise ConfigError(f"learner.world_size={section.world_size} but torchrun started WORLD_SIZE={world}")
     rank = int(os.environ["RANK"])
     return RankSpec.from_section(section, rank, "env://", local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -247,8 +264,9 @@ def broadcast_command(msg: Any, ctx: RankContext) -> Any:
 
 
 def run_and_report(server: RankServer | None, cmd: str, args: tuple, ctx: RankContext,
-                   build: Any = None) -> tuple[Any, list[str | None]]:
-    """Run a command on this rank, then all-gather every rank's error (None = ok).
+                   build: Any = None) -> tuple[Any, list[tuple[str, str] | None]]:
+    """Run a command on this rank, then all-gather every rank's error (None = ok, else the
+    :func:`failure_reply` pair ``(status, text)``).
 
     ``build`` (a zero-argument callable returning a :class:`RankServer`) replaces ``server`` for
     the ``build`` command. Returns ``(result or new server, errors by rank)``. Collective.
@@ -256,9 +274,9 @@ def run_and_report(server: RankServer | None, cmd: str, args: tuple, ctx: RankCo
     result, err = None, None
     try:
         result = build() if cmd == "build" else server.handle(cmd, args)  # type: ignore[union-attr]
-    except BaseException:
-        err = traceback.format_exc()
-    errors: list[str | None] = [None] * ctx.world_size
+    except BaseException as e:
+        err = failure_reply(e)
+    errors: list[tuple[str, str] | None] = [None] * ctx.world_size
     dist.all_gather_object(errors, err, group=ctx.cpu_group)
     return result, errors
 
@@ -268,7 +286,7 @@ def serve_torchrun_worker(exp_cfg: Any) -> None:
     is ``build`` with the model directory) until ``shutdown``. Returns when rank 0 shuts down.
 
     Raises:
-        ValueError: as :func:`torchrun_spec`.
+        ConfigError: as :func:`torchrun_spec`.
     """
     ctx = init_rank(torchrun_spec(exp_cfg.learner), exp_cfg.train.torch_threads)
     server: RankServer | None = None

@@ -160,11 +160,14 @@ class TorchRankOptimizer:
 
 
 class MegatronRankOptimizer:
-    """Megatron's distributed optimizer (the GPU path; ``get_megatron_optimizer``).
+    """Megatron's distributed optimizer (the GPU path; ``get_megatron_optimizer``), set up as the
+    torch backend's optimizer: ``sgd`` without momentum (Megatron's default ``sgd_momentum`` is
+    0.9), weight decay on every parameter (Megatron's default exempts biases and 1-D parameters;
+    ``config_overrides={}`` turns that off, as ``torch.optim.AdamW`` over all parameters).
 
     Args:
         ddp: the model in Megatron DDP built with ``use_distributed_optimizer=True``.
-        name: ``adamw`` (Megatron ``adam``: decoupled weight decay) | ``sgd``.
+        name: ``adamw`` (Megatron ``adam``: decoupled weight decay) | ``sgd`` (plain SGD).
         lr / weight_decay / warmup_steps / grad_clip: as :class:`TorchRankOptimizer`.
         dtype: the model's parameter dtype (bf16/fp16 → fp32 master weights).
     """
@@ -175,9 +178,10 @@ class MegatronRankOptimizer:
 
         cfg = OptimizerConfig(optimizer="adam" if name == "adamw" else "sgd", lr=lr,
                               weight_decay=weight_decay, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
-                              fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True)
+                              fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True,
+                              sgd_momentum=0.0)
         self.ddp, self.base_lr, self.grad_clip = ddp, lr, grad_clip
-        self.optimizer = get_megatron_optimizer(cfg, [ddp])
+        self.optimizer = get_megatron_optimizer(cfg, [ddp], config_overrides={})
         self._warmup, self._n = _warmup(warmup_steps), 0
         self._set_lr()
 

@@ -104,6 +104,10 @@ class MegatronRankLearner:
         algo: the preset. cfg: :class:`LearnerConfig` (the torch backend's settings).
         ctx: this rank's :class:`RankContext` (``torch.distributed`` initialised).
         dtype: parameter dtype (float32 only on CPU).
+        recompute: activation recompute (``model.gradient_checkpointing``): Megatron's full,
+            uniform recompute of every transformer layer (``recompute_granularity="full"``,
+            ``recompute_method="uniform"``, ``recompute_num_layers=1``): each layer keeps only its
+            input and is re-run in the backward pass. Same gradients, less activation memory.
 
     Raises:
         ConfigError: ``model.dtype`` other than float32 on CPU; CPU ranks (gloo) on a CUDA
@@ -113,7 +117,7 @@ class MegatronRankLearner:
     """
 
     def __init__(self, model_dir: str | Path, algo: copc.AlgorithmConfig, cfg: LearnerConfig,
-                 ctx: RankContext, dtype: torch.dtype = torch.float32) -> None:
+                 ctx: RankContext, dtype: torch.dtype = torch.float32, recompute: bool = False) -> None:
         shims.check_versions()
         shims.apply_checkpoint_shims()
         on_gpu = ctx.device.type == "cuda"
@@ -128,6 +132,14 @@ class MegatronRankLearner:
         init_parallel_state(ctx)
         from megatron.core import parallel_state as ps
 
+        if on_gpu:
+            from megatron.core import tensor_parallel
+
+            # Megatron's CUDA RNG tracker needs its "model-parallel-rng" state before any model is
+            # built: the GPU weight init (_initialize_affine_weight_gpu) and attention dropout
+            # fork() into it, and an empty tracker raises "cuda rng state ... is not added"
+            tensor_parallel.model_parallel_cuda_manual_seed(int(cfg.seed))
+
         self.ctx, self.algo, self.cfg, self.device = ctx, algo, cfg, ctx.device
         self.dp_group = ps.get_data_parallel_group()
         self.dp_gloo = ps.get_data_parallel_group_gloo() if on_gpu else self.dp_group
@@ -136,6 +148,9 @@ class MegatronRankLearner:
                                               critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
         self.bridge = make_bridge(model_dir, dtype)
         self.bridge.set_extra_args(calculate_per_token_loss=True)  # DDP sums rank gradients (no 1/dp)
+        if recompute:
+            self.bridge.set_extra_args(recompute_granularity="full", recompute_method="uniform",
+                                       recompute_num_layers=1)
         self.actor = self._wrap(build_actor(self.bridge, model_dir, self.device))
         self.critic = None
         if algo.use_critic:
@@ -344,15 +359,15 @@ def build_megatron_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext)
     """The ``megatron`` rank-learner factory
     (:func:`~trainer.learner.distributed.registry.register_rank_learner`).
 
+    ``model.gradient_checkpointing`` turns on Megatron's activation recompute (see
+    :class:`MegatronRankLearner`).
+
     Raises:
-        ConfigError: ``model.gradient_checkpointing`` (Megatron's activation recompute is not
-            wired) or ``learner.cpu_offload`` (an FSDP option), and as :class:`MegatronRankLearner`.
+        ConfigError: ``learner.cpu_offload`` (an FSDP option), and as :class:`MegatronRankLearner`.
     """
-    if exp_cfg.model.gradient_checkpointing:
-        raise ConfigError("model.gradient_checkpointing=true: not supported by learner.backend=megatron yet "
-                          "(Megatron's activation recompute is not wired); set it to false")
     if exp_cfg.learner.cpu_offload:
         raise ConfigError("learner.cpu_offload=true: an fsdp option; learner.backend=megatron shards the "
                           "optimizer state over data parallel on GPU instead (set it to false)")
     return MegatronRankLearner(model_dir, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg), ctx,
-                               dtype=getattr(torch, exp_cfg.model.dtype))
+                               dtype=getattr(torch, exp_cfg.model.dtype),
+                               recompute=bool(exp_cfg.model.gradient_checkpointing))

@@ -74,6 +74,10 @@ def _no_sync(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+def _no_cuda_rng_state(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
 def apply_cpu_shims() -> bool:
     """Make Megatron-core run on CPU with gloo; a no-op (returns False) when CUDA is available.
 
@@ -90,6 +94,11 @@ def apply_cpu_shims() -> bool:
       around attention dropout) → Megatron's own inference tracker
       (``initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)``), whose ``fork``
       is a null context: dropout draws from the CPU generator (use dropout 0 for parity).
+    * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` → no CUDA
+      generator state (None / no-op). Upstream caller: activation recompute
+      (``CheckpointFunction`` via ``_get_all_rng_states`` / ``_set_all_rng_states``, used when
+      ``model.gradient_checkpointing`` turns on Megatron's full recompute), which saves the CPU
+      generator itself and the CUDA one through these; there is no CUDA generator on CPU.
     * ``TORCHDYNAMO_DISABLE=1``: Megatron's ``jit_fuser`` functions (``torch.compile``) cost
       8–22 s on their first CPU call (fused vocab-parallel cross entropy); eager is identical.
 
@@ -104,6 +113,8 @@ def apply_cpu_shims() -> bool:
     torch.cuda.synchronize = _no_sync  # stands in for torch.cuda.synchronize (checkpoint writer)
     from megatron.core.tensor_parallel import random as mrandom
 
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state  # stands in for random._get_cuda_rng_state (recompute)
+    mrandom._set_cuda_rng_state = _no_sync  # stands in for random._set_cuda_rng_state (recompute)
     tracker = mrandom._CUDA_RNG_STATE_TRACKER
     if tracker is None or not type(tracker).__name__.startswith("Inference"):
         # stands in for model_parallel_cuda_manual_seed / the CUDA CudaRNGStatesTracker
