@@ -100,20 +100,17 @@ class ExperimentConfig:
         """The effective staleness bound, resolved here and only here (read this, not ``train``'s).
 
         Returns:
-            ``train.fixed_lag`` in ``fixed`` staleness mode; otherwise the preset's own bound
-            when it fixes one (``algorithm_config().max_staleness``, ``ppo``: 0), else
-            ``train.max_staleness``.
+            The preset's own staleness when it fixes one (``algorithm_config().max_staleness``,
+            ``ppo``: 0; in ``fixed`` mode that is then the exact lag), else ``train.fixed_lag`` in
+            ``fixed`` staleness mode, else ``train.max_staleness``.
 
         Raises:
-            ConfigError: as :meth:`algorithm_config`; naming ``train.fixed_lag`` when the preset
-                fixes a different staleness (``ppo`` is synchronous: only ``fixed_lag=0``).
+            ConfigError: as :meth:`algorithm_config`.
         """
         own = self.algorithm_config().max_staleness
-        if self.train.staleness_mode == "fixed":
-            _require(own is None or own == self.train.fixed_lag, "train.fixed_lag", self.train.fixed_lag,
-                     f"preset {self.preset!r} fixes staleness {own}")
-            return self.train.fixed_lag
-        return self.train.max_staleness if own is None else own
+        if own is not None:  # the preset's own staleness wins in either mode (``ppo``: 0)
+            return own
+        return self.train.fixed_lag if self.train.staleness_mode == "fixed" else self.train.max_staleness
 
     def validate(self) -> ExperimentConfig:
         """Validate every section; return ``self``.

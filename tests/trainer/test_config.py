@@ -121,7 +121,9 @@ def test_paper_data_names_resolve(monkeypatch):
 
 def test_cpu_tiny_math_is_the_main_job():
     cfg = load_config(CONFIGS / "math_tool" / "cpu_tiny.yaml")
-    assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 8, "math_tool")
+    # asynchronous with exact staleness 2, whatever the machine's speed
+    assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 2, "math_tool")
+    assert (cfg.train.staleness_mode, cfg.train.fixed_lag) == ("fixed", 2)
     assert cfg.model.path == "" and cfg.rollout.engine == "embedded"
     assert cfg.warm_start.enabled and cfg.warm_start.kind == "retool_arithmetic"
     assert (cfg.train.prompts_per_step, cfg.train.total_steps, cfg.train.micro_batch_size) == (16, 30, 16)

@@ -156,8 +156,9 @@ def test_config_validation_names_the_key():
         load_config(None, ["train.staleness_mode=exact"])
     with pytest.raises(ConfigError, match=r"train\.fixed_lag=-1"):
         load_config(None, ["train.fixed_lag=-1"])
-    with pytest.raises(ConfigError, match=r"train.fixed_lag=2: preset 'ppo' fixes staleness 0"):
-        load_config(None, ["preset=ppo", "train.staleness_mode=fixed", "train.fixed_lag=2"])
+    # a preset that fixes its staleness wins in either mode (ppo is synchronous: lag 0)
+    cfg = load_config(None, ["preset=ppo", "train.staleness_mode=fixed", "train.fixed_lag=2"])
+    assert cfg.max_staleness == 0 and LoopConfig.from_config(cfg).fixed_lag == 0
     cfg = load_config(None, ["train.staleness_mode=fixed", "train.fixed_lag=5", "train.max_staleness=1"])
     assert cfg.max_staleness == 5
     with pytest.raises(ConfigError, match=r"train\.fixed_lag=3: has no effect with train\.staleness_mode="):

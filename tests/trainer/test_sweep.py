@@ -187,7 +187,10 @@ def test_fixed_lag_axis_without_fixed_mode_exits_2(tmp_path, capsys):
     """Regression: ``--grid train.fixed_lag=0,2`` without ``train.staleness_mode=fixed`` used to run
     identical bounded cells (the lag is ignored when bounded) and draw a meaningless heatmap."""
     out = tmp_path / "s"
-    rc = main(["sweep", "--config", TINY, "--out", str(out), "--grid", "train.fixed_lag=0,2", "--dry-run"])
+    bounded = tmp_path / "bounded.yaml"  # the main job's config switched back to a staleness bound
+    bounded.write_text(f"defaults: [{TINY}]\ntrain: {{staleness_mode: bounded, fixed_lag: 0}}\n")
+    rc = main(["sweep", "--config", str(bounded), "--out", str(out), "--grid", "train.fixed_lag=0,2",
+               "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 2 and "cell fixed_lag0 (seed 0): grid key train.fixed_lag has no effect with " \
         "train.staleness_mode='bounded' (the bound train.max_staleness=8 applies)" in err, err

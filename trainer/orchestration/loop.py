@@ -118,7 +118,8 @@ class LoopConfig:
                    n_samples_per_prompt=exp.rollout.n_samples_per_prompt, max_staleness=exp.max_staleness,
                    concurrency=exp.rollout.concurrency, checkpoint_every=exp.checkpoint.every_steps,
                    max_infra_failure_fraction=exp.train.max_infra_failure_fraction,
-                   staleness_mode=exp.train.staleness_mode, fixed_lag=exp.train.fixed_lag)
+                   staleness_mode=exp.train.staleness_mode,
+                   fixed_lag=exp.max_staleness if exp.train.staleness_mode == "fixed" else 0)
 
     def __post_init__(self) -> None:
         """Validate the failure threshold and the staleness mode."""
