@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -294,6 +296,40 @@ class ActorCriticAlgorithm:
         elif critic_lam != algo.lam or algo.length_adaptive_alpha is not None:
             ret = copc.compute_advantages(inputs, plain.replace(lam=critic_lam))[1]
         return adv, ret, metrics
+
+    def mini_batch_updates(self, batch: RolloutBatch, x: StepInputs, steps_done: int, *, has_critic: bool,
+                           actor_update: Callable[[RolloutBatch, StepInputs, Any, MetricAccumulator], None],
+                           critic_update: Callable[[RolloutBatch, StepInputs, Any, MetricAccumulator], None],
+                           denominators: Callable[[RolloutBatch], Any] | None = None
+                           ) -> tuple[dict[str, float], bool]:
+        """The mini-batch loop of one learner step, shared by every backend.
+
+        For each mini-batch (:meth:`mini_batches`): its loss denominators, then the actor update
+        (skipped during critic warm-up, :meth:`update_actor`) and the critic update, each
+        ``f(mini, inputs, denominators, acc)`` adding its micro-batch metrics to ``acc``.
+
+        Args:
+            batch: the step's batch (``B`` rows). x: its :class:`StepInputs` (from :meth:`advantages`).
+            steps_done: updates done before this step. has_critic: whether there is a critic.
+            actor_update / critic_update: the backend's optimizer update of one mini-batch.
+            denominators: ``f(mini) -> Denominators`` (default :meth:`denominators`; distributed
+                backends pass global ones).
+
+        Returns:
+            (the combined metrics of every update, whether the actor was updated).
+        """
+        acc = MetricAccumulator()
+        update_actor = self.update_actor(steps_done, has_critic)
+        denominators_of = denominators or self.denominators
+        for idx in self.mini_batches(len(batch), steps_done):
+            mini, xm = batch.select(idx), x.rows(idx)
+            den = denominators_of(mini)
+            if update_actor:
+                actor_update(mini, xm, den, acc)
+            if has_critic:
+                critic_update(mini, xm, den, acc)
+            acc.end_mini_batch()
+        return acc.result(), update_actor
 
     def update_actor(self, steps_done: int, has_critic: bool) -> bool:
         """Whether step ``steps_done`` updates the actor (critic warm-up needs a critic)."""

@@ -195,25 +195,21 @@ class FSDPRankLearner:
         logp_old, values_old = self._recompute(batch)
         x, metrics = alg.advantages(batch, logp_old, values_old, self.policy_version,
                                     steps_done=self.steps_done)
-        acc = MetricAccumulator()
-        update_actor = alg.update_actor(self.steps_done, self.critic is not None)
-        for idx in alg.mini_batches(len(batch), self.steps_done):
-            mini, xm = batch.select(idx), x.rows(idx)
-            den = global_denominators(alg, mini)
-            if update_actor:
-                self._update("actor", self.actor, self.actor_opt, mini, xm, acc,
-                             lambda mb, xs, den=den: self._actor_loss(mb, xs, den))
-            if self.critic is not None:
-                self._update("critic", self.critic, self.critic_opt, mini, xm, acc,
-                             lambda mb, xs, den=den: self.algorithm.value_loss(mb_values(self.critic, mb), mb,
-                                                                               xs, den))
-            acc.end_mini_batch()
+        updates, update_actor = alg.mini_batch_updates(
+            batch, x, self.steps_done, has_critic=self.critic is not None,
+            denominators=lambda mini: global_denominators(alg, mini),
+            actor_update=lambda mini, xm, den, acc: self._update(
+                "actor", self.actor, self.actor_opt, mini, xm, acc,
+                lambda mb, xs: self._actor_loss(mb, xs, den)),
+            critic_update=lambda mini, xm, den, acc: self._update(
+                "critic", self.critic, self.critic_opt, mini, xm, acc,
+                lambda mb, xs: alg.value_loss(mb_values(self.critic, mb), mb, xs, den)))
         if update_actor:
             self.actor_sched.step()
         if self.critic_sched is not None:
             self.critic_sched.step()
         self.steps_done += 1
-        metrics.update(acc.result())
+        metrics.update(updates)
         metrics["actor/lr"] = self.actor_sched.get_last_lr()[0]
         metrics["actor/updated"] = float(update_actor)
         metrics["perf/learner_step_s"] = time.perf_counter() - t0

@@ -182,22 +182,15 @@ class TorchLearner:
         x, metrics = alg.advantages(batch, logp_old, values_old,
                                     self.policy_version if version is None else version,
                                     steps_done=self.steps_done)
-        acc = MetricAccumulator()
-        update_actor = alg.update_actor(self.steps_done, self.critic is not None)
-        for idx in alg.mini_batches(len(batch), self.steps_done):
-            mini, xm = batch.select(idx), x.rows(idx)
-            den = alg.denominators(mini)
-            if update_actor:
-                self._actor_update(mini, xm, den, acc)
-            if self.critic is not None:
-                self._critic_update(mini, xm, den, acc)
-            acc.end_mini_batch()
+        updates, update_actor = alg.mini_batch_updates(
+            batch, x, self.steps_done, has_critic=self.critic is not None,
+            actor_update=self._actor_update, critic_update=self._critic_update)
         if update_actor:  # the actor's schedule counts actor updates (none during critic warm-up)
             self.actor_sched.step()
         if self.critic_sched is not None:
             self.critic_sched.step()
         self.steps_done += 1
-        metrics.update(acc.result())
+        metrics.update(updates)
         metrics["actor/lr"] = self.actor_sched.get_last_lr()[0]
         metrics["actor/updated"] = float(update_actor)
         metrics["perf/learner_step_s"] = time.perf_counter() - t0

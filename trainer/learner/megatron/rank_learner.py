@@ -190,24 +190,21 @@ class MegatronRankLearner:
         logp_old, values_old = self._recompute(batch)
         x, metrics = alg.advantages(batch, logp_old, values_old, self.policy_version,
                                     steps_done=self.steps_done)
-        acc = MetricAccumulator()
-        update_actor = alg.update_actor(self.steps_done, self.critic is not None)
-        for idx in alg.mini_batches(len(batch), self.steps_done):
-            mini, xm = batch.select(idx), x.rows(idx)
-            den = global_denominators(alg, mini)
-            if update_actor:
-                self._update("actor", self.actor_opt, self.actor, mini, xm, acc,
-                             lambda mb, xs, den=den: self._actor_loss(mb, xs, den))
-            if self.critic is not None:
-                self._update("critic", self.critic_opt, self.critic, mini, xm, acc,
-                             lambda mb, xs, den=den: self._critic_loss(mb, xs, den))
-            acc.end_mini_batch()
+        updates, update_actor = alg.mini_batch_updates(
+            batch, x, self.steps_done, has_critic=self.critic is not None,
+            denominators=lambda mini: global_denominators(alg, mini),
+            actor_update=lambda mini, xm, den, acc: self._update(
+                "actor", self.actor_opt, self.actor, mini, xm, acc,
+                lambda mb, xs: self._actor_loss(mb, xs, den)),
+            critic_update=lambda mini, xm, den, acc: self._update(
+                "critic", self.critic_opt, self.critic, mini, xm, acc,
+                lambda mb, xs: self._critic_loss(mb, xs, den)))
         if update_actor:
             self.actor_opt.schedule_step()
         if self.critic_opt is not None:
             self.critic_opt.schedule_step()
         self.steps_done += 1
-        metrics.update(acc.result())
+        metrics.update(updates)
         metrics["actor/lr"] = self.actor_opt.lr
         metrics["actor/updated"] = float(update_actor)
         metrics["perf/learner_step_s"] = time.perf_counter() - t0
