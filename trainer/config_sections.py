@@ -20,7 +20,15 @@ def _require(cond: bool, key: str, value: Any, why: str) -> None:
 
 @dataclass
 class TinyModelSpec:
-    """Tiny offline model built from scratch when ``model.path`` is empty (see trainer.models.tiny)."""
+    """Tiny offline model built from scratch when ``model.path`` is empty (see trainer.models.tiny).
+
+    Attributes:
+        arch .. seed: the model's size (:class:`trainer.models.tiny.TinyModelConfig`).
+        tokenizer: ``byte`` (one token per UTF-8 byte: :func:`trainer.models.tiny.build_byte_tokenizer`)
+            or ``bpe`` (a byte-level BPE trained at start-up on the task's text with its tool tags
+            as single tokens: :func:`trainer.models.bpe.train_bpe_tokenizer`).
+        vocab_size: BPE vocabulary in tokens (``tokenizer: bpe`` only), >= 512.
+    """
 
     arch: str = "qwen2"
     hidden_size: int = 128
@@ -30,6 +38,8 @@ class TinyModelSpec:
     num_kv_heads: int = 2
     max_position_embeddings: int = 2048
     seed: int = 0
+    tokenizer: str = "byte"
+    vocab_size: int = 8192
 
 
 @dataclass
@@ -56,6 +66,11 @@ class ModelConfig:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
+        _require(self.tiny.tokenizer in ("byte", "bpe"), "model.tiny.tokenizer", self.tiny.tokenizer,
+                 "must be 'byte' or 'bpe'")
+        _require(isinstance(self.tiny.vocab_size, int) and not isinstance(self.tiny.vocab_size, bool)
+                 and self.tiny.vocab_size >= 512, "model.tiny.vocab_size", self.tiny.vocab_size,
+                 "must be an int >= 512 (256 byte tokens, special tokens, merges)")
         if self.path:
             _require(Path(self.path).is_dir(), "model.path", self.path,
                      "not a directory (fill in a local checkpoint path, or leave it empty for the "
@@ -77,6 +92,9 @@ class TaskConfig:
         data_dir: data directory; empty: ``$COPC_DATA_DIR``, else ``../shared/data``. Relative
             paths (here and in the other path keys) resolve against the current working directory.
         max_train_samples / max_eval_samples: caps (0 = all).
+        held_out_every: search tasks whose ``eval_data`` are among the ``train_data`` sets: every
+            ``held_out_every``-th row of each set is held out for evaluation (deterministic,
+            disjoint from training), >= 2.
         retriever_url: search tasks: an existing server; empty: start one (BM25 index built
             on first use in ``retriever_index_dir``, reused after).
         retriever_index_dir / retriever_corpus: where the auto-started server's index lives
@@ -92,6 +110,7 @@ class TaskConfig:
     data_dir: str = ""
     max_train_samples: int = 0
     max_eval_samples: int = 0
+    held_out_every: int = 5
     retriever_url: str = ""
     retriever_index_dir: str = "runs/retriever_index/bm25"
     retriever_corpus: str = ""
@@ -102,6 +121,8 @@ class TaskConfig:
         _require(bool(self.env), "task.env", self.env, "must name a registered environment")
         _require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
         _require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
+        _require(isinstance(self.held_out_every, int) and self.held_out_every >= 2, "task.held_out_every",
+                 self.held_out_every, "must be an int >= 2")
         kinds = ("mul", "sum_of_products", "mul_minus")
         _require(all(k in kinds for k in self.arithmetic_kinds), "task.arithmetic_kinds",
                  self.arithmetic_kinds, f"each must be one of {kinds}")
@@ -239,6 +260,8 @@ class WarmStartConfig:
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
         tool_use_fraction: share of ``retool_arithmetic`` traces that use the interpreter; the
             rest answer from the head (an estimate), so RL has a decision to improve.
+        second_search_fraction: share of ``search_r1`` traces whose first search missed (no
+            golden answer in the retrieved text) that search again with a reformulated query.
         cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
             key a hash of every setting it depends on (model, task, rollout budgets, this section,
             ``train.seed``); a run with the same key copies it instead of training (``copc sweep``
@@ -254,6 +277,7 @@ class WarmStartConfig:
     seed: int = 0
     schedule: str = "cosine"
     tool_use_fraction: float = 1.0
+    second_search_fraction: float = 0.5
     cache_dir: str = ""
 
     def validate(self) -> None:
@@ -262,6 +286,8 @@ class WarmStartConfig:
                  "must be 'cosine' or 'constant'")
         _require(0.0 <= self.tool_use_fraction <= 1.0, "warm_start.tool_use_fraction",
                  self.tool_use_fraction, "must be in [0, 1]")
+        _require(0.0 <= self.second_search_fraction <= 1.0, "warm_start.second_search_fraction",
+                 self.second_search_fraction, "must be in [0, 1]")
         _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
                  "must be a non-empty string (the task checks it supports it)")
         for k in ("num_examples", "steps", "batch_size"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -46,13 +47,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def initial_model_dir(cfg: ExperimentConfig, out: Path) -> Path:
-    """``model.path``, or a tiny model built once into ``<output_dir>/init_model``."""
+def initial_model_dir(cfg: ExperimentConfig, out: Path, task: Any = None) -> Path:
+    """``model.path``, or a tiny model built once into ``<output_dir>/init_model``.
+
+    With ``model.tiny.tokenizer: bpe`` its tokenizer is a byte-level BPE of
+    ``model.tiny.vocab_size`` tokens trained on ``task.tokenizer_texts()`` with
+    ``task.tokenizer_tags`` as single tokens (:func:`trainer.models.bpe.train_bpe_tokenizer`);
+    the directory is written atomically (a crash never leaves half a model to reuse).
+    """
     if cfg.model.path:
         return Path(cfg.model.path)
     d = out / "init_model"
-    if not (d / "config.json").exists():
-        save_tiny_checkpoint(d, TinyModelConfig(**vars(cfg.model.tiny)))
+    if (d / "config.json").exists():
+        return d
+    spec = vars(cfg.model.tiny).copy()
+    kind, vocab = spec.pop("tokenizer"), spec.pop("vocab_size")
+    tok = None
+    if kind == "bpe":
+        from .models.bpe import train_bpe_tokenizer
+
+        if task is None:
+            raise TrainingError("model.tiny.tokenizer='bpe' needs the task's text to train on")
+        t0 = time.time()
+        tok = train_bpe_tokenizer(task.tokenizer_texts(), vocab, task.tokenizer_tags)
+        log.info("tokenizer: byte-level BPE of %d tokens trained in %.1f s", len(tok), time.time() - t0)
+    tmp = out / ".init_model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_tiny_checkpoint(tmp, TinyModelConfig(**spec), tok)
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.rename(d)
     return d
 
 
@@ -193,9 +216,14 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     except InfrastructureError as e:  # a sandbox / retriever failure is not a bug of the run
         raise TrainingError(f"warm start: {e} (nothing trained yet; run again once it is back)") from e
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
-    metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
-                             progress=cfg.logging.progress, agent_cfg=AgentLoopConfig.from_config(cfg),
-                             schedule=w.schedule)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, os.cpu_count() or 1))  # nothing else computes during the SFT
+    try:
+        metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                                 seed=w.seed, progress=cfg.logging.progress,
+                                 agent_cfg=AgentLoopConfig.from_config(cfg), schedule=w.schedule)
+    finally:
+        torch.set_num_threads(threads)
     actor.save_pretrained(ws_dir)
     tok.save_pretrained(ws_dir)
     metrics["wall_s"] = time.time() - t0
@@ -237,7 +265,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
             task.check_warm_start(cfg.warm_start)  # before any model is loaded
         summary: dict[str, Any] = {"name": cfg.name, "preset": cfg.preset, "task": cfg.task.env,
                                    "max_staleness": cfg.max_staleness, "output_dir": str(out)}
-        model_dir = initial_model_dir(cfg, out)
+        model_dir = initial_model_dir(cfg, out, task)
         model_dir, sft = _warm_start(cfg, task, model_dir, out) if state is None else \
             ((out / "warm_start_model", None) if (out / "warm_start_model" / "config.json").exists()
              else (model_dir, None))

@@ -86,6 +86,12 @@ def format_passages(hits: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def information_block(content: str) -> str:
+    """The Search-R1 observation around ``content``: ``"\\n\\n<information>" + content +
+    "</information>\\n\\n"``."""
+    return f"\n\n<information>{content}</information>\n\n"
+
+
 class SearchTool(RegexTool):
     """``<search>query</search>`` → ``<information>Doc 1(Title: …) …</information>``.
 
@@ -132,7 +138,7 @@ class SearchTool(RegexTool):
 
     def render(self, result: list[dict[str, Any]] | str) -> str:
         """The Search-R1 ``<information>`` block (hits, :data:`NO_RESULTS` or the error)."""
-        return f"\n\n<information>{self.content(result)}</information>\n\n"
+        return information_block(self.content(result))
 
 
 #: Largest ``topk`` a search may ask for (the retriever server's default ``max_topk``).

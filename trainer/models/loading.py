@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
 def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -39,6 +40,11 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.flo
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a ``save_pretrained`` directory (pad token = EOS when it has none).
 
+    A tiny model's (``copc_tiny`` in ``config.json``: :mod:`trainer.models.tiny`) is its
+    ``tokenizer.json`` verbatim: ``AutoTokenizer`` of ``transformers`` 5 maps model type
+    ``qwen2`` to ``Qwen2Tokenizer``, which adds an NFC normalizer, so ``"e\u0301"`` would come
+    back as ``"\u00e9"`` and the byte / BPE tokenizers would no longer be lossless.
+
     Raises:
         FileNotFoundError: if ``path`` is not a directory with a ``config.json``.
     """
@@ -46,7 +52,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model.path={str(path)!r}: no config.json there (a checkpoint "
                                 "directory saved with save_pretrained is expected)")
-    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if "copc_tiny" in json.loads((p / "config.json").read_text()):
+        tok = PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

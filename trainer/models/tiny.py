@@ -104,12 +104,16 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, eos_token_id: int, p
     return model.float().eval()
 
 
-def save_tiny_checkpoint(out_dir: str | Path, cfg: TinyModelConfig | None = None) -> Path:
-    """Build the byte tokenizer and a tiny model and ``save_pretrained`` both into ``out_dir``.
+def save_tiny_checkpoint(out_dir: str | Path, cfg: TinyModelConfig | None = None,
+                         tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
+    """Build a tiny model for ``tokenizer`` (default: the byte tokenizer) and ``save_pretrained``
+    both into ``out_dir``.
 
     Args:
         out_dir: directory to create (or overwrite).
         cfg: model size (default :class:`TinyModelConfig`).
+        tokenizer: the tokenizer (e.g. a run-time BPE, :mod:`trainer.models.bpe`); it needs EOS
+            and pad tokens. The model's vocabulary is ``len(tokenizer)``.
 
     Returns:
         The checkpoint directory (load it with ``load_model_and_tokenizer(path)``).
@@ -117,7 +121,7 @@ def save_tiny_checkpoint(out_dir: str | Path, cfg: TinyModelConfig | None = None
     cfg = cfg or TinyModelConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_byte_tokenizer()
+    tok = tokenizer if tokenizer is not None else build_byte_tokenizer()
     model = build_tiny_model(cfg, len(tok), tok.eos_token_id, tok.pad_token_id)
     model.config.update({"copc_tiny": asdict(cfg)})
     model.save_pretrained(out)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import environments
@@ -59,6 +59,9 @@ class Task:
     """
 
     warm_start_kinds: ClassVar[tuple[str, ...]] = ()
+    #: strings a run-time BPE tokenizer (``model.tiny.tokenizer: bpe``) must keep as single tokens:
+    #: the environment's tool tags (e.g. ``<search>``, ``</information>``).
+    tokenizer_tags: ClassVar[tuple[str, ...]] = ()
     #: ``task.env_kwargs.tool_format`` values the warm-start traces are written in (the built-in
     #: generators write the tag formats of ReTool / Search-R1).
     warm_start_tool_formats: ClassVar[tuple[str, ...]] = ("tags",)
@@ -112,6 +115,31 @@ class Task:
             :func:`check_env_settings`).
         """
         return environments.make(self.env_id, **self.env_kwargs)
+
+    def tokenizer_texts(self) -> Iterator[str]:
+        """Text a run-time BPE tokenizer is trained on (``model.tiny.tokenizer: bpe``): the prompt
+        of every training row as the environment's ``reset`` renders it, then the environment's
+        invalid-action reply. Held-out rows are never read. Subclasses add what their episodes
+        contain (the search task: the retriever corpus rendered as observations).
+
+        Yields:
+            Strings (any Unicode).
+
+        Raises:
+            Whatever the environment raises for a malformed row.
+        """
+        env = self.make_env()
+        try:
+            for row in self.train_samples:
+                prompt, _ = env.reset(options={"sample": dict(row)})
+                yield str(prompt)
+            reply = getattr(env, "invalid_action_reply", None)
+            if isinstance(reply, str) and reply:
+                yield reply
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()
 
     # -- warm start --------------------------------------------------------------------------
     def check_warm_start(self, ws: WarmStartConfig) -> None:

@@ -2,8 +2,9 @@
 
 Data: ``task.train_data`` QA sets (default ``[nq, hotpotqa]``, ``<data dir>/qa/<name>.jsonl``);
 evaluation on ``task.eval_data`` (default: the training sets): when those are among the
-training sets, every 5th row is held out (deterministic, disjoint), else the other sets are read
-and any training row with the same id dropped. Service: a BM25 retriever server started on
+training sets, every ``task.held_out_every``-th row of each is held out (deterministic,
+disjoint), else the other sets are read; any training row with a held-out id or question text is
+dropped. Service: a BM25 retriever server started on
 127.0.0.1 (index of ``task.retriever_corpus`` built on first use in ``task.retriever_index_dir``,
 reused after), unless ``task.retriever_url`` names a running one. Warm start: ``search_r1``
 traces.
@@ -11,9 +12,11 @@ traces.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +35,11 @@ log = logging.getLogger(__name__)
 
 #: The corpus indexed when ``task.retriever_corpus`` is empty, relative to the data directory.
 DEFAULT_CORPUS = "wiki/corpus.jsonl"
+
+
+def _question_key(question: str) -> str:
+    """A question compared across rows: lowercased, whitespace collapsed."""
+    return " ".join(str(question).lower().split())
 
 
 def corpus_path(retriever_corpus: str, data_dir: str) -> Path:
@@ -57,6 +65,8 @@ class SearchTask(Task):
     """
 
     warm_start_kinds = ("search_r1",)
+    tokenizer_tags = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
+                      "<think>", "</think>")
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         super().__init__(cfg, env_id)
@@ -75,18 +85,23 @@ class SearchTask(Task):
         t = self.cfg.task
         data_dir = str(data_root(t.data_dir))
         names = t.train_data or ["nq", "hotpotqa"]
-        rows = [dict(r, id=f"{n}:{r['id']}", dataset=n) for n in names for r in load_qa(n, data_dir)]
+        per_set = {n: [dict(r, id=f"{n}:{r['id']}", dataset=n) for r in load_qa(n, data_dir)] for n in names}
         eval_names = t.eval_data or names
         if set(eval_names) <= set(names):
-            # evaluate on held-out rows of the training sets: every 5th row (deterministic, disjoint)
-            evals = [r for i, r in enumerate(rows) if i % 5 == 0 and r["dataset"] in eval_names]
-            held = {r["id"] for r in evals}
-            train = [r for r in rows if r["id"] not in held and rows.index(r) % 5]
+            # held-out rows of the training sets: every held_out_every-th row of each evaluated set
+            # (deterministic, disjoint from training)
+            k = t.held_out_every
+            held_sets = [[r for i, r in enumerate(per_set[n]) if i % k == 0] for n in eval_names]
+            # interleaved (nq, hotpotqa, nq, ...) so that a cap (eval.num_samples) keeps every set
+            evals = [r for group in itertools.zip_longest(*held_sets) for r in group if r is not None]
         else:
             evals = [dict(r, id=f"{n}:{r['id']}", dataset=n)
                      for n in eval_names for r in load_qa(n, data_dir)]
-            held = {r["id"] for r in evals}
-            train = [r for r in rows if r["id"] not in held]
+        held = {r["id"] for r in evals}
+        held_questions = {_question_key(r["question"]) for r in evals}
+        # a training row asking a held-out question (same text, another id) is dropped too
+        train = [r for n in names for r in per_set[n]
+                 if r["id"] not in held and _question_key(r["question"]) not in held_questions]
         self.train_samples = self.cap_train(train)
         self.eval_samples = self.cap_eval(evals)
         url = t.retriever_url
@@ -97,13 +112,35 @@ class SearchTask(Task):
         self.retriever_url = url
         self.info = {"retriever_url": url}
 
+    def tokenizer_texts(self) -> Iterator[str]:
+        """The base texts (training prompts, invalid-action reply), then every corpus passage
+        rendered as the search tool renders a one-passage result (``<information>Doc 1(Title:
+        T) text</information>``), so observations tokenise as compactly as the corpus allows.
+
+        Raises:
+            FileNotFoundError / ValueError: the corpus is missing or a line is not JSON with
+                ``contents``.
+        """
+        from environments.search.env import format_passages, information_block
+
+        yield from super().tokenizer_texts()
+        path = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    contents = json.loads(line)["contents"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}: line {i} is not a JSON object with 'contents' ({e})") from e
+                yield information_block(format_passages([{"document": {"contents": contents}}]))
+
     def make_env(self) -> gymnasium.Env:
         """A ``SearchEnv`` querying the task's retriever, with ``task.env_kwargs``."""
         return environments.make(self.env_id, retriever_url=self.retriever_url, **self.env_kwargs)
 
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
         """``search_r1`` traces: the first ``ws.num_examples`` training questions not asked in
-        ``eval_samples``, each searched for and answered with its first usable golden answer.
+        ``eval_samples``, each searched for and answered with text copied from what the real
+        retriever returned (:mod:`trainer.warmstart.search_traces`).
 
         Args:
             ws: the ``warm_start`` section. progress: show a progress bar.
@@ -118,9 +155,10 @@ class SearchTask(Task):
         from ..warmstart import search_r1_traces
 
         self.check_warm_start(ws)
-        held = {s.get("problem", s.get("question")) for s in self.eval_samples}
-        samples = [s for s in self.train_samples if s["question"] not in held][:ws.num_examples]
-        return search_r1_traces(samples, self.make_env, progress=progress)
+        held = {_question_key(s["question"]) for s in self.eval_samples}
+        samples = [s for s in self.train_samples if _question_key(s["question"]) not in held][:ws.num_examples]
+        return search_r1_traces(samples, self.make_env, second_search_fraction=ws.second_search_fraction,
+                                seed=ws.seed, progress=progress)
 
 
 def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 #: Bump when the warm-start procedure changes in a way old entries must not be reused for.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 #: ``rollout`` keys that only concern RL generation (engine, sampling, concurrency), never the
 #: supervised warm-start; the episode budgets (``max_*``, ``use_chat_template``) stay in the key.
 _ROLLOUT_NOT_SFT = frozenset({"engine", "temperature", "top_p", "top_k", "n_samples_per_prompt",

@@ -77,13 +77,35 @@ def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Ten
     """Mean next-token cross-entropy (nats per token) over positions with ``loss_mask == 1``.
 
     Token ``i`` is predicted from the logits at ``i - 1``. Args are ``(B, L)`` int64 tensors
-    (right padding); returns a scalar float32 tensor (differentiable).
+    (right padding); returns a scalar float32 tensor (differentiable). The output head is applied
+    only at the predicting positions of loss tokens (:func:`masked_logits`): with long tool
+    observations, most positions need no logits.
     """
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    target, m = ids[:, 1:], loss_mask[:, 1:].float()
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                            reduction="none").view_as(m)
-    return (nll * m).sum() / m.sum().clamp(min=1.0)
+    m = loss_mask[:, 1:].bool()
+    logits = masked_logits(model, ids, attn, m)
+    nll = torch.nn.functional.cross_entropy(logits, ids[:, 1:][m], reduction="sum")
+    return nll / m.sum().clamp(min=1)
+
+
+def masked_logits(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
+                  keep: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``(N, V)`` of the positions ``i`` (predicting token ``i + 1``) where
+    ``keep[:, i]`` is true, ``N = keep.sum()``, in row-major order.
+
+    A ``transformers`` causal LM with a ``base_model`` and an output embedding is run as
+    ``head(base_model(...).last_hidden_state[keep])`` (the same numbers as the full logits at those
+    positions, for heads without logit soft-capping or scaling: Qwen2 / Llama); any other model
+    computes the full ``(B, L, V)`` logits and selects.
+
+    Args:
+        model: causal LM. ids / attn: ``(B, L)`` int64. keep: ``(B, L - 1)`` bool.
+    """
+    base, head = getattr(model, "base_model", None), model.get_output_embeddings()
+    arch = type(model).__name__
+    if base is None or base is model or head is None or not arch.startswith(("Qwen2", "Llama")):
+        return model(input_ids=ids, attention_mask=attn).logits[:, :-1][keep].float()
+    hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
+    return head(hidden[keep]).float()
 
 
 def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tuple[str, Any]], *,

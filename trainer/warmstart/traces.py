@@ -9,8 +9,7 @@ scripted; observations are whatever the real tool returned (the sandbox's
 * ReTool (math_tool): ``<code>`` call computing the expression → real ``<interpreter>`` →
   the interpreter output copied into ``\\boxed{}`` (ReTool's cold-start format, Feng et al.
   2025, arXiv:2504.11536).
-* Search-R1 (search): ``<search>question</search>`` → real ``<information>`` →
-  ``<answer>gold answer</answer>`` (Jin et al. 2025, arXiv:2503.09516).
+* Search-R1 (search): :mod:`.search_traces` (answers copied from the real ``<information>``).
 
 Actions are kept short on purpose: tiny byte-level models learn short copy tasks best.
 """
@@ -197,29 +196,3 @@ def search_r1_samples(datasets: Iterable[str] = ("nq", "hotpotqa"), *, n: int | 
         raise ValueError(f"search_r1_samples: offset={offset} + n={n} exceeds the {len(pool)} "
                          f"questions of {tuple(datasets)}")
     return pool[offset:end]
-
-
-def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], *,
-                     progress: bool = False) -> list[Trace]:
-    """Search-R1-format traces by stepping a real ``SearchEnv`` (real retriever).
-
-    Turn 1 = ``<search>question</search>``; the env queries its retriever and replies with the
-    ``<information>`` block; turn 2 = ``<answer>first golden answer</answer>`` (the first that
-    does not normalise to ""; rows with none are skipped). One env serves all samples and is
-    closed at the end.
-
-    Raises:
-        TraceError: the search was not executed or the answer not scored correct.
-        KeyError: a sample lacks ``question`` / ``golden_answers``.
-    """
-    from environments.search.reward import normalize_answer
-
-    def play(env: Any, s: Mapping[str, Any]) -> Trace:
-        gold = next(g for g in s["golden_answers"] if normalize_answer(g))
-        return _play(env, s, f"<search>{str(s['question']).strip()}</search>",
-                     lambda _obs: f"<answer>{gold}</answer>")
-
-    # a row whose golden answers all normalise to "" (e.g. NQ test_1420: "---") can never be
-    # answered correctly (environments/search/reward.py), so it cannot give a trace
-    usable = [s for s in samples if any(normalize_answer(g) for g in s["golden_answers"])]
-    return _each(usable, env_factory, progress, "search-r1 traces", play)

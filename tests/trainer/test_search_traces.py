@@ -1,0 +1,349 @@
+"""Search-R1 warm-start traces (trainer.warmstart.search_traces) against the REAL SearchEnv and a
+real BM25 retriever server over the shared Wikipedia corpus, and the search task's held-out split.
+
+Hand-computed unit tests of the copy / title / reformulation helpers come first (no server); the
+trace tests replay every trace through a fresh env, re-query the retriever for every
+``<information>`` block and check that no held-out question was turned into a trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+from search_server import QA_DIR, retriever_url  # noqa: F401 - pytest fixture (tests/trainer on sys.path)
+
+from environments.search.env import (
+    ANSWER_PATTERN,
+    INVALID_ACTION_REPLY,
+    NO_RESULTS,
+    SearchTool,
+    format_passages,
+    information_block,
+    load_qa,
+)
+from environments.search.reward import exact_match
+from retriever.client import ClientConfig, RetrieverClient
+from trainer.config import ConfigError, load_config
+from trainer.tasks import build_task
+from trainer.warmstart.search_traces import (
+    copied_answer,
+    first_title,
+    information_text,
+    reformulated_query,
+    search_r1_traces,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CPU_TINY = CONFIGS / "search" / "cpu_tiny.yaml"
+N_TASK_TRACES = 120  # traces made through SearchTask.warm_start_traces
+N_ROWS = 40          # training rows for the second_search_fraction tests
+
+
+def block(*passages: tuple[str, str]) -> str:
+    """The env's observation for retrieved ``(title, text)`` passages (its own renderer)."""
+    return information_block(format_passages(
+        [{"document": {"id": str(i), "contents": f'"{t}"\n{x}'}} for i, (t, x) in enumerate(passages)]))
+
+
+def _key(question: str) -> str:
+    return " ".join(question.lower().split())
+
+
+# -- helpers, hand-computed ----------------------------------------------------------------------
+
+def test_block_rendering_used_below():
+    assert block(("Abbey Road", "An album by The Beatles.")) == (
+        "\n\n<information>Doc 1(Title: Abbey Road) An album by The Beatles.</information>\n\n")
+
+
+def test_information_text_only_inside_the_blocks():
+    obs = "before <information>one</information> between <information>two\nlines</information> after"
+    assert information_text(obs) == "one\ntwo\nlines"
+    assert information_text("no block here") == "" and information_text(INVALID_ACTION_REPLY) == ""
+
+
+def test_copied_answer_keeps_the_spelling_of_the_block():
+    obs = block(("Abbey Road", "Abbey Road is the eleventh studio album by The Beatles."))
+    assert copied_answer(obs, ["the beatles"]) == "The Beatles"
+    assert copied_answer(obs, ["ABBEY ROAD"]) == "Abbey Road"     # the title is retrieved text too
+    assert copied_answer(obs, ["  the beatles  "]) == "The Beatles"  # the gold is stripped first
+
+
+def test_copied_answer_matches_whole_words_only():
+    assert copied_answer(block(("Cafe", "A Parisian cafe.")), ["Paris"]) is None
+    # "Parisian" comes first, "Paris" (before a full stop) is the match
+    obs = block(("Cafe", "A Parisian cafe in Paris."))
+    assert copied_answer(obs, ["paris"]) == "Paris"
+    assert information_text(obs) == "Doc 1(Title: Cafe) A Parisian cafe in Paris."
+    assert copied_answer(block(("X", "born 1969a, died 1969")), ["1969"]) == "1969"
+    assert copied_answer(block(("X", "the 1969a model")), ["1969"]) is None
+    # regex characters in a golden answer are literal
+    assert copied_answer(block(("X", "costs $5.00 (US) today")), ["$5.00 (US)"]) == "$5.00 (US)"
+    assert copied_answer(block(("X", "costs $5a00 today")), ["$5.00"]) is None
+
+
+def test_copied_answer_earliest_occurrence_wins():
+    obs = block(("Move", "She was born in London and moved to Paris, then back to LONDON."))
+    assert copied_answer(obs, ["Paris", "london"]) == "London"
+    assert copied_answer(obs, ["paris"]) == "Paris"
+    # across passages: the earliest in the block
+    obs2 = block(("A", "nothing here"), ("B", "Rome then Paris"))
+    assert copied_answer(obs2, ["paris", "rome"]) == "Rome"
+
+
+def test_copied_answer_skips_golds_normalising_to_empty_and_needs_a_block():
+    obs = block(("Dash", "the --- sign, then Paris"))
+    assert copied_answer(obs, ["---", "the", "Paris"]) == "Paris"   # "---" and "the" occur first
+    assert copied_answer(obs, ["---", "the", " "]) is None
+    assert copied_answer("Paris is in France", ["Paris"]) is None   # no <information> block
+    assert copied_answer("Paris <information>Doc 1(Title: X) Lyon</information>", ["Paris"]) is None
+    assert copied_answer(block(("X", "Paris")), []) is None
+
+
+def test_first_title():
+    assert first_title(block(("Abbey Road", "An album."), ("Let It Be", "Another."))) == "Abbey Road"
+    # a title with parentheses (in the corpus: "26th (Cameronian) Regiment of Foot")
+    assert first_title(block(("26th (Cameronian) Regiment of Foot", "A regiment (infantry) of the army."))) \
+        == "26th (Cameronian) Regiment of Foot"
+    assert first_title(block(("Queen (band)", "A British rock band."))) == "Queen (band)"
+    assert first_title(information_block(NO_RESULTS)) is None
+    assert first_title("Doc 1(Title: Outside) a block") is None
+    assert first_title(INVALID_ACTION_REPLY) is None
+
+
+def test_reformulated_query_drops_the_title_words():
+    obs = block(("Abbey Road", "An album by The Beatles."))
+    assert reformulated_query("Who produced the album Abbey Road?", obs) == "Who produced the album"
+    assert reformulated_query("who produced abbey road, the album", obs) == "who produced the album"
+    # a word is dropped only when it normalises to a title word: "road's" -> "roads" stays
+    assert reformulated_query("who produced abbey road's B side", obs) == "who produced road's B side"
+    # normalised comparison: the title's article is not a title word, punctuation and case ignored
+    beatles = block(("The Beatles", "An English rock band."))
+    assert reformulated_query("who sang for The Beatles?", beatles) == "who sang for The"
+    assert reformulated_query("  when did the BEATLES, split  ", beatles) == "when did the split"
+
+
+def test_reformulated_query_falls_back_to_the_question():
+    obs = block(("Abbey Road", "An album."))
+    assert reformulated_query("Abbey road?", obs) == "Abbey road?"            # nothing would be left
+    assert reformulated_query(" who won? ", information_block(NO_RESULTS)) == "who won?"   # no title
+    assert reformulated_query("who won?", INVALID_ACTION_REPLY) == "who won?"
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("warm_start.second_search_fraction=2.0", "warm_start.second_search_fraction=2.0"),
+    ("warm_start.second_search_fraction=-0.1", "warm_start.second_search_fraction=-0.1"),
+    ("task.held_out_every=1", "task.held_out_every=1"),
+    ("task.held_out_every=0", "task.held_out_every=0"),
+])
+def test_config_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError) as ei:
+        load_config(CPU_TINY, [override])
+    assert key in str(ei.value)
+
+
+def test_cpu_tiny_config_values():
+    cfg = load_config(CPU_TINY)
+    assert cfg.task.held_out_every == 3 and cfg.warm_start.second_search_fraction == 0.5
+    assert cfg.warm_start.kind == "search_r1" and cfg.eval.num_samples == 334
+
+
+# -- the real task, env and retriever ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def task(retriever_url):  # noqa: F811
+    """The cpu_tiny search task, connected to the test's retriever (it starts none itself)."""
+    cfg = load_config(CPU_TINY, [f"task.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
+    with build_task(cfg) as t:
+        assert t._closers == [] and t.retriever_url == retriever_url
+        yield t
+
+
+@pytest.fixture(scope="module")
+def task_traces(task):
+    ws = dataclasses.replace(task.cfg.warm_start, num_examples=N_TASK_TRACES)
+    return task.warm_start_traces(ws, progress=False)
+
+
+@pytest.fixture(scope="module")
+def client(retriever_url):  # noqa: F811
+    c = RetrieverClient(ClientConfig(url=retriever_url))
+    yield c
+    c.close()
+
+
+def test_held_out_split_every_third_row_interleaved(task):
+    nq, hq = load_qa("nq", str(QA_DIR)), load_qa("hotpotqa", str(QA_DIR))
+    evals, train = task.eval_samples, task.train_samples
+    assert len(evals) == 334 >= 256
+    # every 3rd row of each set (rows 0, 3, 6, ...), interleaved nq, hotpotqa, nq, ...
+    assert [r["id"] for r in evals[0::2]] == [f"nq:{r['id']}" for r in nq[::3]]
+    assert [r["id"] for r in evals[1::2]] == [f"hotpotqa:{r['id']}" for r in hq[::3]]
+    assert [r["dataset"] for r in evals] == ["nq", "hotpotqa"] * 167
+    # disjoint by id and by question text; the training rows are all the others minus repeats
+    assert not {r["id"] for r in train} & {r["id"] for r in evals}
+    held_q = {_key(r["question"]) for r in evals}
+    assert not {_key(r["question"]) for r in train} & held_q
+    others = [f"{n}:{r['id']}" for n, rows in (("nq", nq), ("hotpotqa", hq))
+              for i, r in enumerate(rows) if i % 3 and _key(r["question"]) not in held_q]
+    assert [r["id"] for r in train] == others and 600 <= len(train) <= 666
+
+
+def test_held_out_rule_on_hand_made_sets(tmp_path):
+    """Every 3rd row of each set held out, interleaved with zip_longest (a, b, a, a); a training
+    row asking a held-out question under another id (other case and spacing) is dropped too."""
+    import json
+
+    a = [{"id": f"a{i}", "question": f"question {i}", "golden_answers": [str(i)]} for i in range(7)]
+    a[4]["question"] = "  QUESTION   0 "
+    b = [{"id": f"b{i}", "question": f"other {i}", "golden_answers": ["x"]} for i in range(2)]
+    for name, rows in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(CPU_TINY, ["task.retriever_url=http://127.0.0.1:9", f"task.data_dir={tmp_path}",
+                                 "task.train_data=[a.jsonl, b.jsonl]", "task.eval_data=[a.jsonl, b.jsonl]",
+                                 "eval.num_samples=100"])
+    with build_task(cfg) as t:
+        assert [r["id"] for r in t.eval_samples] == ["a.jsonl:a0", "b.jsonl:b0", "a.jsonl:a3", "a.jsonl:a6"]
+        assert [r["id"] for r in t.train_samples] == ["a.jsonl:a1", "a.jsonl:a2", "a.jsonl:a5", "b.jsonl:b1"]
+
+
+def test_task_traces_contain_no_held_out_question(task, task_traces):
+    assert len(task_traces) == N_TASK_TRACES  # the first training rows all have usable golds
+    env = task.make_env()
+    try:
+        held_prompts = {env.build_prompt(r) for r in task.eval_samples}
+        # the traces are made from the first training rows, in order
+        expected = [env.build_prompt(r) for r in task.train_samples[:N_TASK_TRACES]]
+    finally:
+        env.close()
+    assert [t.prompt for t in task_traces] == expected
+    held_q = [r["question"].strip() for r in task.eval_samples]
+    for t in task_traces:
+        assert t.prompt not in held_prompts
+        question = t.prompt.partition("Question: ")[2].removesuffix("\n").removesuffix("?")
+        assert not any(_key(question) == _key(q.removesuffix("?")) for q in held_q)
+        for kind, text in t.pieces:
+            if kind == "action":
+                assert not any(_key(f"<search>{q}</search>") == _key(text) for q in held_q)
+
+
+def _rows_of(task, traces):
+    """The training rows the traces were made from (in order: the first usable ones)."""
+    rows = task.train_samples[:len(traces)]
+    env = task.make_env()
+    try:
+        assert [env.build_prompt(r) for r in rows] == [t.prompt for t in traces]
+    finally:
+        env.close()
+    return rows
+
+
+def check_trace(env, client, row, trace):
+    """A trace is well formed for ``row``: it parses with the env's own parsers, its blocks are
+    the retriever's answers, and replayed through the fresh ``env`` it ends with the same
+    reward (1 when the answer was copied). Returns the number of searches."""
+    pieces, golds, question = trace.pieces, row["golden_answers"], row["question"].strip()
+    kinds = [k for k, _ in pieces]
+    assert kinds in (["action", "observation", "action"],
+                     ["action", "observation", "action", "observation", "action"])
+    searches = [a for k, a in pieces[:-1] if k == "action"]
+    observations = [o for k, o in pieces if k == "observation"]
+    topk = env.config.topk
+    for i, (action, obs) in enumerate(zip(searches, observations, strict=True)):
+        m = SearchTool.pattern.fullmatch(action)
+        assert m is not None and ANSWER_PATTERN.search(action) is None and env.extract_answer(action) is None
+        query = m.group(1)
+        expected_query = question if i == 0 else reformulated_query(question, observations[0])
+        assert query == expected_query
+        assert obs == information_block(format_passages(client.retrieve([query.strip()], topk=topk)[0]))
+    if len(searches) == 2:  # searched again only after a miss
+        assert copied_answer(observations[0], golds) is None
+    final = pieces[-1][1]
+    assert ANSWER_PATTERN.fullmatch(final) and SearchTool.pattern.search(final) is None
+    answer = env.extract_answer(final)
+    copied = copied_answer(observations[-1], golds)
+    if copied is not None:
+        assert answer == copied and copied in information_text(observations[-1])
+        expected_reward = 1.0
+    else:
+        assert answer == (first_title(observations[-1]) or question)
+        expected_reward = exact_match(answer, golds)
+    # replay through the fresh env
+    prompt, _ = env.reset(options={"sample": dict(row)})
+    assert prompt == trace.prompt
+    for action, obs in zip(searches, observations, strict=True):
+        got, reward, term, trunc, info = env.step(action)
+        assert (got, reward, term, trunc, info["tool"]) == (obs, 0.0, False, False, "search")
+    _, reward, term, trunc, info = env.step(final)
+    assert term and not trunc and not info["invalid"] and info["final_answer"] == answer
+    assert info["tool_calls"] == len(searches) and reward == expected_reward
+    return len(searches)
+
+
+def test_task_traces_are_well_formed_and_replay(task, task_traces, client):
+    rows = _rows_of(task, task_traces)
+    env = task.make_env()
+    try:
+        assert env.config.topk == 1
+        n_searches = [check_trace(env, client, r, t) for r, t in zip(rows, task_traces, strict=True)]
+    finally:
+        env.close()
+    copied = [copied_answer(t.pieces[-2][1], r["golden_answers"]) is not None
+              for r, t in zip(rows, task_traces, strict=True)]
+    # not vacuous: some answers are copied golds, some first searches missed
+    assert 0 < sum(copied) < len(copied) and 1 in n_searches
+
+
+@pytest.fixture(scope="module")
+def rows(task):
+    return task.train_samples[:N_ROWS]
+
+
+def test_second_search_fraction_zero_and_one(task, rows, client):
+    none = search_r1_traces(rows, task.make_env, second_search_fraction=0.0, seed=0)
+    every = search_r1_traces(rows, task.make_env, second_search_fraction=1.0, seed=0)
+    assert len(none) == len(every) == N_ROWS
+    assert all(len(t.pieces) == 3 for t in none)
+    misses = 0
+    for row, t0, t1 in zip(rows, none, every, strict=True):
+        first = t0.pieces[1][1]
+        assert t1.pieces[:2] == t0.pieces[:2]       # the same first search and block
+        if copied_answer(first, row["golden_answers"]) is None:
+            misses += 1
+            assert len(t1.pieces) == 5
+            assert t1.pieces[2][1] == f"<search>{reformulated_query(row['question'].strip(), first)}</search>"
+        else:
+            assert t1.pieces == t0.pieces
+    assert 0 < misses < N_ROWS
+    env = task.make_env()
+    try:
+        for row, t in itertools.chain(zip(rows, none, strict=True), zip(rows, every, strict=True)):
+            check_trace(env, client, row, t)
+    finally:
+        env.close()
+
+
+def test_second_search_fraction_half_seeded(task, rows):
+    a = search_r1_traces(rows, task.make_env, second_search_fraction=0.5, seed=7)
+    assert a == search_r1_traces(rows, task.make_env, second_search_fraction=0.5, seed=7)
+    twice = [len(t.pieces) == 5 for t in a]
+    misses = [copied_answer(t.pieces[1][1], r["golden_answers"]) is None
+              for r, t in zip(rows, a, strict=True)]
+    assert all(m for m, t in zip(misses, twice, strict=True) if t)   # only misses search again
+
+
+def test_second_search_fraction_out_of_range(task, rows):
+    for bad in (1.5, -0.5):
+        with pytest.raises(ValueError, match=f"second_search_fraction={bad}"):
+            search_r1_traces(rows, task.make_env, second_search_fraction=bad)
+
+
+def test_rows_without_a_usable_golden_answer_give_no_trace(task, rows):
+    unusable = dict(rows[0], id="x", golden_answers=["---", "the"])
+    traces = search_r1_traces([unusable, rows[1]], task.make_env, second_search_fraction=0.0)
+    assert len(traces) == 1 and rows[1]["question"].strip() in traces[0].prompt

@@ -1,0 +1,156 @@
+"""Search-R1 warm-start traces played against the REAL search environment and retriever.
+
+Each trace is what a careful searcher would do with what the retriever actually returns
+(Search-R1 format, Jin et al. 2025, arXiv:2503.09516):
+
+1. ``<search>question</search>`` → the real ``<information>`` block;
+2. a golden answer occurs in that block → ``<answer>`` + the answer **as written there**
+   (copied span, original case; scored EM 1 by the env);
+3. otherwise, for a ``second_search_fraction`` share of such misses, a second search whose
+   query is the question without the words of the first passage's title
+   (:func:`reformulated_query`: look elsewhere), then step 2 on the new block;
+4. still no golden answer in the retrieved text → ``<answer>`` + the title of the last passage
+   read (copied from the retrieved text too; right only when the title is the answer).
+
+So every answer is copied from retrieved text, never recalled from the golden answers; the
+policy learns the format and to copy, and RL has real decisions left (search again or answer,
+which span to copy). Traces are only ever made from training rows (the task passes them).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .traces import Trace, TraceError, _each
+
+_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+# a title may hold balanced parentheses followed by a space ("26th (Cameronian) Regiment of Foot");
+# an unbalanced one falls back to the shortest title
+_TITLE = re.compile(r"Doc \d+\(Title: ((?:[^()\n]|\([^()\n]*\))*?|.*?)\) ")
+
+
+def information_text(observation: str) -> str:
+    """The text inside the observation's ``<information>`` block(s) (``""`` when there is none)."""
+    return "\n".join(_INFORMATION.findall(observation))
+
+
+def copied_answer(observation: str, golden_answers: Sequence[str]) -> str | None:
+    """A golden answer as it is written in the retrieved text, or None when none occurs there.
+
+    Every golden answer is looked for case-insensitively at word boundaries inside the
+    ``<information>`` block; the earliest occurrence wins and is returned with the block's own
+    spelling (so the env's exact match scores it 1: SQuAD normalisation lowercases).
+
+    Args:
+        observation: the env's observation after a search.
+        golden_answers: the row's ``golden_answers``.
+
+    Returns:
+        The copied span, or None.
+    """
+    from environments.search.reward import normalize_answer
+
+    text = information_text(observation)
+    best: tuple[int, str] | None = None
+    for gold in golden_answers:
+        g = gold.strip()
+        if not normalize_answer(g):
+            continue
+        m = re.search(rf"(?<!\w){re.escape(g)}(?!\w)", text, re.IGNORECASE)
+        if m and (best is None or m.start() < best[0]):
+            best = (m.start(), m.group(0))
+    return None if best is None else best[1]
+
+
+def first_title(observation: str) -> str | None:
+    """The title of the first passage of the observation (``Doc 1(Title: T) ...``), or None."""
+    m = _TITLE.search(information_text(observation))
+    return m.group(1).strip() if m and m.group(1).strip() else None
+
+
+def reformulated_query(question: str, observation: str) -> str:
+    """A second query after a miss: the question without the words of the first passage's title.
+
+    Words are compared after SQuAD normalisation (lowercase, no punctuation or articles). When
+    nothing would be left, or the observation has no title, the question is returned unchanged.
+    """
+    from environments.search.reward import normalize_answer
+
+    title = first_title(observation)
+    q = question.strip()
+    if title is None:
+        return q
+    drop = set(normalize_answer(title).split())
+    kept = [w for w in q.split() if normalize_answer(w) not in drop]
+    return " ".join(kept) if kept else q
+
+
+def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], *,
+                     second_search_fraction: float = 0.5, seed: int = 0,
+                     progress: bool = False) -> list[Trace]:
+    """Search-R1 traces of ``samples`` played through a real ``SearchEnv`` (module docstring).
+
+    Args:
+        samples: training rows ``{"id", "question", "golden_answers"}`` (never held-out rows).
+        env_factory: ``() -> SearchEnv``; one env serves all samples and is closed at the end.
+        second_search_fraction: share in [0, 1] of first-search misses that search again.
+        seed: seeds the choice of which misses search again.
+        progress: show a tqdm bar.
+
+    Returns:
+        One :class:`Trace` per sample with a usable golden answer (rows whose golden answers
+        all normalise to ``""`` are skipped), in order; actions and observations alternate
+        and the last piece is the ``<answer>`` action.
+
+    Raises:
+        ValueError: ``second_search_fraction`` outside [0, 1].
+        TraceError: the env did not run a search, did not end the episode on the answer, or
+            scored a copied golden answer below 1.
+        KeyError: a sample lacks ``question`` / ``golden_answers``.
+    """
+    from environments.search.reward import normalize_answer
+
+    if not 0.0 <= second_search_fraction <= 1.0:
+        raise ValueError(f"search_r1_traces: second_search_fraction={second_search_fraction!r} "
+                         "must be in [0, 1]")
+    rng = random.Random(seed)
+
+    def search(env: Any, sid: Any, query: str, pieces: list[tuple[str, str]]) -> str:
+        action = f"<search>{query}</search>"
+        obs, _, term, trunc, info = env.step(action)
+        if term or trunc or not info.get("tool"):
+            raise TraceError(f"sample {sid!r}: the search {action!r} was not executed (info={info})")
+        pieces += [("action", action), ("observation", obs)]
+        return obs
+
+    def play(env: Any, s: Mapping[str, Any]) -> Trace:
+        sid, question, golden = s.get("id"), str(s["question"]).strip(), list(s["golden_answers"])
+        prompt, _ = env.reset(options={"sample": dict(s)})
+        pieces: list[tuple[str, str]] = []
+        obs = search(env, sid, question, pieces)
+        answer = copied_answer(obs, golden)
+        if answer is None and rng.random() < second_search_fraction:
+            obs = search(env, sid, reformulated_query(question, obs), pieces)
+            answer = copied_answer(obs, golden)
+        copied = answer is not None
+        if answer is None:
+            answer = first_title(obs) or question
+        final = f"<answer>{answer}</answer>"
+        _, reward, term, _, info = env.step(final)
+        if not term:
+            raise TraceError(f"sample {sid!r}: the answer {final!r} did not end the episode")
+        if copied and reward < 1.0:
+            raise TraceError(f"sample {sid!r}: copied golden answer {answer!r} scored {reward} "
+                             f"(components {info.get('reward_components')})")
+        return Trace(prompt, [*pieces, ("action", final)])
+
+    # a row whose golden answers all normalise to "" (e.g. NQ test_1420: "---") can never be
+    # answered correctly (environments/search/reward.py), so it gives no trace
+    usable = [s for s in samples if any(normalize_answer(g) for g in s["golden_answers"])]
+    return _each(usable, env_factory, progress, "search-r1 traces", play)
+
+
+__all__ = ["copied_answer", "first_title", "information_text", "reformulated_query", "search_r1_traces"]
