@@ -1,13 +1,16 @@
 # Every target sets up ./.venv first (idempotent), so each is one command on a fresh machine.
 PY := .venv/bin/python
 
-.PHONY: setup main test lint bench clean
+.PHONY: setup main main-search test lint bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 main: setup
 	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml
+
+main-search: setup
+	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml
 
 test: setup
 	$(PY) -m ruff check .

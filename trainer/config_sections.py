@@ -258,10 +258,17 @@ class WarmStartConfig:
         num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
         lr: learning rate. seed: generator seed.
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
-        tool_use_fraction: share of ``retool_arithmetic`` traces that use the interpreter; the
-            rest answer from the head (an estimate), so RL has a decision to improve.
+        tool_use_fraction: share of traces that use the tool (``retool_arithmetic``: the
+            interpreter, the rest answer with an estimate; ``search_r1``: the retriever, the rest
+            answer at once with a guess), so RL has a decision to improve.
         second_search_fraction: share of ``search_r1`` traces whose first search missed (no
             golden answer in the retrieved text) that search again with a reformulated query.
+        drill_steps: optimizer steps of copy drills before the traces (0: none): one-action
+            traces that copy a pseudo-question of random corpus words into the tool call
+            (``search_r1``: ``<search>words</search>``). A model built from scratch cannot copy
+            from its context, and a few thousand real questions are memorised rather than
+            copied; drills of never-repeating word sequences teach copying (what a pretrained
+            model brings). drill_batch_size: drills per step. drill_lr: their peak LR.
         cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
             key a hash of every setting it depends on (model, task, rollout budgets, this section,
             ``train.seed``); a run with the same key copies it instead of training (``copc sweep``
@@ -278,6 +285,9 @@ class WarmStartConfig:
     schedule: str = "cosine"
     tool_use_fraction: float = 1.0
     second_search_fraction: float = 0.5
+    drill_steps: int = 0
+    drill_batch_size: int = 32
+    drill_lr: float = 1e-3
     cache_dir: str = ""
 
     def validate(self) -> None:
@@ -288,6 +298,10 @@ class WarmStartConfig:
                  self.tool_use_fraction, "must be in [0, 1]")
         _require(0.0 <= self.second_search_fraction <= 1.0, "warm_start.second_search_fraction",
                  self.second_search_fraction, "must be in [0, 1]")
+        _require(self.drill_steps >= 0, "warm_start.drill_steps", self.drill_steps, "must be >= 0")
+        _require(self.drill_batch_size >= 1, "warm_start.drill_batch_size", self.drill_batch_size,
+                 "must be >= 1")
+        _require(self.drill_lr > 0, "warm_start.drill_lr", self.drill_lr, "must be > 0")
         _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
                  "must be a non-empty string (the task checks it supports it)")
         for k in ("num_examples", "steps", "batch_size"):

@@ -216,12 +216,21 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     except InfrastructureError as e:  # a sandbox / retriever failure is not a bug of the run
         raise TrainingError(f"warm start: {e} (nothing trained yet; run again once it is back)") from e
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
+    agent_cfg = AgentLoopConfig.from_config(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(threads, os.cpu_count() or 1))  # nothing else computes during the SFT
     try:
+        drill = {}
+        if w.drill_steps:
+            drills = task.drill_traces(w.drill_steps * w.drill_batch_size, w.seed)
+            drill = sft_warm_start(actor, tok, drills, steps=w.drill_steps, batch_size=w.drill_batch_size,
+                                   lr=w.drill_lr, seed=w.seed, progress=cfg.logging.progress,
+                                   agent_cfg=agent_cfg, schedule="constant")
+            drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
         metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
-                                 seed=w.seed, progress=cfg.logging.progress,
-                                 agent_cfg=AgentLoopConfig.from_config(cfg), schedule=w.schedule)
+                                 seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_cfg,
+                                 schedule=w.schedule)
+        metrics.update(drill)
     finally:
         torch.set_num_threads(threads)
     actor.save_pretrained(ws_dir)

@@ -16,6 +16,10 @@ masked_fraction.png   fraction of tokens masked by each channel vs step: ``actor
                       ``advantage/clipped_frac`` and any other ``*masked_frac`` / ``*clipped_frac``
 ratio.png             importance-ratio statistics vs step: ``actor/ratio_mean``, ``_max``, ``_min``
 value_loss.png        ``critic/value_loss`` vs step
+tool_calls.png        tool use vs step: executed tool calls per episode (``rollout/tool_calls``,
+                      ``eval/mean_tool_calls``), share of episodes with a tool call
+                      (``eval/tool_call_rate``) and of turns rejected as invalid
+                      (``rollout/invalid_action_rate``, ``eval/invalid_action_rate``)
 diagnostics.png       off-policy diagnostics vs step, one panel per group present:
                       (1) fraction masked/clipped below and above each channel's interval
                       (``diag/policy_masked_{low,high}_frac``, else ``actor/dis_masked_*``;
@@ -54,6 +58,11 @@ POLICY_MASK_FALLBACK = ("actor/dis_masked_low_frac", "actor/dis_masked_high_frac
 ADVANTAGE_CLIP_KEYS = ("advantage/clipped_low_frac", "advantage/clipped_high_frac")
 ESS_KEYS = ("diag/policy_ess_frac", "diag/advantage_ess_frac")
 VALUE_BIAS_KEYS = ("critic/value_bias", "critic/value_bias_abs", "critic/value_bias_drift")
+
+
+#: ``tool_calls.png`` curves, in legend order.
+TOOL_KEYS = ("rollout/tool_calls", "eval/mean_tool_calls", "eval/tool_call_rate",
+             "rollout/invalid_action_rate", "eval/invalid_action_rate")
 
 
 def _is_number(v: Any) -> bool:
@@ -271,6 +280,7 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
     masks += [k for k in _keys(metrics, lambda q: bool(_MASK_RE.search(q))) if k not in masks]
     ratio = [k for k in RATIO_KEYS if _keys(metrics, lambda q, k=k: q == k)]
     value = _keys(metrics, lambda q: q == "critic/value_loss")
+    tools = [k for k in TOOL_KEYS if _keys(metrics, lambda q, k=k: q == k)]
     written = [
         _plot_reward_accuracy(metrics, out / "reward_accuracy.png"),
         _plot_staleness(metrics, out / "staleness.png"),
@@ -290,6 +300,8 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
             log_if_positive=True,
         ),
         _simple(metrics, out / "value_loss.png", value, "value loss", "critic value loss"),
+        _simple(metrics, out / "tool_calls.png", tools, "per episode / share",
+                "tool calls per episode, tool-call rate, invalid actions"),
         _plot_diagnostics(metrics, out / "diagnostics.png"),
     ]
     return [p for p in written if p is not None]

@@ -1,35 +1,75 @@
-"""The end-of-run console report (rich table of evaluation before/after RL)."""
+"""The end-of-run console report (rich table of evaluation before/after RL, with 95 % intervals)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+#: Suffixes of the interval bounds that :func:`trainer.evaluation.summarize` adds to a metric.
+CI_LOW, CI_HIGH = "_ci95_low", "_ci95_high"
 
 
 def _fmt(v: Any) -> str:
     return "—" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
-def print_report(summary: dict) -> None:
+def format_with_ci(metrics: dict, key: str) -> str:
+    """``metrics[key]`` as ``"0.051 [0.032, 0.080]"`` when its 95 % interval
+    (``<key>_ci95_low`` / ``<key>_ci95_high``) is there and finite, else as a plain number
+    (``"—"`` when the metric is missing)."""
+    v = metrics.get(key)
+    low, high = metrics.get(key + CI_LOW), metrics.get(key + CI_HIGH)
+    if isinstance(v, int | float) and isinstance(low, int | float) and isinstance(high, int | float) \
+            and math.isfinite(low) and math.isfinite(high):
+        return f"{v:.3f} [{low:.3f}, {high:.3f}]"
+    return _fmt(v)
+
+
+def format_delta(delta: dict) -> str:
+    """An ``eval_delta`` (:func:`trainer.evaluation.paired_difference`) as
+    ``"+0.030 [+0.010, +0.050] (n=334)"``; ``"—"`` when it has no paired question."""
+    if not delta or not delta.get("n"):
+        return "—"
+    return f"{delta['mean']:+.3f} [{delta['ci95_low']:+.3f}, {delta['ci95_high']:+.3f}] (n={delta['n']})"
+
+
+def print_report(summary: dict, console: Any = None) -> None:
     """Print the before/after table (rich) and where the outputs are.
 
+    Metrics with a 95 % interval (accuracy, em) show it in brackets; with an ``eval_delta`` the
+    table gets a column with the paired change after − before of that metric and its 95 %
+    paired bootstrap interval.
+
     Args:
-        summary: the run summary (``eval_before`` / ``eval_after`` metric dicts, ``steps``,
-            ``episodes``, ``dropped_stale``, ``infra_failed``, ``wall_s`` in seconds, ``output_dir``).
+        summary: the run summary (``eval_before`` / ``eval_after`` metric dicts, ``eval_delta``,
+            ``steps``, ``episodes``, ``dropped_stale``, ``infra_failed``, ``wall_s`` in seconds,
+            ``output_dir``).
+        console: a ``rich.console.Console`` to print to (default: a new one on stdout).
     """
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console if console is not None else Console()
+    delta = summary.get("eval_delta") or {}
     table = Table(title=f"{summary.get('name')} — {summary.get('preset')} on {summary.get('task')}")
     table.add_column("metric")
     table.add_column("after warm-start (before RL)" if summary.get("warm_start") else "before RL",
-                     justify="right")
-    table.add_column("after RL", justify="right")
+                     justify="right", no_wrap=True)
+    table.add_column("after RL", justify="right", no_wrap=True)
+    if delta:
+        table.add_column("Δ after − before (paired)", justify="right", no_wrap=True)
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     for k in sorted(set(before) | set(after)):
-        if isinstance(before.get(k, after.get(k)), int | float):
-            table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
+        if k.endswith((CI_LOW, CI_HIGH)) or not isinstance(before.get(k, after.get(k)), int | float):
+            continue
+        row = [k, format_with_ci(before, k), format_with_ci(after, k)]
+        if delta:
+            row.append(format_delta(delta) if k == delta.get("metric") else "")
+        table.add_row(*row)
     con.print(table)
+    if before.get("accuracy" + CI_LOW) is not None or after.get("accuracy" + CI_LOW) is not None:
+        con.print("In brackets: 95 % interval (Wilson score for k = 1, normal for avg@k with k > 1)"
+                  + ("; Δ: mean per-question change, 95 % paired bootstrap" if delta else ""))
     con.print(f"RL steps: {summary.get('steps')}, episodes: {summary.get('episodes')}, dropped as stale: "
               f"{summary.get('dropped_stale')}, infrastructure failures: {summary.get('infra_failed', 0)}, "
               f"wall time: {summary.get('wall_s', 0):.0f} s; "

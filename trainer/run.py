@@ -4,9 +4,11 @@
 supervised warm-start, learner of ``learner.backend``, checkpoints, resume state), starts the
 engine of ``rollout.engine`` through the engine registry, then runs a held-out evaluation,
 asynchronous RL with the configured preset (checkpointed, resumable), a second evaluation,
-and writes plots, ``summary.json`` and a printed before/after table. Every phase talks to the
-learner through the :class:`~trainer.learner.base.Learner` protocol and to the engine through
-an :class:`~trainer.engines.registry.EngineHandle`; nothing here branches on a backend name.
+and writes per-question records (``eval/before_rl.jsonl``, ``eval/after_rl.jsonl``), plots,
+``summary.json`` (with the paired ``eval_delta``) and a printed before/after table. Every
+phase talks to the learner through the :class:`~trainer.learner.base.Learner` protocol and to
+the engine through an :class:`~trainer.engines.registry.EngineHandle`; nothing here branches on
+a backend name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .config import ConfigError, ExperimentConfig
 from .context import RunContext, build_context, checkpoint_policy_weights, initial_model_dir
 from .engines import ENGINES, EngineHandle, EngineSpec, make_engine
 from .engines.base import SamplingParams
+from .evaluation import AFTER_RL, BEFORE_RL, eval_delta, evaluate, write_records
 from .learner import learner_checkpoint_state
 from .metrics_log import write_summary
 from .orchestration.loop import AsyncTrainingLoop, LoopConfig
@@ -55,12 +58,15 @@ async def open_engine(cfg: ExperimentConfig, model_dir: Path, tokenizer: Any, ou
     return await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
 
 
-async def _evaluate(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any) -> dict:
-    from .evaluation import evaluate
-
-    return await evaluate(engine, task.make_env, tok, task.eval_samples, k=cfg.eval.k,
-                          temperature=cfg.eval.temperature, agent_cfg=AgentLoopConfig.from_config(cfg),
-                          max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed)
+async def _evaluate(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any, name: str) -> dict:
+    """Held-out evaluation; its per-episode records go to ``<output_dir>/eval/<name>.jsonl``."""
+    records: list = []
+    metrics = await evaluate(engine, task.make_env, tok, task.eval_samples, k=cfg.eval.k,
+                             temperature=cfg.eval.temperature, agent_cfg=AgentLoopConfig.from_config(cfg),
+                             max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed,
+                             records_out=records)
+    write_records(Path(cfg.output_dir) / "eval" / f"{name}.jsonl", records)
+    return metrics
 
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
@@ -117,12 +123,16 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
                                weights=learner.export_policy_weights() if resumed else None)
     try:
         if cfg.eval.enabled and "eval_before" not in ctx.summary:
-            ctx.summary["eval_before"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer)
+            ctx.summary["eval_before"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer,
+                                                         BEFORE_RL)
             ctx.logger.log(ctx.start_step, {f"eval/{k}": v for k, v in ctx.summary["eval_before"].items()
                                             if isinstance(v, int | float)})
         ctx.summary.update(await _rl(ctx, handle))
         if cfg.eval.enabled:
-            ctx.summary["eval_after"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer)
+            ctx.summary["eval_after"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer, AFTER_RL)
+            delta = eval_delta(ctx.out / "eval")  # paired after − before, per question
+            if delta is not None:
+                ctx.summary["eval_delta"] = delta
             # one metrics line per step: the after-RL evaluation is its own row after the last step
             after = ctx.summary["eval_after"]
             ctx.logger.log(cfg.train.total_steps + 1,
@@ -228,6 +238,6 @@ async def _standalone_eval(cfg: ExperimentConfig, model_dir: Path, tok: Any, wei
                            out: Path) -> dict:
     handle = await open_engine(cfg, model_dir, tok, out, weights=None if weights is None else weights.items())
     try:
-        return await _evaluate(cfg, handle.engine, task, tok)
+        return await _evaluate(cfg, handle.engine, task, tok, "standalone")
     finally:
         await handle.close()

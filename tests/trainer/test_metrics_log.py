@@ -188,6 +188,8 @@ def _synthetic_history(n: int = 30) -> list[dict]:
             "actor/ratio_max": 1.5 + float(rng.random()),
             "actor/ratio_min": 0.5 * float(rng.random()) + 0.1,
             "critic/value_loss": 1.0 / s,
+            "rollout/tool_calls": 1.0 + 0.01 * s,
+            "rollout/invalid_action_rate": 0.3 / s,
         }
         if s % 10 == 0:
             r["eval/accuracy"] = 0.1 * s / 10
@@ -213,6 +215,7 @@ def test_make_plots_all(tmp_path):
         "masked_fraction.png",
         "ratio.png",
         "value_loss.png",
+        "tool_calls.png",
     ]
     for p in paths:
         _check_png(p)
@@ -247,4 +250,4 @@ def test_plots_from_logger_records(tmp_path):
         for r in _synthetic_history(12):
             ml.log(r["step"], {k: v for k, v in r.items() if k not in ("step", "time")})
         recs = ml.read()
-    assert len(make_plots(recs, tmp_path)) == 5
+    assert len(make_plots(recs, tmp_path)) == 6

@@ -198,7 +198,10 @@ def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
         nq, hq = load_qa("nq", str(SHARED_DATA)), load_qa("hotpotqa", str(SHARED_DATA))
         assert len(task.eval_samples) == 200 and len(task.train_samples) == 800
         assert task.eval_samples[0]["id"] == f"nq:{nq[0]['id']}"
-        assert task.eval_samples[100]["id"] == f"hotpotqa:{hq[0]['id']}"
+        # interleaved nq / hotpotqa, so that a cap (eval.num_samples) keeps both sets
+        assert task.eval_samples[1]["id"] == f"hotpotqa:{hq[0]['id']}"
+        assert task.eval_samples[100]["id"] == f"nq:{nq[250]['id']}"
+        assert [r["dataset"] for r in task.eval_samples] == ["nq", "hotpotqa"] * 100
         assert task.train_samples[0]["id"] == f"nq:{nq[1]['id']}"
         assert not {r["id"] for r in task.train_samples} & {r["id"] for r in task.eval_samples}
         env = task.make_env()

@@ -28,7 +28,9 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
 
     Returns:
         ``rollout/reward_mean``, ``rollout/accuracy`` (reward > 0.5), ``rollout/response_tokens``,
-        ``rollout/model_tokens`` (tokens), ``rollout/turns``, ``rollout/episodes``,
+        ``rollout/model_tokens`` (tokens), ``rollout/turns``, ``rollout/tool_calls`` (executed
+        tool calls per episode), ``rollout/invalid_action_rate`` (share of model turns the
+        environment rejected as invalid), ``rollout/episodes``,
         ``rollout/finish_<reason>`` fractions, and ``staleness/per_token``: a list of ints, one per
         loss-mask-1 token (policy versions behind), when any.
     """
@@ -44,6 +46,9 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
            "rollout/response_tokens": sum(len(t.response_ids) for t in trajs) / n,
            "rollout/model_tokens": sum(t.num_model_tokens for t in trajs) / n,
            "rollout/turns": sum(t.turns for t in trajs) / n,
+           "rollout/tool_calls": sum(float(t.info.get("tool_calls", 0)) for t in trajs) / n,
+           "rollout/invalid_action_rate": (sum(float(t.info.get("invalid_actions", 0)) for t in trajs)
+                                           / max(1, sum(t.turns for t in trajs))),
            "rollout/episodes": float(n)}
     out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
     if vers:

@@ -176,7 +176,9 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
             traj.finish_reason = f"env_error: {type(e).__name__}: {e}"
             traj.clear_rewards()
             break
+        invalid = int(traj.info.get("invalid_actions", 0)) + int(bool(info.get("invalid")))
         traj.info = dict(info)
+        traj.info["invalid_actions"] = invalid  # turns the env rejected as invalid, so far
         try:  # on this turn's last model token, before the observation (spec: fold)
             traj.add_reward(reward)
         except (TypeError, ValueError) as e:  # NaN / non-number reward: an env bug

@@ -166,6 +166,19 @@ class Task:
         raise ConfigError(f"warm_start.kind={ws.kind!r}: the task of env {self.env_id!r} generates "
                           f"{list(self.warm_start_kinds)}")
 
+    def drill_traces(self, n: int, seed: int) -> list[Trace]:
+        """Copy drills for ``warm_start.drill_steps`` (see :class:`~trainer.config.WarmStartConfig`):
+        ``n`` one-action traces whose action copies text of the prompt into a tool call.
+
+        Args:
+            n: number of drills. seed: their generator's seed.
+
+        Raises:
+            ConfigError: the task has none (the base class).
+        """
+        raise ConfigError(f"warm_start.drill_steps: the task of env {self.env_id!r} has no copy drills; "
+                          "set warm_start.drill_steps=0")
+
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
         """Supervised warm-start traces played through this task's real environments, never of
         an ``eval_samples`` row.

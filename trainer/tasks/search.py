@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Corpus passages whose words make the query drills' pseudo-questions.
+DRILL_PASSAGES = 4000
 #: The corpus indexed when ``task.retriever_corpus`` is empty, relative to the data directory.
 DEFAULT_CORPUS = "wiki/corpus.jsonl"
 
@@ -133,6 +135,18 @@ class SearchTask(Task):
                     raise ValueError(f"{path}: line {i} is not a JSON object with 'contents' ({e})") from e
                 yield information_block(format_passages([{"document": {"contents": contents}}]))
 
+    def drill_traces(self, n: int, seed: int) -> list[Trace]:
+        """``n`` query drills (:func:`trainer.warmstart.search_traces.query_drills`) of pseudo-questions
+        made of random words of the retriever corpus (never a dataset question)."""
+        from ..warmstart.search_traces import query_drills
+
+        path = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
+        words = []
+        with open(path, encoding="utf-8") as f:
+            for line in itertools.islice(f, DRILL_PASSAGES):
+                words += str(json.loads(line)["contents"]).split()
+        return query_drills(words, n, self.make_env, seed=seed)
+
     def make_env(self) -> gymnasium.Env:
         """A ``SearchEnv`` querying the task's retriever, with ``task.env_kwargs``."""
         return environments.make(self.env_id, retriever_url=self.retriever_url, **self.env_kwargs)
@@ -156,9 +170,10 @@ class SearchTask(Task):
 
         self.check_warm_start(ws)
         held = {_question_key(s["question"]) for s in self.eval_samples}
-        samples = [s for s in self.train_samples if _question_key(s["question"]) not in held][:ws.num_examples]
+        samples = [s for s in self.train_samples if _question_key(s["question"]) not in held]
+        samples = samples[:ws.num_examples]
         return search_r1_traces(samples, self.make_env, second_search_fraction=ws.second_search_fraction,
-                                seed=ws.seed, progress=progress)
+                                tool_use_fraction=ws.tool_use_fraction, seed=ws.seed, progress=progress)
 
 
 def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0

@@ -3,14 +3,20 @@
 Each trace is what a careful searcher would do with what the retriever actually returns
 (Search-R1 format, Jin et al. 2025, arXiv:2503.09516):
 
-1. ``<search>question</search>`` → the real ``<information>`` block;
-2. a golden answer occurs in that block → ``<answer>`` + the answer **as written there**
+1. ``<search> question </search>`` → the real ``<information>`` block;
+2. a golden answer occurs in that block → ``<answer> A </answer>`` with ``A`` the answer **as written there**
    (copied span, original case; scored EM 1 by the env);
 3. otherwise, for a ``second_search_fraction`` share of such misses, a second search whose
    query is the question without the words of the first passage's title
    (:func:`reformulated_query`: look elsewhere), then step 2 on the new block;
-4. still no golden answer in the retrieved text → ``<answer>`` + the title of the last passage
+4. a yes/no golden answer (comparison questions) → ``<answer> yes|no</answer>``: no passage
+   holds it, as in Search-R1's own traces;
+5. still no golden answer in the retrieved text → ``<answer>`` + the title of the last passage
    read (copied from the retrieved text too; right only when the title is the answer).
+
+Tags are written with spaces inside, as in Search-R1's prompt (``<search> query </search>``): the
+first word of a copied question or span then has the same leading-space token as in the text it
+is copied from (a byte-level BPE tokenises ``" who"`` and ``"who"`` differently).
 
 So every answer is copied from retrieved text, never recalled from the golden answers; the
 policy learns the format and to copy, and RL has real decisions left (search again or answer,
@@ -71,6 +77,13 @@ def first_title(observation: str) -> str | None:
     return m.group(1).strip() if m and m.group(1).strip() else None
 
 
+def yes_no(golden_answers: Sequence[str]) -> str | None:
+    """``"yes"`` / ``"no"`` when the first golden answer is one of them (a comparison question,
+    e.g. HotpotQA's "Are both X and Y ...?"), else None."""
+    first = golden_answers[0].strip().lower() if golden_answers else ""
+    return first if first in ("yes", "no") else None
+
+
 def reformulated_query(question: str, observation: str) -> str:
     """A second query after a miss: the question without the words of the first passage's title.
 
@@ -88,8 +101,17 @@ def reformulated_query(question: str, observation: str) -> str:
     return " ".join(kept) if kept else q
 
 
+def direct_guess(question: str) -> str:
+    """An answer "from the head" for traces that do not search: the question's last word
+    (punctuation stripped; the whole question if none is left). Almost never right, as a model
+    of this size answering without retrieval."""
+    words = [w.strip(".,;:!?\"'()") for w in question.split()]
+    words = [w for w in words if w]
+    return words[-1] if words else question.strip()
+
+
 def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], *,
-                     second_search_fraction: float = 0.5, seed: int = 0,
+                     second_search_fraction: float = 0.5, tool_use_fraction: float = 1.0, seed: int = 0,
                      progress: bool = False) -> list[Trace]:
     """Search-R1 traces of ``samples`` played through a real ``SearchEnv`` (module docstring).
 
@@ -97,6 +119,9 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
         samples: training rows ``{"id", "question", "golden_answers"}`` (never held-out rows).
         env_factory: ``() -> SearchEnv``; one env serves all samples and is closed at the end.
         second_search_fraction: share in [0, 1] of first-search misses that search again.
+        tool_use_fraction: share in [0, 1] of traces that search at all; the others answer at
+            once with :func:`direct_guess` (ReTool's point: RL then has the decision to use the
+            tool left to learn).
         seed: seeds the choice of which misses search again.
         progress: show a tqdm bar.
 
@@ -113,13 +138,15 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     """
     from environments.search.reward import normalize_answer
 
+    if not 0.0 <= tool_use_fraction <= 1.0:
+        raise ValueError(f"search_r1_traces: tool_use_fraction={tool_use_fraction!r} must be in [0, 1]")
     if not 0.0 <= second_search_fraction <= 1.0:
         raise ValueError(f"search_r1_traces: second_search_fraction={second_search_fraction!r} "
                          "must be in [0, 1]")
     rng = random.Random(seed)
 
     def search(env: Any, sid: Any, query: str, pieces: list[tuple[str, str]]) -> str:
-        action = f"<search>{query}</search>"
+        action = f"<search> {query}</search>"
         obs, _, term, trunc, info = env.step(action)
         if term or trunc or not info.get("tool"):
             raise TraceError(f"sample {sid!r}: the search {action!r} was not executed (info={info})")
@@ -129,6 +156,12 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     def play(env: Any, s: Mapping[str, Any]) -> Trace:
         sid, question, golden = s.get("id"), str(s["question"]).strip(), list(s["golden_answers"])
         prompt, _ = env.reset(options={"sample": dict(s)})
+        if rng.random() >= tool_use_fraction:  # answer from the head, without searching
+            final = f"<answer> {direct_guess(question)}</answer>"
+            _, _, term, _, _ = env.step(final)
+            if not term:
+                raise TraceError(f"sample {sid!r}: the direct answer {final!r} did not end the episode")
+            return Trace(prompt, [("action", final)])
         pieces: list[tuple[str, str]] = []
         obs = search(env, sid, question, pieces)
         answer = copied_answer(obs, golden)
@@ -136,9 +169,11 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
             obs = search(env, sid, reformulated_query(question, obs), pieces)
             answer = copied_answer(obs, golden)
         copied = answer is not None
+        if answer is None and yes_no(golden):  # a comparison question: no text holds its answer
+            answer, copied = yes_no(golden), True
         if answer is None:
             answer = first_title(obs) or question
-        final = f"<answer>{answer}</answer>"
+        final = f"<answer> {answer}</answer>"
         _, reward, term, _, info = env.step(final)
         if not term:
             raise TraceError(f"sample {sid!r}: the answer {final!r} did not end the episode")
@@ -153,4 +188,44 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     return _each(usable, env_factory, progress, "search-r1 traces", play)
 
 
-__all__ = ["copied_answer", "first_title", "information_text", "reformulated_query", "search_r1_traces"]
+def query_drills(words: Sequence[str], n: int, env_factory: Callable[[], Any], *, seed: int = 0,
+                 min_words: int = 4, max_words: int = 18) -> list[Trace]:
+    """Copy drills: ``n`` one-action traces ``(prompt, [("action", "<search> Q </search>")])``.
+
+    ``Q`` is a pseudo-question of ``min_words``..``max_words`` words drawn uniformly from ``words``
+    (with a final ``?``); the prompt is what the env's ``reset`` renders for it. Nothing is
+    searched and no dataset question is used. Sequences never repeat, so a model can only lower
+    its loss by copying from its context (induction), not by memorising questions.
+
+    Args:
+        words: the vocabulary (e.g. words of corpus passages), non-empty.
+        n: drills to make (>= 0). env_factory: ``() -> SearchEnv`` (its prompt template).
+        seed: generator seed. min_words / max_words: pseudo-question length range in words.
+
+    Returns:
+        ``n`` :class:`Trace` s.
+
+    Raises:
+        ValueError: empty ``words``, negative ``n`` or a bad length range.
+    """
+    if not words or n < 0 or not 1 <= min_words <= max_words:
+        raise ValueError(f"query_drills: need words (got {len(words)}), n >= 0 (got {n}) and "
+                         f"1 <= min_words <= max_words (got {min_words}, {max_words})")
+    rng = random.Random(seed)
+    env = env_factory()
+    try:
+        out = []
+        for i in range(n):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) + "?"
+            sample = {"id": f"drill-{i}", "question": q, "golden_answers": []}
+            prompt, _ = env.reset(options={"sample": sample})
+            out.append(Trace(prompt, [("action", f"<search> {q}</search>")]))
+        return out
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            close()
+
+
+__all__ = ["copied_answer", "first_title", "information_text", "query_drills", "reformulated_query",
+           "search_r1_traces"]
