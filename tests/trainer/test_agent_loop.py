@@ -359,3 +359,28 @@ def test_step_rewards_on_cut_failed_and_bad_reward_episodes(model_tok):
     failed = play(model, tok, env)
     assert failed.finish_reason == "env_error: RuntimeError: tool exploded"
     assert failed.reward == 0.0 and failed.step_rewards == []
+
+
+def test_invalid_actions_and_tool_calls_are_counted_per_episode(model_tok, sandbox):
+    """Scripted: a code call then a turn with neither a call nor an answer (MathToolEnv ends the
+    episode on it) -> 1 invalid action in 2 turns, 1 tool call; the step's rollout metrics average
+    them over episodes (tool calls) and over turns (invalid-action rate)."""
+    from trainer.orchestration.step_metrics import rollout_metrics
+    from trainer.rollout.trajectory import Trajectory
+
+    model, tok = model_tok
+    env = MathToolEnv(sandbox=sandbox)
+    actions = [ACTIONS[0], "I am not sure."]
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, actions, turn_of), version=0)
+        tr = await run_episode(eng, env, tok, SAMPLE, SamplingParams(temperature=1.0, max_new_tokens=200))
+        await eng.close()
+        return tr
+
+    tr = asyncio.run(main())
+    assert tr.finish_reason == "terminated" and tr.turns == 2 and tr.reward == 0.0
+    assert tr.info["invalid_actions"] == 1 and tr.info["tool_calls"] == 1 and tr.info["invalid"]
+    clean = Trajectory(prompt_ids=[1], turns=2, info={"tool_calls": 0, "invalid_actions": 0})
+    m = rollout_metrics([tr, clean], version=1)
+    assert m["rollout/tool_calls"] == 0.5 and m["rollout/invalid_action_rate"] == 1 / 4

@@ -134,7 +134,7 @@ def test_round_trips_every_question_of_nq_and_hotpotqa(search_run):
 def test_tokenizer_texts_are_training_prompts_reply_and_corpus_never_held_out(search_run):
     task, texts = search_run.task, search_run.texts
     train, held = task.train_samples, task.eval_samples
-    assert (len(train), len(held)) == (666, 334)
+    assert (len(train), len(held)) == (2191, 334)
     env = task.make_env()
     try:
         prompts = [env.reset(options={"sample": dict(r)})[0] for r in train]

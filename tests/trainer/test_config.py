@@ -147,7 +147,8 @@ def test_cpu_tiny_search(monkeypatch):
     monkeypatch.delenv("COPC_DATA_DIR", raising=False)
     cfg = load_config(CONFIGS / "search" / "cpu_tiny.yaml")
     assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 14, "search")
-    assert cfg.task.train_data == ["nq", "hotpotqa"]
+    assert cfg.task.train_data[:2] == ["nq", "hotpotqa"] and cfg.task.eval_data == ["nq", "hotpotqa"]
+    assert cfg.model.tiny.tokenizer == "bpe" and cfg.warm_start.drill_steps > 0
     assert cfg.task.retriever_url == ""  # copc train starts the retriever itself
     assert cfg.task.retriever_corpus == ""  # <data dir>/wiki/corpus.jsonl
     assert corpus_path(cfg.task.retriever_corpus, cfg.task.data_dir).is_file()

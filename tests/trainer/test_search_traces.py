@@ -19,21 +19,25 @@ from environments.search.env import (
     ANSWER_PATTERN,
     INVALID_ACTION_REPLY,
     NO_RESULTS,
+    SearchEnv,
     SearchTool,
     format_passages,
     information_block,
     load_qa,
 )
-from environments.search.reward import exact_match
+from environments.search.reward import exact_match, f1_score, substring_match
 from retriever.client import ClientConfig, RetrieverClient
 from trainer.config import ConfigError, load_config
 from trainer.tasks import build_task
 from trainer.warmstart.search_traces import (
     copied_answer,
+    direct_guess,
     first_title,
     information_text,
+    query_drills,
     reformulated_query,
     search_r1_traces,
+    yes_no,
 )
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -189,9 +193,11 @@ def test_held_out_split_every_third_row_interleaved(task):
     assert not {r["id"] for r in train} & {r["id"] for r in evals}
     held_q = {_key(r["question"]) for r in evals}
     assert not {_key(r["question"]) for r in train} & held_q
-    others = [f"{n}:{r['id']}" for n, rows in (("nq", nq), ("hotpotqa", hq))
-              for i, r in enumerate(rows) if i % 3 and _key(r["question"]) not in held_q]
-    assert [r["id"] for r in train] == others and 600 <= len(train) <= 666
+    sets = {n: load_qa(n, str(QA_DIR)) for n in task.cfg.task.train_data}
+    others = [f"{n}:{r['id']}" for n, rows in sets.items()
+              for i, r in enumerate(rows) if (i % 3 or n not in ("nq", "hotpotqa"))
+              and _key(r["question"]) not in held_q]
+    assert [r["id"] for r in train] == others and len(train) == 2191
 
 
 def test_held_out_rule_on_hand_made_sets(tmp_path):
@@ -258,6 +264,8 @@ def check_trace(env, client, row, trace):
         m = SearchTool.pattern.fullmatch(action)
         assert m is not None and ANSWER_PATTERN.search(action) is None and env.extract_answer(action) is None
         query = m.group(1)
+        assert query.startswith(" ")  # "<search> q</search>": the copied first word keeps its space
+        query = query.strip()
         expected_query = question if i == 0 else reformulated_query(question, observations[0])
         assert query == expected_query
         assert obs == information_block(format_passages(client.retrieve([query.strip()], topk=topk)[0]))
@@ -267,12 +275,16 @@ def check_trace(env, client, row, trace):
     assert ANSWER_PATTERN.fullmatch(final) and SearchTool.pattern.search(final) is None
     answer = env.extract_answer(final)
     copied = copied_answer(observations[-1], golds)
+    metric = {"em": exact_match, "f1": f1_score, "substring_em": substring_match}[env.config.reward]
     if copied is not None:
         assert answer == copied and copied in information_text(observations[-1])
         expected_reward = 1.0
+    elif yes_no(golds):  # a comparison question: answered yes / no, no passage holds it
+        assert answer == yes_no(golds)
+        expected_reward = 1.0
     else:
         assert answer == (first_title(observations[-1]) or question)
-        expected_reward = exact_match(answer, golds)
+        expected_reward = metric(answer, golds)
     # replay through the fresh env
     prompt, _ = env.reset(options={"sample": dict(row)})
     assert prompt == trace.prompt
@@ -316,7 +328,8 @@ def test_second_search_fraction_zero_and_one(task, rows, client):
         if copied_answer(first, row["golden_answers"]) is None:
             misses += 1
             assert len(t1.pieces) == 5
-            assert t1.pieces[2][1] == f"<search>{reformulated_query(row['question'].strip(), first)}</search>"
+            query = reformulated_query(row["question"].strip(), first)
+            assert t1.pieces[2][1] == f"<search> {query}</search>"
         else:
             assert t1.pieces == t0.pieces
     assert 0 < misses < N_ROWS
@@ -347,3 +360,70 @@ def test_rows_without_a_usable_golden_answer_give_no_trace(task, rows):
     unusable = dict(rows[0], id="x", golden_answers=["---", "the"])
     traces = search_r1_traces([unusable, rows[1]], task.make_env, second_search_fraction=0.0)
     assert len(traces) == 1 and rows[1]["question"].strip() in traces[0].prompt
+
+
+def test_yes_no_and_direct_guess_by_hand():
+    assert yes_no(["No"]) == "no" and yes_no([" yes "]) == "yes"
+    assert yes_no(["Nobody"]) is None and yes_no([]) is None and yes_no(["Paris", "no"]) is None
+    assert direct_guess("who wrote the book thief?") == "thief"
+    assert direct_guess("When did 'Rent' open (on Broadway)?") == "Broadway"
+    assert direct_guess("  ?! ") == "?!"
+
+
+def test_query_drills_copy_pseudo_questions_never_repeat():
+    words = ["alpha", "Beta", "gamma", "délta", "1969", "x-ray"]
+
+    def env():
+        return SearchEnv(retriever_url="http://127.0.0.1:9", prompt_template="Q: {question}\n")
+
+    drills = query_drills(words, 200, env, seed=3)
+    assert drills == query_drills(words, 200, env, seed=3) and drills != query_drills(words, 200, env, seed=4)
+    assert len({d.prompt for d in drills}) == 200  # never-repeating sequences
+    for d in drills:
+        (kind, action), = d.pieces
+        q = d.prompt[len("Q: "):-1]
+        assert kind == "action" and action == f"<search> {q}</search>" and q.endswith("?")
+        assert 4 <= len(q[:-1].split()) <= 18 and set(q[:-1].split()) <= set(words)
+        assert SearchTool.pattern.fullmatch(action).group(1).strip() == q
+    with pytest.raises(ValueError, match="need words"):
+        query_drills([], 3, env)
+    with pytest.raises(ValueError, match="min_words"):
+        query_drills(words, 3, env, min_words=5, max_words=4)
+
+
+def test_tool_use_fraction_zero_answers_directly_one_always_searches(task):
+    rows = task.train_samples[:12]
+    direct = search_r1_traces(rows, task.make_env, tool_use_fraction=0.0)
+    guesses = [direct_guess(r["question"].strip()) for r in rows]
+    assert [t.pieces for t in direct] == [[("action", f"<answer> {g}</answer>")] for g in guesses]
+    searched = search_r1_traces(rows, task.make_env, tool_use_fraction=1.0)
+    assert all(t.pieces[0][1].startswith("<search> ") for t in searched)
+    mixed = search_r1_traces(task.train_samples[:200], task.make_env, tool_use_fraction=0.4, seed=1)
+    share = sum(t.pieces[0][1].startswith("<search>") for t in mixed) / len(mixed)
+    assert 0.3 < share < 0.5
+    with pytest.raises(ValueError, match="tool_use_fraction"):
+        search_r1_traces(rows, task.make_env, tool_use_fraction=1.5)
+
+
+def test_search_task_drills_use_corpus_words_never_questions(task):
+    drills = task.drill_traces(50, seed=0)
+    assert len(drills) == 50 and drills == task.drill_traces(50, seed=0)
+    questions = {_key(r["question"]) for r in task.train_samples + task.eval_samples}
+    env = task.make_env()
+    try:
+        for d in drills:
+            q = SearchTool.pattern.fullmatch(d.pieces[0][1]).group(1).strip()
+            assert _key(q) not in questions
+            sample = {"id": "x", "question": q, "golden_answers": []}
+            assert d.prompt == env.reset(options={"sample": sample})[0]
+    finally:
+        env.close()
+
+
+def test_base_task_has_no_drills():
+    from trainer.config import ConfigError
+    from trainer.tasks.base import Task
+
+    cfg = load_config(CPU_TINY)
+    with pytest.raises(ConfigError, match=r"warm_start\.drill_steps"):
+        Task(cfg).drill_traces(3, 0)

@@ -221,8 +221,8 @@ def test_search_warm_start_traces_real_retriever(retriever_url):  # noqa: F811
                                         progress=False)
         assert len(traces) == 3
         for t, s in zip(traces, task.train_samples[:3], strict=True):
-            assert t.pieces[0] == ("action", f"<search>{s['question'].strip()}</search>")
-            assert "<information>" in t.pieces[1][1] and t.pieces[2][1].startswith("<answer>")
+            assert t.pieces[0] == ("action", f"<search> {s['question'].strip()}</search>")
+            assert "<information>" in t.pieces[1][1] and t.pieces[-1][1].startswith("<answer> ")
 
 
 # -- generic ---------------------------------------------------------------------------------------
