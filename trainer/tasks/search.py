@@ -13,7 +13,6 @@ traces.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -120,31 +119,25 @@ class SearchTask(Task):
         T) text</information>``), so observations tokenise as compactly as the corpus allows.
 
         Raises:
-            FileNotFoundError / ValueError: the corpus is missing or a line is not JSON with
-                ``contents``.
+            FileNotFoundError / CorpusFormatError (a ValueError): the corpus is missing or a line
+                is not a valid passage (:func:`retriever.corpus.iter_corpus`).
         """
         from environments.search.env import format_passages, information_block
+        from retriever.corpus import iter_corpus
 
         yield from super().tokenizer_texts()
-        path = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                try:
-                    contents = json.loads(line)["contents"]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}: line {i} is not a JSON object with 'contents' ({e})") from e
-                yield information_block(format_passages([{"document": {"contents": contents}}]))
+        for passage in iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)):
+            yield information_block(format_passages([{"document": {"contents": passage.contents}}]))
 
     def drill_traces(self, n: int, seed: int) -> list[Trace]:
         """``n`` query drills (:func:`trainer.warmstart.search_traces.query_drills`) of pseudo-questions
         made of random words of the retriever corpus (never a dataset question)."""
+        from retriever.corpus import iter_corpus
+
         from ..warmstart.search_traces import query_drills
 
-        path = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
-        words = []
-        with open(path, encoding="utf-8") as f:
-            for line in itertools.islice(f, DRILL_PASSAGES):
-                words += str(json.loads(line)["contents"]).split()
+        passages = iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir))
+        words = [w for p in itertools.islice(passages, DRILL_PASSAGES) for w in p.contents.split()]
         return query_drills(words, n, self.make_env, seed=seed)
 
     def make_env(self) -> gymnasium.Env:

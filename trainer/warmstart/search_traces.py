@@ -212,19 +212,15 @@ def query_drills(words: Sequence[str], n: int, env_factory: Callable[[], Any], *
         raise ValueError(f"query_drills: need words (got {len(words)}), n >= 0 (got {n}) and "
                          f"1 <= min_words <= max_words (got {min_words}, {max_words})")
     rng = random.Random(seed)
-    env = env_factory()
-    try:
-        out = []
-        for i in range(n):
-            q = " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) + "?"
-            sample = {"id": f"drill-{i}", "question": q, "golden_answers": []}
-            prompt, _ = env.reset(options={"sample": sample})
-            out.append(Trace(prompt, [("action", f"<search> {q}</search>")]))
-        return out
-    finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            close()
+    questions = [" ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) + "?"
+                 for _ in range(n)]
+    samples = [{"id": f"drill-{i}", "question": q, "golden_answers": []} for i, q in enumerate(questions)]
+
+    def play(env: Any, s: Mapping[str, Any]) -> Trace:
+        prompt, _ = env.reset(options={"sample": dict(s)})
+        return Trace(prompt, [("action", f"<search> {s['question']}</search>")])
+
+    return _each(samples, env_factory, False, "query drills", play)
 
 
 __all__ = ["copied_answer", "first_title", "information_text", "query_drills", "reformulated_query",
