@@ -269,6 +269,13 @@ class WarmStartConfig:
             from its context, and a few thousand real questions are memorised rather than
             copied; drills of never-repeating word sequences teach copying (what a pretrained
             model brings). drill_batch_size: drills per step. drill_lr: their peak LR.
+        reading_drill_fraction: share in [0, 1] of the drills that are reading drills (``search_r1``:
+            a cloze question about a corpus passage, searched for through the real retriever and
+            answered with the span copied from the result; teaches finding the question's words
+            in a passage and copying the span beside them).
+        keep_misses: ``search_r1``: keep the traces whose retrieved text never held a golden
+            answer (answered with the last passage's title); false drops them, so the traces
+            only ever answer with a golden answer copied from what the retriever returned.
         cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
             key a hash of every setting it depends on (model, task, rollout budgets, this section,
             ``train.seed``); a run with the same key copies it instead of training (``copc sweep``
@@ -288,6 +295,8 @@ class WarmStartConfig:
     drill_steps: int = 0
     drill_batch_size: int = 32
     drill_lr: float = 1e-3
+    reading_drill_fraction: float = 0.0
+    keep_misses: bool = True
     cache_dir: str = ""
 
     def validate(self) -> None:
@@ -302,6 +311,8 @@ class WarmStartConfig:
         _require(self.drill_batch_size >= 1, "warm_start.drill_batch_size", self.drill_batch_size,
                  "must be >= 1")
         _require(self.drill_lr > 0, "warm_start.drill_lr", self.drill_lr, "must be > 0")
+        _require(0.0 <= self.reading_drill_fraction <= 1.0, "warm_start.reading_drill_fraction",
+                 self.reading_drill_fraction, "must be in [0, 1]")
         _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
                  "must be a non-empty string (the task checks it supports it)")
         for k in ("num_examples", "steps", "batch_size"):

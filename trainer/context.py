@@ -222,7 +222,7 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     try:
         drill = {}
         if w.drill_steps:
-            drills = task.drill_traces(w.drill_steps * w.drill_batch_size, w.seed)
+            drills = task.drill_traces(w.drill_steps * w.drill_batch_size, w.seed, w.reading_drill_fraction)
             drill = sft_warm_start(actor, tok, drills, steps=w.drill_steps, batch_size=w.drill_batch_size,
                                    lr=w.drill_lr, seed=w.seed, progress=cfg.logging.progress,
                                    agent_cfg=agent_cfg, schedule="constant")

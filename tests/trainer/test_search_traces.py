@@ -427,3 +427,18 @@ def test_base_task_has_no_drills():
     cfg = load_config(CPU_TINY)
     with pytest.raises(ConfigError, match=r"warm_start\.drill_steps"):
         Task(cfg).drill_traces(3, 0)
+
+
+def test_keep_misses_false_drops_title_answers_only(task):
+    rows = task.train_samples[:N_ROWS]
+    kept = search_r1_traces(rows, task.make_env, second_search_fraction=0.0)
+    dropped = search_r1_traces(rows, task.make_env, second_search_fraction=0.0, keep_misses=False)
+    golden = {r["question"].strip(): r["golden_answers"] for r in rows}
+
+    def answered_gold(t) -> bool:
+        answer = ANSWER_PATTERN.search(t.pieces[-1][1]).group(1)
+        q = SearchTool.pattern.fullmatch(t.pieces[0][1]).group(1).strip()
+        return exact_match(answer, golden[q]) == 1.0
+    assert all(answered_gold(t) for t in dropped)
+    assert [t for t in kept if answered_gold(t)] == dropped        # the same traces, misses removed
+    assert 0 < len(dropped) < len(kept)

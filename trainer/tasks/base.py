@@ -166,12 +166,14 @@ class Task:
         raise ConfigError(f"warm_start.kind={ws.kind!r}: the task of env {self.env_id!r} generates "
                           f"{list(self.warm_start_kinds)}")
 
-    def drill_traces(self, n: int, seed: int) -> list[Trace]:
+    def drill_traces(self, n: int, seed: int, reading_fraction: float = 0.0) -> list[Trace]:
         """Copy drills for ``warm_start.drill_steps`` (see :class:`~trainer.config.WarmStartConfig`):
         ``n`` one-action traces whose action copies text of the prompt into a tool call.
 
         Args:
             n: number of drills. seed: their generator's seed.
+            reading_fraction: ``warm_start.reading_drill_fraction``, the share of drills that use
+                the tool's result (a task without such drills rejects a share > 0).
 
         Raises:
             ConfigError: the task has none (the base class).

@@ -129,16 +129,30 @@ class SearchTask(Task):
         for passage in iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)):
             yield information_block(format_passages([{"document": {"contents": passage.contents}}]))
 
-    def drill_traces(self, n: int, seed: int) -> list[Trace]:
-        """``n`` query drills (:func:`trainer.warmstart.search_traces.query_drills`) of pseudo-questions
-        made of random words of the retriever corpus (never a dataset question)."""
+    def drill_traces(self, n: int, seed: int, reading_fraction: float = 0.0) -> list[Trace]:
+        """``n`` drills: query drills (:func:`trainer.warmstart.search_traces.query_drills`) of
+        pseudo-questions made of random words of the retriever corpus, and a ``reading_fraction``
+        share of reading drills (:func:`trainer.warmstart.reading_drills.reading_drills`: cloze
+        questions about corpus passages, searched for through the real retriever and answered
+        with the span copied from what it returned). Never a dataset question.
+
+        Raises:
+            FileNotFoundError / CorpusFormatError: the corpus is missing or malformed.
+            TraceError: the env did not play a drill as scripted.
+        """
         from retriever.corpus import iter_corpus
 
+        from ..warmstart.reading_drills import reading_drills
         from ..warmstart.search_traces import query_drills
 
-        passages = iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir))
-        words = [w for p in itertools.islice(passages, DRILL_PASSAGES) for w in p.contents.split()]
-        return query_drills(words, n, self.make_env, seed=seed)
+        passages = list(iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)))
+        n_read = round(n * reading_fraction)
+        words = [w for p in passages[:DRILL_PASSAGES] for w in p.contents.split()]
+        drills = query_drills(words, n - n_read, self.make_env, seed=seed)
+        if n_read:
+            pairs = [(p.title, p.text) for p in passages]
+            drills += reading_drills(pairs, n_read, self.make_env, seed=seed)
+        return drills
 
     def make_env(self) -> gymnasium.Env:
         """A ``SearchEnv`` querying the task's retriever, with ``task.env_kwargs``."""
@@ -166,7 +180,8 @@ class SearchTask(Task):
         samples = [s for s in self.train_samples if _question_key(s["question"]) not in held]
         samples = samples[:ws.num_examples]
         return search_r1_traces(samples, self.make_env, second_search_fraction=ws.second_search_fraction,
-                                tool_use_fraction=ws.tool_use_fraction, seed=ws.seed, progress=progress)
+                                tool_use_fraction=ws.tool_use_fraction, seed=ws.seed,
+                                keep_misses=ws.keep_misses, progress=progress)
 
 
 def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0

@@ -112,7 +112,7 @@ def direct_guess(question: str) -> str:
 
 def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], *,
                      second_search_fraction: float = 0.5, tool_use_fraction: float = 1.0, seed: int = 0,
-                     progress: bool = False) -> list[Trace]:
+                     keep_misses: bool = True, progress: bool = False) -> list[Trace]:
     """Search-R1 traces of ``samples`` played through a real ``SearchEnv`` (module docstring).
 
     Args:
@@ -123,12 +123,15 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
             once with :func:`direct_guess` (ReTool's point: RL then has the decision to use the
             tool left to learn).
         seed: seeds the choice of which misses search again.
+        keep_misses: keep the traces of rows whose retrieved text never held a golden answer
+            (answered with a title, step 5); False drops them, so every searching trace answers
+            with a golden answer (copied, or yes/no).
         progress: show a tqdm bar.
 
     Returns:
         One :class:`Trace` per sample with a usable golden answer (rows whose golden answers
-        all normalise to ``""`` are skipped), in order; actions and observations alternate
-        and the last piece is the ``<answer>`` action.
+        all normalise to ``""`` are skipped; misses too unless ``keep_misses``), in order;
+        actions and observations alternate and the last piece is the ``<answer>`` action.
 
     Raises:
         ValueError: ``second_search_fraction`` outside [0, 1].
@@ -153,7 +156,7 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
         pieces += [("action", action), ("observation", obs)]
         return obs
 
-    def play(env: Any, s: Mapping[str, Any]) -> Trace:
+    def play(env: Any, s: Mapping[str, Any]) -> Trace | None:
         sid, question, golden = s.get("id"), str(s["question"]).strip(), list(s["golden_answers"])
         prompt, _ = env.reset(options={"sample": dict(s)})
         if rng.random() >= tool_use_fraction:  # answer from the head, without searching
@@ -171,6 +174,8 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
         copied = answer is not None
         if answer is None and yes_no(golden):  # a comparison question: no text holds its answer
             answer, copied = yes_no(golden), True
+        if answer is None and not keep_misses:
+            return None
         if answer is None:
             answer = first_title(obs) or question
         final = f"<answer> {answer}</answer>"
@@ -185,7 +190,8 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     # a row whose golden answers all normalise to "" (e.g. NQ test_1420: "---") can never be
     # answered correctly (environments/search/reward.py), so it gives no trace
     usable = [s for s in samples if any(normalize_answer(g) for g in s["golden_answers"])]
-    return _each(usable, env_factory, progress, "search-r1 traces", play)
+    traces = _each(usable, env_factory, progress, "search-r1 traces", play)
+    return [t for t in traces if t is not None]
 
 
 def query_drills(words: Sequence[str], n: int, env_factory: Callable[[], Any], *, seed: int = 0,
