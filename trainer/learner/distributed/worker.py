@@ -273,8 +273,11 @@ def wait_released(*tensors: torch.Tensor, timeout_s: float = 10.0) -> bool:
         timeout_s: give up after this many seconds (returns False; nothing is raised).
 
     Returns:
-        True once every tensor is released by the collective's worker thread.
+        True once every tensor is released by the collective's worker thread; False after the
+        timeout, or at once when this torch has no ``Tensor._use_count``.
     """
+    if not hasattr(torch.Tensor, "_use_count"):  # a private torch API: without it, do not wait
+        return False
     deadline = time.monotonic() + timeout_s
     while any(t._use_count() > 1 for t in tensors):
         if time.monotonic() > deadline:
