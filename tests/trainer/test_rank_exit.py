@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.learner.distributed.worker import wait_released
+from trainer.learner.distributed.collectives import wait_released
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,31 +54,39 @@ def test_wait_released_with_sole_owners_returns_at_once():
 RANK_SCRIPT = textwrap.dedent("""
     import os, sys
     import torch.distributed as dist
+    from trainer.learner.distributed.collectives import all_gather_objects
     from trainer.learner.distributed.worker import RankSpec, broadcast_command, init_rank
 
     rank = int(os.environ["RANK"])
     ctx = init_rank(RankSpec(rank=rank, world_size=2, local_rank=rank, local_world_size=2,
                              init_method="tcp://127.0.0.1:" + os.environ["PORT"], timeout_s=60), 1)
-    msgs = [("step", {"lr": 1e-4, "uids": list(range(50))}), ("save", ("dir", 3)), ("shutdown", ())]
+    msgs = [("step", {"lr": 1e-4, "uids": list(range(50))}), ("save", ("dir", 3))]
     for m in msgs:
         got = broadcast_command(m if rank == 0 else None, ctx)
         assert got == m, (rank, got, m)
+    # the error report after a command: objects of different sizes, rank order
+    errors = all_gather_objects(None if rank == 0 else ("error", "x" * 5000), ctx.cpu_group)
+    assert errors == [None, ("error", "x" * 5000)], errors
+    if os.environ["LAST"] == "shutdown":  # the normal end; "error": leave right after the report
+        assert broadcast_command(("shutdown", ()) if rank == 0 else None, ctx) == ("shutdown", ())
     dist.destroy_process_group()
     print("ok", rank)
 """)
 
 
 @pytest.mark.slow
-def test_ranks_exiting_right_after_the_shutdown_broadcast_never_abort(tmp_path):
-    """12 pairs of real gloo ranks: each broadcasts three commands (the last ``shutdown``) and exits
-    through normal interpreter finalization at once. With ``broadcast_object_list`` 2 of 10 pairs
-    aborted here; every pair must exit 0 and every rank must have received rank 0's messages."""
+@pytest.mark.parametrize("last", ["shutdown", "error"])
+def test_ranks_exiting_right_after_their_last_collective_never_abort(tmp_path, last):
+    """10 pairs of real gloo ranks exit through normal interpreter finalization right after their
+    last collective: the ``shutdown`` broadcast, or (a failed command) the error report gather.
+    With ``broadcast_object_list`` / ``all_gather_object`` 2-3 of 10 pairs aborted here; every pair
+    must exit 0 and every rank must have received every message."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LAST": last}
     failures = []
-    for i in range(12):
-        port = str(20_000 + (os.getpid() * 13 + i) % 20_000)
+    for i in range(10):
+        port = str(10_000 + (os.getpid() * 29 + i + (500 if last == "error" else 0)) % 20_000)
         procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "PORT": port},
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
         for r, p in enumerate(procs):

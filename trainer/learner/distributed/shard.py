@@ -25,6 +25,7 @@ import copc
 
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators
+from .collectives import all_gather_objects
 
 Tensor = torch.Tensor
 
@@ -148,8 +149,7 @@ def training_state_bytes(models: list[Any], optimizers: list[Any]) -> dict[str, 
     return out
 
 
-def gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """``[obj of rank 0, obj of rank 1, …]`` over ``group`` (pickled; small objects only). Collective."""
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, …]`` over the gloo ``group`` (pickled; small objects only;
+    :func:`~.collectives.all_gather_objects`). Collective."""
+    return all_gather_objects(obj, group)

@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
+from .collectives import all_gather_objects, broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -257,55 +257,14 @@ def torchrun_spec(section: Any) -> RankSpec:
                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
-def wait_released(*tensors: torch.Tensor, timeout_s: float = 10.0) -> bool:
-    """Wait until this thread holds the only reference to each tensor (``Tensor._use_count() == 1``).
-
-    Why: a gloo worker thread drops its reference to a finished collective's tensors only *after*
-    the waiting thread woke. If that is the last reference to a tensor Python created and the
-    interpreter is already finalizing (a rank exits right after its last collective), the worker's
-    GIL acquire ends the thread with ``pthread_exit`` inside a C++ destructor: ``std::terminate``,
-    SIGABRT, a failed torchrun (seen in about 1 of 3 runs before this wait; the race is the one
-    pytorch/pytorch PR #179291 describes). Holding the tensors until the worker let go makes the
-    last reference Python's.
-
-    Args:
-        tensors: tensors of a finished collective, still referenced by the caller.
-        timeout_s: give up after this many seconds (returns False; nothing is raised).
-
-    Returns:
-        True once every tensor is released by the collective's worker thread; False after the
-        timeout, or at once when this torch has no ``Tensor._use_count``.
-    """
-    if not hasattr(torch.Tensor, "_use_count"):  # a private torch API: without it, do not wait
-        return False
-    deadline = time.monotonic() + timeout_s
-    while any(t._use_count() > 1 for t in tensors):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.0005)
-    return True
-
-
 def broadcast_command(msg: Any, ctx: RankContext) -> Any:
-    """Rank 0's ``msg`` on every rank: its pickle's length, then its bytes, broadcast on the gloo
-    ``cpu_group`` (what ``broadcast_object_list`` does), returning only once gloo released both
-    buffers (:func:`wait_released`), so a rank may exit right after the ``shutdown`` command.
+    """Rank 0's ``msg`` on every rank, over the gloo ``cpu_group``
+    (:func:`~.collectives.broadcast_object`: a rank may exit right after the ``shutdown`` command).
 
-    Args:
-        msg: any picklable object (rank 0); ignored on other ranks.
-        ctx: the rank's :class:`RankContext`.
-
-    Returns:
-        Rank 0's ``msg`` (a copy, unpickled, on ranks > 0).
+    Raises:
+        As :func:`~.collectives.broadcast_object`.
     """
-    payload = pickle.dumps(msg) if ctx.is_rank0 else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=ctx.cpu_group)
-    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if ctx.is_rank0
-           else torch.empty(int(size.item()), dtype=torch.uint8))
-    dist.broadcast(buf, src=0, group=ctx.cpu_group)
-    wait_released(size, buf)
-    return msg if ctx.is_rank0 else pickle.loads(buf.numpy().tobytes())
+    return broadcast_object(msg, ctx.cpu_group, src=0)
 
 
 def run_and_report(server: RankServer | None, cmd: str, args: tuple, ctx: RankContext,
@@ -321,8 +280,7 @@ def run_and_report(server: RankServer | None, cmd: str, args: tuple, ctx: RankCo
         result = build() if cmd == "build" else server.handle(cmd, args)  # type: ignore[union-attr]
     except BaseException as e:
         err = failure_reply(e)
-    errors: list[tuple[str, str] | None] = [None] * ctx.world_size
-    dist.all_gather_object(errors, err, group=ctx.cpu_group)
+    errors: list[tuple[str, str] | None] = all_gather_objects(err, ctx.cpu_group)
     return result, errors
 
 
