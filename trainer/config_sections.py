@@ -273,9 +273,10 @@ class WarmStartConfig:
             a cloze question about a corpus passage, searched for through the real retriever and
             answered with the span copied from the result; teaches finding the question's words
             in a passage and copying the span beside them).
-        keep_misses: ``search_r1``: keep the traces whose retrieved text never held a golden
-            answer (answered with the last passage's title); false drops them, so the traces
-            only ever answer with a golden answer copied from what the retriever returned.
+        keep_misses: ``search_r1``: keep the searching traces whose retrieved text never held a
+            golden answer (answered with the last passage's title); false drops them, so every
+            searching trace answers with a golden answer (copied from the retrieved text, or
+            yes/no). Traces that answer without searching (``tool_use_fraction`` < 1) stay.
         cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
             key a hash of every setting it depends on (model, task, rollout budgets, this section,
             ``train.seed``); a run with the same key copies it instead of training (``copc sweep``

@@ -14,10 +14,17 @@ from search_server import CORPUS, QA_DIR, retriever_url  # noqa: F401 - pytest f
 
 import environments
 from environments.search.env import ANSWER_PATTERN, SearchTool
+from environments.search.reward import normalize_answer
 from retriever.corpus import iter_corpus
 from trainer.config import ConfigError, load_config
 from trainer.tasks import build_task
-from trainer.warmstart.reading_drills import VISIBLE_WORDS, answer_spans, cloze_question, reading_drills
+from trainer.warmstart.reading_drills import (
+    VISIBLE_WORDS,
+    answer_spans,
+    cloze_question,
+    reading_drills,
+    reservoir_sample,
+)
 from trainer.warmstart.search_traces import information_text
 
 CPU_TINY = Path(__file__).resolve().parents[2] / "configs" / "search" / "cpu_tiny.yaml"
@@ -42,8 +49,9 @@ def test_answer_spans_join_names_and_stop_at_punctuation_and_parentheses():
     # a comma ends a name; "(Ти́хон" never starts or continues one; the first word never counts
     assert answer_spans(ws("Born in Paris, France (Europe) today")) == [(2, 3, "what"), (3, 4, "what")]
     assert answer_spans(ws("Paris is big")) == []
-    # at most 4 words per name
+    # at most 4 words per name, never ending in a joiner the cap cut off
     assert answer_spans(ws("x Aa Bb Cc Dd Ee")) == [(1, 5, "who"), (5, 6, "what")]
+    assert answer_spans(ws("x Maryland Institute College of Art")) == [(1, 4, "who"), (5, 6, "what")]
 
 
 def test_cloze_question_cuts_a_visible_span_and_asks_around_it():
@@ -62,6 +70,40 @@ def test_cloze_question_cuts_a_visible_span_and_asks_around_it():
     assert cloze_question("T", "too short.", random.Random(0)) is None
     assert cloze_question("T", "no capitalised words or numbers in this long sentence here.",
                           random.Random(0)) is None
+
+
+def test_cloze_question_skips_the_repeated_title_and_never_gives_the_answer_away():
+    # DPR passages repeat the title before the first sentence; a span must not cross into it,
+    # and no run of question words may normalise to the answer (the env's EM normalises)
+    text = ("Qin dynasty The Qin dynasty () was the first dynasty of Imperial China, lasting from "
+            "221 to 206 before Christ. Its first emperor Qin Shi Huang unified China in 221 before Christ.")
+    made = [c for c in (cloze_question("Qin dynasty", text, random.Random(s)) for s in range(200)) if c]
+    assert made
+    for c in made:
+        norm = normalize_answer(c.answer)
+        assert norm and f" {norm} " not in f" {normalize_answer(c.question)} "
+        assert not c.answer.startswith("The Qin dynasty The")
+    assert "The Qin" not in {c.answer for c in made}       # "Qin" is in every question with the title
+
+
+def test_reservoir_sample_is_uniform_one_pass_and_exact_for_short_streams():
+    rng = random.Random(0)
+    counts = dict.fromkeys(range(5), 0)
+    for _ in range(20_000):
+        for x in reservoir_sample(iter(range(5)), 2, rng):
+            counts[x] += 1
+    assert all(abs(c / 20_000 - 0.4) < 0.015 for c in counts.values())  # each item kept 2/5 of the time
+    assert reservoir_sample(iter("abc"), 5, rng) == ["a", "b", "c"]
+    assert reservoir_sample(iter("abc"), 0, rng) == []
+    with pytest.raises(ValueError, match="k=-1"):
+        reservoir_sample([], -1, rng)
+
+
+def test_reading_drills_warn_when_they_fall_short(caplog):
+    never = [("T", "all lowercase words in this one long sentence here.")]
+    with caplog.at_level("WARNING", logger="trainer.warmstart.reading_drills"):
+        assert reading_drills(never, 5, lambda: object()) == []
+    assert "0 of the 5 asked for" in caplog.text
 
 
 def test_cloze_question_only_uses_the_visible_words():

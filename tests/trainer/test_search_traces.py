@@ -431,14 +431,20 @@ def test_base_task_has_no_drills():
 
 def test_keep_misses_false_drops_title_answers_only(task):
     rows = task.train_samples[:N_ROWS]
-    kept = search_r1_traces(rows, task.make_env, second_search_fraction=0.0)
-    dropped = search_r1_traces(rows, task.make_env, second_search_fraction=0.0, keep_misses=False)
-    golden = {r["question"].strip(): r["golden_answers"] for r in rows}
+    golden = {r["question"].strip().rstrip("?"): r["golden_answers"] for r in rows}
 
-    def answered_gold(t) -> bool:
+    def answered_gold(t) -> bool:  # the prompt ends with "Question: <question>" (cpu_tiny template)
         answer = ANSWER_PATTERN.search(t.pieces[-1][1]).group(1)
-        q = SearchTool.pattern.fullmatch(t.pieces[0][1]).group(1).strip()
-        return exact_match(answer, golden[q]) == 1.0
-    assert all(answered_gold(t) for t in dropped)
-    assert [t for t in kept if answered_gold(t)] == dropped        # the same traces, misses removed
-    assert 0 < len(dropped) < len(kept)
+        return exact_match(answer, golden[t.prompt.rsplit("Question: ", 1)[1].strip().rstrip("?")]) == 1.0
+
+    for tool_use in (1.0, 0.5):
+        kept = search_r1_traces(rows, task.make_env, second_search_fraction=0.0, tool_use_fraction=tool_use)
+        dropped = search_r1_traces(rows, task.make_env, second_search_fraction=0.0,
+                                   tool_use_fraction=tool_use, keep_misses=False)
+        searched = [t for t in dropped if t.pieces[0][1].startswith("<search>")]
+        assert searched and all(answered_gold(t) for t in searched)
+        # the same traces, searching misses removed; traces that answer at once stay
+        assert [t for t in kept if answered_gold(t) or not t.pieces[0][1].startswith("<search>")] == dropped
+        assert 0 < len(dropped) < len(kept)
+        if tool_use < 1.0:
+            assert len(searched) < len(dropped)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: Corpus passages whose words make the query drills' pseudo-questions.
 DRILL_PASSAGES = 4000
+#: Corpus passages (a uniform sample of the whole corpus) the reading drills are made from.
+READING_PASSAGES = 50_000
 #: The corpus indexed when ``task.retriever_corpus`` is empty, relative to the data directory.
 DEFAULT_CORPUS = "wiki/corpus.jsonl"
 
@@ -133,8 +136,9 @@ class SearchTask(Task):
         """``n`` drills: query drills (:func:`trainer.warmstart.search_traces.query_drills`) of
         pseudo-questions made of random words of the retriever corpus, and a ``reading_fraction``
         share of reading drills (:func:`trainer.warmstart.reading_drills.reading_drills`: cloze
-        questions about corpus passages, searched for through the real retriever and answered
-        with the span copied from what it returned). Never a dataset question.
+        questions about a uniform sample of :data:`READING_PASSAGES` corpus passages, searched for
+        through the real retriever and answered with the span copied from what it returned;
+        fewer, with a warning, when the corpus yields too few). Never a dataset question.
 
         Raises:
             FileNotFoundError / CorpusFormatError: the corpus is missing or malformed.
@@ -142,16 +146,16 @@ class SearchTask(Task):
         """
         from retriever.corpus import iter_corpus
 
-        from ..warmstart.reading_drills import reading_drills
+        from ..warmstart.reading_drills import reading_drills, reservoir_sample
         from ..warmstart.search_traces import query_drills
 
-        passages = list(iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)))
+        corpus = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
         n_read = round(n * reading_fraction)
-        words = [w for p in passages[:DRILL_PASSAGES] for w in p.contents.split()]
+        words = [w for p in itertools.islice(iter_corpus(corpus), DRILL_PASSAGES) for w in p.contents.split()]
         drills = query_drills(words, n - n_read, self.make_env, seed=seed)
-        if n_read:
-            pairs = [(p.title, p.text) for p in passages]
-            drills += reading_drills(pairs, n_read, self.make_env, seed=seed)
+        if n_read:  # passages drawn from the whole corpus in one pass (a large corpus is never held)
+            sample = reservoir_sample(iter_corpus(corpus), READING_PASSAGES, random.Random(seed))
+            drills += reading_drills([(p.title, p.text) for p in sample], n_read, self.make_env, seed=seed)
         return drills
 
     def make_env(self) -> gymnasium.Env:

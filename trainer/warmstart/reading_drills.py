@@ -18,14 +18,18 @@ No dataset question or golden answer is used.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .search_traces import copied_answer
 from .traces import Trace, TraceError, _each
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _YEAR = re.compile(r"^(1[0-9]\d\d|20[0-2]\d)$")
 _NUMBER = re.compile(r"^\d[\d,.]*$")
@@ -56,8 +60,8 @@ def answer_spans(words: list[str]) -> list[tuple[int, int, str]]:
     """Candidate answer spans of a sentence: ``(start, end, wh)`` word index ranges (end exclusive).
 
     A year (1000-2029) → ``when``; another number → ``how many``; a run of 1-4 capitalised words
-    (joined by :data:`_NAME_JOINERS`, not crossing punctuation, never the sentence's first word)
-    → ``who`` for 2+ words, else ``what``.
+    (joined by :data:`_NAME_JOINERS`, never ending in one, not crossing punctuation, never the
+    sentence's first word) → ``who`` for 2+ words, else ``what``.
 
     Args:
         words: the sentence split on whitespace.
@@ -81,6 +85,8 @@ def answer_spans(words: list[str]) -> list[tuple[int, int, str]]:
                 if not (v[:1].isupper() or joins) or words[j].startswith("("):
                     break
                 j += 1
+            while j - i > 1 and words[j - 1].strip(_STRIP) in _NAME_JOINERS:  # cut by the 4-word cap
+                j -= 1
             out.append((i, j, "who" if j - i >= 2 else "what"))
             i = j
             continue
@@ -91,10 +97,12 @@ def answer_spans(words: list[str]) -> list[tuple[int, int, str]]:
 def cloze_question(title: str, text: str, rng: random.Random) -> Cloze | None:
     """A cloze question about one passage, or None when it has no usable sentence.
 
-    A sentence (6+ words, ending in ``.``) of the first :data:`VISIBLE_WORDS` words is chosen,
-    then one of its :func:`answer_spans`; the question is the span's wh-word, 3-8 words before
-    the span and 2-7 after it, and (half of the time, when neither it nor the answer is in it
-    already) the title. The answer never occurs in the question.
+    A sentence (6+ words, ending in ``.``) of the first :data:`VISIBLE_WORDS` words of the text
+    (after the title the corpus repeats at its start) is chosen, then one of its
+    :func:`answer_spans`; the question is the span's wh-word, 3-8 words before the span and 2-7
+    after it, and (half of the time, when not already in it) the title. None when the answer
+    normalises to ``""`` or its normalised words occur in the normalised question (SQuAD
+    normalisation, as the env scores: copying from the question could never score EM 1).
 
     Args:
         title: the passage title (without quotes). text: its text.
@@ -103,9 +111,14 @@ def cloze_question(title: str, text: str, rng: random.Random) -> Cloze | None:
     Returns:
         A :class:`Cloze`, or None.
     """
+    from environments.search.reward import normalize_answer
+
+    body = text.strip()
+    if title and body.startswith(title):  # DPR passages repeat the title before the first sentence
+        body = body[len(title):]
     sentences: list[list[str]] = []
     current: list[str] = []
-    for w in text.split()[:VISIBLE_WORDS]:
+    for w in body.split()[:VISIBLE_WORDS]:
         current.append(w)
         if w.endswith(".") and len(w) > 3:  # "U.S." / "Jr." rarely end a sentence of 4+ chars
             sentences.append(current)
@@ -122,12 +135,34 @@ def cloze_question(title: str, text: str, rng: random.Random) -> Cloze | None:
     left = words[max(0, a - rng.randint(3, 8)):a]
     right = words[b:b + rng.randint(2, 7)]
     question = " ".join([wh, *left, *right]).rstrip(_STRIP)
-    if not answer or answer.lower() in question.lower():
-        return None
-    if rng.random() < 0.5 and title and title.lower() not in question.lower() \
-            and answer.lower() not in title.lower():
+    if rng.random() < 0.5 and title and title.lower() not in question.lower():
         question = f"{question} {title}"
+    norm = normalize_answer(answer)
+    # the env scores SQuAD-normalised EM: no run of question words may normalise to the answer
+    if not norm or f" {norm} " in f" {normalize_answer(question)} ":
+        return None
     return Cloze(question=f"{question}?", answer=answer, wh=wh)
+
+
+def reservoir_sample(items: Iterable[T], k: int, rng: random.Random) -> list[T]:
+    """``k`` items drawn uniformly without replacement from a stream of unknown length, in one pass
+    holding at most ``k`` (Algorithm R: Vitter 1985, *Random sampling with a reservoir*, ACM TOMS
+    11(1)). All items when there are at most ``k``, in stream order.
+
+    Raises:
+        ValueError: ``k < 0``.
+    """
+    if k < 0:
+        raise ValueError(f"reservoir_sample: k={k} must be >= 0")
+    out: list[T] = []
+    for i, item in enumerate(items):
+        if i < k:
+            out.append(item)
+        else:
+            j = rng.randint(0, i)
+            if j < k:
+                out[j] = item
+    return out
 
 
 def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Callable[[], Any], *,
@@ -144,7 +179,8 @@ def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Cal
 
     Returns:
         Up to ``n`` :class:`Trace` s ``(prompt, [search, observation, answer])``; each answer is
-        copied from its observation (the env scores it EM 1).
+        copied from its observation (the env scores it EM 1). Fewer (with a warning logged) when
+        ``max_tries * n`` cloze questions did not give ``n`` drills.
 
     Raises:
         ValueError: ``n < 0``, ``max_tries < 1`` or no passages.
@@ -182,7 +218,11 @@ def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Cal
         return trace
 
     _each(samples, env_factory, False, "reading drills", play)
+    if len(kept) < n:
+        log.warning("reading drills: %d of the %d asked for (%d cloze questions tried; the others had "
+                    "no usable sentence or the retriever returned another passage)", len(kept), n,
+                    len(samples))
     return kept
 
 
-__all__ = ["Cloze", "answer_spans", "cloze_question", "reading_drills"]
+__all__ = ["Cloze", "answer_spans", "cloze_question", "reading_drills", "reservoir_sample"]
