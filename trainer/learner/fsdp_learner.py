@@ -53,8 +53,8 @@ from ..rollout.batch import RolloutBatch
 from .algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
 from .critic import ValueModel
 from .distributed.base import RankContext
+from .distributed.collectives import all_gather_objects
 from .distributed.shard import (
-    gather_objects,
     gather_rows,
     global_denominators,
     micro_plan,
@@ -343,7 +343,7 @@ class FSDPRankLearner:
                 continue
             loss.backward()
             local.append((met, float(mb.loss_mask.sum())))
-        for rank_items in gather_objects(local, self.ctx.cpu_group):
+        for rank_items in all_gather_objects(local, self.ctx.cpu_group):
             for met, tokens in rank_items:
                 acc.add_micro(met, tokens)
         if self.cfg.grad_clip > 0:

@@ -25,7 +25,6 @@ import copc
 
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators
-from .collectives import all_gather_objects
 
 Tensor = torch.Tensor
 
@@ -148,8 +147,3 @@ def training_state_bytes(models: list[Any], optimizers: list[Any]) -> dict[str, 
                 add("optimizer", v)
     return out
 
-
-def gather_objects(obj: Any, group: Any) -> list[Any]:
-    """``[obj of rank 0, obj of rank 1, …]`` over the gloo ``group`` (pickled; small objects only;
-    :func:`~.collectives.all_gather_objects`). Collective."""
-    return all_gather_objects(obj, group)

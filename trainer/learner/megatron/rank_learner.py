@@ -41,8 +41,8 @@ from ...errors import ConfigError
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
 from ..distributed.base import RankContext
+from ..distributed.collectives import all_gather_objects
 from ..distributed.shard import (
-    gather_objects,
     gather_rows,
     global_denominators,
     micro_plan,
@@ -344,7 +344,7 @@ class MegatronRankLearner:
             loss, met = loss_fn(mb, xm.rows_slice(sl))
             loss.backward()
             local.append((met, float(mb.loss_mask.sum())))
-        for rank_items in gather_objects(local, self.dp_gloo):
+        for rank_items in all_gather_objects(local, self.dp_gloo):
             for met, tokens in rank_items:
                 acc.add_micro(met, tokens)
         norm = opt.step()
