@@ -16,7 +16,7 @@ import environments
 from environments.search.env import ANSWER_PATTERN, SearchTool
 from environments.search.reward import normalize_answer
 from retriever.corpus import iter_corpus
-from trainer.config import ConfigError, load_config
+from trainer.config import load_config
 from trainer.tasks import build_task
 from trainer.warmstart.reading_drills import (
     VISIBLE_WORDS,
@@ -174,7 +174,3 @@ def test_search_task_mixes_query_and_reading_drills(retriever_url):  # noqa: F81
     shapes = [len(d.pieces) for d in drills]
     assert shapes.count(1) == 30 and shapes.count(3) == 10   # 30 query drills, 10 reading drills
 
-
-def test_reading_drill_fraction_is_validated():
-    with pytest.raises(ConfigError, match=r"warm_start\.reading_drill_fraction.*1\.5"):
-        load_config(CPU_TINY, ["warm_start.reading_drill_fraction=1.5"])

@@ -144,6 +144,7 @@ def test_reformulated_query_falls_back_to_the_question():
     ("warm_start.second_search_fraction=-0.1", "warm_start.second_search_fraction=-0.1"),
     ("task.held_out_every=1", "task.held_out_every=1"),
     ("task.held_out_every=0", "task.held_out_every=0"),
+    ("warm_start.reading_drill_fraction=1.5", "warm_start.reading_drill_fraction=1.5"),
 ])
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as ei:

@@ -196,10 +196,11 @@ def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Cal
         c = cloze_question(*rng.choice(pool), rng)
         if c is not None:
             samples.append({"id": f"reading-{i}", "question": c.question, "golden_answers": [c.answer]})
-    kept: list[Trace] = []
+    made = 0
 
     def play(env: Any, s: Mapping[str, Any]) -> Trace | None:
-        if len(kept) >= n:
+        nonlocal made
+        if made >= n:  # enough: the remaining cloze questions are not searched
             return None
         prompt, _ = env.reset(options={"sample": dict(s)})
         action = f"<search> {s['question']}</search>"
@@ -213,11 +214,10 @@ def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Cal
         _, reward, term, _, _ = env.step(final)
         if not term or reward < 1.0:
             raise TraceError(f"drill {s['id']!r}: the copied answer {final!r} scored {reward} (term={term})")
-        trace = Trace(prompt, [("action", action), ("observation", obs), ("action", final)])
-        kept.append(trace)
-        return trace
+        made += 1
+        return Trace(prompt, [("action", action), ("observation", obs), ("action", final)])
 
-    _each(samples, env_factory, False, "reading drills", play)
+    kept = _each(samples, env_factory, False, "reading drills", play)
     if len(kept) < n:
         log.warning("reading drills: %d of the %d asked for (%d cloze questions tried; the others had "
                     "no usable sentence or the retriever returned another passage)", len(kept), n,

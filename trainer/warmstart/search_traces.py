@@ -190,8 +190,7 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     # a row whose golden answers all normalise to "" (e.g. NQ test_1420: "---") can never be
     # answered correctly (environments/search/reward.py), so it gives no trace
     usable = [s for s in samples if any(normalize_answer(g) for g in s["golden_answers"])]
-    traces = _each(usable, env_factory, progress, "search-r1 traces", play)
-    return [t for t in traces if t is not None]
+    return _each(usable, env_factory, progress, "search-r1 traces", play)
 
 
 def query_drills(words: Sequence[str], n: int, env_factory: Callable[[], Any], *, seed: int = 0,

@@ -118,12 +118,15 @@ def direct_answer_traces(samples: Sequence[Mapping[str, Any]], env_factory: Call
 
 
 def _each(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], Any], progress: bool,
-          desc: str, play: Callable[[Any, Mapping[str, Any]], Trace]) -> list[Trace]:
+          desc: str, play: Callable[[Any, Mapping[str, Any]], Trace | None]) -> list[Trace]:
+    """``play(env, sample)`` for every sample on one env (closed at the end), in order; a sample
+    whose ``play`` returns None gives no trace."""
     from tqdm.auto import tqdm
 
     env = env_factory()
     try:
-        return [play(env, s) for s in tqdm(samples, desc=desc, disable=not progress, leave=False)]
+        traces = (play(env, s) for s in tqdm(samples, desc=desc, disable=not progress, leave=False))
+        return [t for t in traces if t is not None]
     finally:
         close = getattr(env, "close", None)
         if close is not None:
