@@ -28,7 +28,7 @@ from environments.math_tool import MathToolEnv
 from environments.sandbox import Sandbox, SandboxConfig
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.torch_learner import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig

@@ -97,7 +97,7 @@ def run_backend(backend: str, dtype: str, device: str, model_dir: Path, batches:
 
     from trainer.config import load_config
     from trainer.learner import make_learner
-    from trainer.learner.fsdp_learner import batch_to
+    from trainer.learner.backends.fsdp import batch_to
 
     cfg = load_config(None, overrides(backend, dtype, device, timeout_s))
     on_cuda = device == "cuda" and torch.cuda.is_available()
@@ -161,7 +161,7 @@ def compare(ref: dict, got: dict, tol: float) -> dict:
 
 
 def optimizer_path(backend: str, device: str) -> str:
-    """Which optimizer code a run exercises (see trainer/learner/megatron/optim.py)."""
+    """Which optimizer code a run exercises (see trainer/learner/backends/megatron/optim.py)."""
     if backend == "megatron":
         return ("Megatron distributed optimizer (get_megatron_optimizer)" if device == "cuda"
                 else "torch AdamW over Megatron DDP main_grad (CPU path)")

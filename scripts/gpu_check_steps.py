@@ -220,7 +220,7 @@ def parity_batch(engine: Any, tok: Any, temperature: float, top_p: float, seed: 
 
 def step_logprob_parity(ctx: StepContext) -> dict:
     """Behavior log-probs from the embedded engine on the device vs the learner's recomputation
-    (``trainer.learner.torch_learner.response_logprobs``, the torch backend's forward) of the same
+    (``trainer.learner.backends.torch.response_logprobs``, the torch backend's forward) of the same
     tokens by a separate copy of the weights on the device.
 
     Reports, per dtype (float32, bfloat16) and sampling setting (T = 1; T = 0.7, top-p 0.9), the
@@ -230,8 +230,8 @@ def step_logprob_parity(ctx: StepContext) -> dict:
     import torch
 
     from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from trainer.learner.fsdp_learner import batch_to
-    from trainer.learner.torch_learner import response_logprobs
+    from trainer.learner.backends.fsdp import batch_to
+    from trainer.learner.backends.torch import response_logprobs
     from trainer.models.loading import load_model_and_tokenizer
     from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 

@@ -39,7 +39,7 @@ from copc.metrics import (
     value_bias_metrics,
 )
 from trainer.learner.algorithm import ActorCriticAlgorithm, ValueBiasTracker
-from trainer.learner.torch_learner import LearnerConfig, TorchLearner, mb_values, response_logprobs
+from trainer.learner.backends.torch import LearnerConfig, TorchLearner, mb_values, response_logprobs
 from trainer.metrics_log import MetricsLogger
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint

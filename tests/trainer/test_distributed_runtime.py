@@ -173,7 +173,7 @@ def test_a_setting_a_rank_refuses_is_a_config_error_in_the_driver(tiny):
     """A ConfigError raised while a rank builds its learner (megatron refuses ``learner.cpu_offload``)
     reaches the driver as a ConfigError (``copc train`` exits 2), not a RankError with a traceback;
     no rank process is left."""
-    import trainer.learner.megatron  # noqa: F401 - registers the megatron backend
+    import trainer.learner.backends.megatron  # noqa: F401 - registers the megatron backend
 
     cfg = load_config(None, ["learner.backend=megatron", "learner.world_size=2",
                              "learner.tensor_parallel_size=2", "learner.cpu_offload=true",

@@ -21,7 +21,7 @@ import copc
 from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.torch_learner import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.lag import WeightHistory, generating_version

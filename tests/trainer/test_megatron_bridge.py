@@ -4,7 +4,7 @@
   embeddings) and Qwen3 (q/k norms, untied LM head); the critic exports as the torch backend's
   ``ValueModel`` from the same checkpoint, bit for bit.
 * vocab-parallel per-token log-probs at TP = 1 and TP = 2 equal the Hugging Face model's
-  (``trainer.learner.torch_learner.response_logprobs``) within 1e-5 in fp32, at temperature 1 and
+  (``trainer.learner.backends.torch.response_logprobs``) within 1e-5 in fp32, at temperature 1 and
   0.7, on a left/right padded multi-turn batch; critic values equal ``ValueModel``'s.
 * model-dependent sizes are refused with the key named; the CPU shims are idempotent and the
   version pin is asserted.
@@ -18,9 +18,9 @@ import pytest
 import torch
 from test_megatron_group import RankPool
 
+from trainer.learner.backends.megatron.shims import MegatronVersionError, check_versions
+from trainer.learner.backends.torch import mb_values, response_logprobs
 from trainer.learner.critic import ValueModel
-from trainer.learner.megatron.shims import MegatronVersionError, check_versions
-from trainer.learner.torch_learner import mb_values, response_logprobs
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, save_tiny_checkpoint
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
@@ -92,9 +92,9 @@ def _models(state: dict, path: str, tp: int):
     """(bridge, actor, critic) for ``path`` at tensor-parallel size ``tp`` (cached per rank)."""
     key = ("models", path, tp)
     if key not in state:
-        from trainer.learner.megatron import bridge as mb
-        from trainer.learner.megatron import shims
-        from trainer.learner.megatron.rank_learner import init_parallel_state
+        from trainer.learner.backends.megatron import bridge as mb
+        from trainer.learner.backends.megatron import shims
+        from trainer.learner.backends.megatron.rank_learner import init_parallel_state
 
         shims.check_versions()
         shims.apply_cpu_shims()
@@ -103,14 +103,14 @@ def _models(state: dict, path: str, tp: int):
         cpu = torch.device("cpu")
         state[key] = (br, mb.build_actor(br, path, cpu), mb.build_critic(br, path, cpu))
     else:
-        from trainer.learner.megatron.rank_learner import init_parallel_state
+        from trainer.learner.backends.megatron.rank_learner import init_parallel_state
 
         init_parallel_state(_ctx(state, tp))
     return state[key]
 
 
 def _r_export(state: dict, path: str, tp: int):
-    from trainer.learner.megatron.bridge import export_actor, export_critic
+    from trainer.learner.backends.megatron.bridge import export_actor, export_critic
 
     br, actor, critic = _models(state, path, tp)
     return dict(export_actor(br, actor)), dict(export_critic(br, critic))
@@ -118,8 +118,8 @@ def _r_export(state: dict, path: str, tp: int):
 
 def _r_forward(state: dict, path: str, tp: int, batch: RolloutBatch, temperature: float,
                head: tuple[torch.Tensor, torch.Tensor]):
-    from trainer.learner.megatron.logprobs import response_logprobs as mlp
-    from trainer.learner.megatron.logprobs import response_values
+    from trainer.learner.backends.megatron.logprobs import response_logprobs as mlp
+    from trainer.learner.backends.megatron.logprobs import response_values
 
     _, actor, critic = _models(state, path, tp)
     with torch.no_grad():
@@ -137,7 +137,7 @@ def _r_shims(state: dict):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mrandom
 
-    from trainer.learner.megatron import shims
+    from trainer.learner.backends.megatron import shims
 
     seen = []
     for _ in range(2):
@@ -153,7 +153,7 @@ def _r_shims(state: dict):
 
 def _r_check_sizes(state: dict, path: str):
     from trainer.errors import ConfigError
-    from trainer.learner.megatron.bridge import check_model_parallel, load_hf_config
+    from trainer.learner.backends.megatron.bridge import check_model_parallel, load_hf_config
 
     cfg, out = load_hf_config(path), []
     for tp, pp in ((4, 1), (3, 1), (2, 2)):

@@ -89,8 +89,8 @@ def _r_build(state: dict, key: str, exp_cfg, path: str, tp: int) -> int:
     """Build a MegatronRankLearner at tensor-parallel size ``tp`` and keep it as ``state[key]``."""
     import torch.distributed as dist
 
+    from trainer.learner.backends.megatron import build_rank_learner
     from trainer.learner.distributed.base import RankContext
-    from trainer.learner.megatron import build_rank_learner
 
     r, w = state["rank"], state["world_size"]
     ctx = RankContext(rank=r, world_size=w, tp_size=tp, cpu_group=dist.group.WORLD,
@@ -104,8 +104,8 @@ def _r_build_error(state: dict, exp_cfg, path: str, tp: int, pp: int) -> str:
     import torch.distributed as dist
 
     from trainer.errors import ConfigError
+    from trainer.learner.backends.megatron import build_rank_learner
     from trainer.learner.distributed.base import RankContext
-    from trainer.learner.megatron import build_rank_learner
 
     r, w = state["rank"], state["world_size"]
     ctx = RankContext(rank=r, world_size=w, tp_size=tp, pp_size=pp, cpu_group=dist.group.WORLD,
@@ -120,7 +120,7 @@ def _r_build_error(state: dict, exp_cfg, path: str, tp: int, pp: int) -> str:
 def _r_call(state: dict, key: str, method: str, *args):
     """``state[key].<method>(*args)`` (or the attribute ``method``); an iterator result (weights)
     comes back as a dict."""
-    from trainer.learner.megatron.rank_learner import init_parallel_state
+    from trainer.learner.backends.megatron.rank_learner import init_parallel_state
 
     lrn = state[key]
     init_parallel_state(lrn.ctx)  # the learners of one test module may use different TP sizes
@@ -135,7 +135,7 @@ def _r_step_counting_layer_calls(state: dict, key: str, batch: RolloutBatch) -> 
     """One step of ``state[key]``; returns its metrics and how often the actor's and the critic's
     first transformer layer ran forward during it (activation recompute re-runs a layer in the
     backward pass)."""
-    from trainer.learner.megatron.rank_learner import init_parallel_state
+    from trainer.learner.backends.megatron.rank_learner import init_parallel_state
 
     lrn = state[key]
     init_parallel_state(lrn.ctx)

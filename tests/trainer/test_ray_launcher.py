@@ -13,7 +13,7 @@ import torch
 import copc
 from trainer.config import load_config
 from trainer.engines.base import SamplingParams
-from trainer.learner.torch_learner import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import LoopConfig

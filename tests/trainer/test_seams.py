@@ -15,7 +15,7 @@ from trainer.engines import ENGINES, EngineHandle, register_engine
 from trainer.engines.builtin import embedded_engine
 from trainer.learner import LEARNERS, Learner, LearnerConfig, TorchLearner, make_learner, register_learner
 from trainer.learner.algorithm import MetricAccumulator
-from trainer.learner.torch_learner import response_logprobs
+from trainer.learner.backends.torch import response_logprobs
 from trainer.models.export import save_hf_weights
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint

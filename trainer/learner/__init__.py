@@ -2,7 +2,7 @@
 
 ``make_learner(exp_cfg, model_dir)`` builds the backend named by ``learner.backend``;
 ``register_learner(name, factory)`` adds one. Built in: ``torch`` (one process), ``fsdp``
-(PyTorch FSDP2 over ``learner.world_size`` ranks) and, when :mod:`trainer.learner.megatron` is
+(PyTorch FSDP2 over ``learner.world_size`` ranks) and, when :mod:`trainer.learner.backends.megatron` is
 present, ``megatron``. Distributed backends register a per-rank factory with
 :func:`~trainer.learner.distributed.registry.register_rank_learner`; the driver side is then
 :class:`~trainer.learner.distributed.runtime.DistributedLearner`.
@@ -11,6 +11,7 @@ present, ``megatron``. Distributed backends register a per-rank factory with
 import importlib
 import importlib.util
 
+from .backends.torch import LearnerConfig, TorchLearner
 from .base import (
     LEARNERS,
     Learner,
@@ -22,20 +23,20 @@ from .base import (
     restore_learner,
 )
 from .distributed.registry import RANK_LEARNERS, register_rank_learner
-from .torch_learner import LearnerConfig, TorchLearner
 
 
 def _build_fsdp(exp_cfg, model_dir, ctx):
     """The ``fsdp`` rank learner (imports FSDP only inside the rank process)."""
-    from .fsdp_learner import build_fsdp_rank_learner
+    from .backends.fsdp import build_fsdp_rank_learner
 
     return build_fsdp_rank_learner(exp_cfg, model_dir, ctx)
 
 
 register_learner("torch", TorchLearner.from_config)
 register_rank_learner("fsdp", _build_fsdp)
-if importlib.util.find_spec(f"{__name__}.megatron") is not None:  # registers "megatron" (lazy factory)
-    importlib.import_module(f"{__name__}.megatron")
+_MEGATRON = f"{__name__}.backends.megatron"
+if importlib.util.find_spec(_MEGATRON) is not None:  # registers "megatron" (lazy factory)
+    importlib.import_module(_MEGATRON)
 
 __all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "LearnerRegistry", "ShardedCheckpoint",
            "TorchLearner", "learner_checkpoint_state", "make_learner", "register_learner",

@@ -56,7 +56,7 @@ class RankLearnerRegistry:
 
 
 #: The default registry (``fsdp`` registered by :mod:`trainer.learner`, ``megatron`` by
-#: :mod:`trainer.learner.megatron`).
+#: :mod:`trainer.learner.backends.megatron`).
 RANK_LEARNERS = RankLearnerRegistry()
 
 

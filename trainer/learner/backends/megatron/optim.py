@@ -1,7 +1,7 @@
 """The Megatron backend's optimizers behind one interface (:class:`RankOptimizer`).
 
 * CPU (gloo): :class:`TorchRankOptimizer` — the torch backend's optimizer
-  (:func:`~trainer.learner.torch_learner.make_optimizer`: AdamW or SGD) over the gradients that
+  (:func:`~trainer.learner.backends.torch.make_optimizer`: AdamW or SGD) over the gradients that
   Megatron DDP accumulates in ``param.main_grad``, with the same clipping rule as
   :func:`torch.nn.utils.clip_grad_norm_` on the global norm (tensor-parallel shards counted
   once, replicated parameters once). Megatron's own optimizers and gradient clipping allocate on
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..torch_learner import _warmup, make_optimizer
+from ..torch import _warmup, make_optimizer
 
 Tensor = torch.Tensor
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 from . import shims
 
 Tensor = torch.Tensor

@@ -5,7 +5,7 @@ critic are Megatron ``GPTModel`` s built from the Hugging Face checkpoint throug
 (:mod:`.bridge`), wrapped in Megatron ``DistributedDataParallel``; ``parallel_state`` lays out
 ``tp × dp`` ranks (pipeline size 1) in the runtime's order (tensor-parallel ranks adjacent).
 
-The step is the torch backend's (:class:`~trainer.learner.torch_learner.TorchLearner`): every
+The step is the torch backend's (:class:`~trainer.learner.backends.torch.TorchLearner`): every
 algorithmic part comes from :class:`~trainer.learner.algorithm.ActorCriticAlgorithm`; per
 mini-batch, the rows are split over the data-parallel ranks (contiguous,
 :func:`~trainer.learner.distributed.shard.micro_plan`), the losses use the denominators of the
@@ -37,18 +37,18 @@ from torch import nn
 
 import copc
 
-from ...errors import ConfigError
-from ...rollout.batch import RolloutBatch
-from ..algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
-from ..distributed.base import RankContext
-from ..distributed.collectives import all_gather_objects
-from ..distributed.shard import (
+from ....errors import ConfigError
+from ....rollout.batch import RolloutBatch
+from ...algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
+from ...distributed.base import RankContext
+from ...distributed.collectives import all_gather_objects
+from ...distributed.shard import (
     gather_rows,
     global_denominators,
     micro_plan,
     training_state_bytes,
 )
-from ..torch_learner import LearnerConfig
+from ..torch import LearnerConfig
 from . import shims
 from .bridge import build_actor, build_critic, export_actor, export_critic, make_bridge
 from .logprobs import response_logprobs, response_values

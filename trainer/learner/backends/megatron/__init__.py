@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..distributed.registry import RANK_LEARNERS, register_rank_learner
+from ...distributed.registry import RANK_LEARNERS, register_rank_learner
 
 
 def build_rank_learner(exp_cfg: Any, model_dir: Path, ctx: Any) -> Any:

@@ -7,7 +7,7 @@ vocabulary columns) and Megatron's ``vocab_parallel_cross_entropy`` computes
 ``logsumexp − logit[token]`` with two all-reduces over the tensor-parallel group (max, then
 sums) — the full ``(B, L, V)`` logits are never gathered.
 
-Alignment (as :mod:`trainer.learner.torch_learner`): response token ``t`` sits at column
+Alignment (as :mod:`trainer.learner.backends.torch`): response token ``t`` sits at column
 ``P + t`` and is scored by the logits at column ``P + t − 1``; the critic's value of the state
 before response token ``t`` is read at column ``P + t − 1``.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...rollout.batch import RolloutBatch
+from ....rollout.batch import RolloutBatch
 
 Tensor = torch.Tensor
 

@@ -14,9 +14,9 @@ Three kinds, kept apart:
   :func:`instantiate_model`): per-object adjustments of an mbridge ``Bridge`` (no global state).
 
 Not shims but part of the same story: the explicit ``[b, 1, s, s]`` attention mask
-(:func:`trainer.learner.megatron.logprobs.attention_mask`; Megatron's default causal mask is
+(:func:`trainer.learner.backends.megatron.logprobs.attention_mask`; Megatron's default causal mask is
 built on ``device="cuda"``), and the optimizer choice (torch AdamW/SGD over Megatron DDP's
-``main_grad`` on CPU, :mod:`trainer.learner.megatron.optim`; ``get_megatron_optimizer`` and
+``main_grad`` on CPU, :mod:`trainer.learner.backends.megatron.optim`; ``get_megatron_optimizer`` and
 Megatron's gradient clipping allocate on ``device="cuda"``).
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 
 #: The versions the shims were written and tested against.
 PINNED_VERSIONS = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}

@@ -20,10 +20,10 @@ from torch import nn
 
 import copc
 
-from ..logprobs import token_logprobs
-from ..rollout.batch import RolloutBatch
-from .algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
-from .critic import ValueModel
+from ...logprobs import token_logprobs
+from ...rollout.batch import RolloutBatch
+from ..algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
+from ..critic import ValueModel
 
 Tensor = torch.Tensor
 
@@ -125,7 +125,7 @@ class TorchLearner:
     @classmethod
     def from_config(cls, exp: Any, model_dir: str | Path) -> TorchLearner:
         """The torch backend of an :class:`~trainer.config.ExperimentConfig`, actor from ``model_dir``."""
-        from ..models.loading import load_model_and_tokenizer
+        from ...models.loading import load_model_and_tokenizer
 
         actor, _ = load_model_and_tokenizer(model_dir, dtype=getattr(torch, exp.model.dtype),
                                             attn_implementation=exp.model.attn_implementation)

@@ -4,7 +4,7 @@ the critic, data parallel over the ranks of a
 
 Per rank: parameters, gradients and optimizer state are sharded (each decoder layer its own
 FSDP unit, then the root: embeddings, final norm, LM / value head). The step is the torch
-backend's (:class:`~trainer.learner.torch_learner.TorchLearner`) with the rows of every
+backend's (:class:`~trainer.learner.backends.torch.TorchLearner`) with the rows of every
 mini-batch split over the data-parallel ranks:
 
 * ``logp_old`` / ``values_old`` are recomputed on each rank's rows and all-gathered, so the
@@ -18,8 +18,8 @@ mini-batch split over the data-parallel ranks:
 * metrics of every rank's micro-batches are all-gathered and combined by the same
   :class:`~trainer.learner.algorithm.MetricAccumulator` rules.
 
-Forward passes (:func:`~trainer.learner.torch_learner.response_logprobs`,
-:func:`~trainer.learner.torch_learner.mb_values`) and the critic
+Forward passes (:func:`~trainer.learner.backends.torch.response_logprobs`,
+:func:`~trainer.learner.backends.torch.mb_values`) and the critic
 (:class:`~trainer.learner.critic.ValueModel`) are the torch backend's; no RL maths here.
 """
 
@@ -49,18 +49,18 @@ from torch.distributed.tensor import DTensor
 
 import copc
 
-from ..rollout.batch import RolloutBatch
-from .algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
-from .critic import ValueModel
-from .distributed.base import RankContext
-from .distributed.collectives import all_gather_objects
-from .distributed.shard import (
+from ...rollout.batch import RolloutBatch
+from ..algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
+from ..critic import ValueModel
+from ..distributed.base import RankContext
+from ..distributed.collectives import all_gather_objects
+from ..distributed.shard import (
     gather_rows,
     global_denominators,
     micro_plan,
     training_state_bytes,
 )
-from .torch_learner import LearnerConfig, _warmup, make_optimizer, mb_values, response_logprobs
+from .torch import LearnerConfig, _warmup, make_optimizer, mb_values, response_logprobs
 
 Tensor = torch.Tensor
 
@@ -360,7 +360,7 @@ def build_fsdp_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> 
     becomes the compute dtype through FSDP mixed precision), gradient checkpointing as
     ``model.gradient_checkpointing``, the critic from the actor (as the torch backend).
     """
-    from ..models.loading import load_model_and_tokenizer
+    from ...models.loading import load_model_and_tokenizer
 
     dtype = getattr(torch, exp_cfg.model.dtype)
     actor, _ = load_model_and_tokenizer(model_dir, dtype=torch.float32,
