@@ -25,7 +25,8 @@ from .policy_losses import (
     tis_policy_loss,
 )
 from .presets import PRESET_NAMES, AlgorithmConfig, get_preset
-from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry
+from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry, RegistryError
+from .settings import build_settings
 from .registry import AdvantageInputs, PolicyLossInputs, compute_advantages, compute_policy_loss
 from .token_tree import TokenTree
 from .value_loss import value_loss
@@ -42,6 +43,7 @@ __all__ = [
     "Denominators",
     "PolicyLossInputs",
     "Registry",
+    "RegistryError",
     "TabularMDP",
     "TokenTree",
     "advantage_channel_metrics",
@@ -49,6 +51,7 @@ __all__ = [
     "batch_denominators",
     "batch_normalized_advantages",
     "broadcast_to_tokens",
+    "build_settings",
     "clipped_ratio",
     "compute_advantages",
     "compute_policy_loss",

@@ -17,7 +17,7 @@ from .registry import DEFAULT_REGISTRY, EnvSpec, Registry
 
 __all__ = ["DEFAULT_REGISTRY", "EnvLimits", "EnvSpec", "InfrastructureError", "RegexTool", "Registry",
            "TextSpace", "Tool", "ToolCall", "ToolEnv", "make", "names", "register", "resolve",
-           "truncate_observation"]
+           "truncate_observation", "unregister"]
 
 
 def register(id: str, entry_point: Any, overwrite: bool = False, **defaults: Any) -> EnvSpec:
@@ -33,7 +33,8 @@ def register(id: str, entry_point: Any, overwrite: bool = False, **defaults: Any
         The :class:`EnvSpec`.
 
     Raises:
-        ValueError: empty id, or ``id`` already registered and ``overwrite`` is False.
+        copc.registries.RegistryError: (a ``ValueError``) empty id, or ``id`` already
+            registered and ``overwrite`` is False.
     """
     return DEFAULT_REGISTRY.register(id, entry_point, overwrite=overwrite, **defaults)
 
@@ -49,10 +50,18 @@ def make(id: str, **overrides: Any) -> gymnasium.Env:
         A new environment.
 
     Raises:
-        KeyError: unknown id (the message lists the registered ids); the constructor's own
+        copc.registries.RegistryError: (a ``KeyError``) unknown id (the message lists the
+            registered ids); the constructor's own
             errors (``TypeError``, ``ValueError``, ...) propagate.
     """
     return DEFAULT_REGISTRY.make(id, **overrides)
+
+
+def unregister(id: str) -> None:
+    """Forget environment ``id`` of the default registry (no error if it is not registered;
+    e.g. a test's temporary environment)."""
+    if id in DEFAULT_REGISTRY:
+        DEFAULT_REGISTRY.unregister(id)
 
 
 def names() -> list[str]:

@@ -23,6 +23,9 @@ from typing import Any
 
 import gymnasium
 
+from copc.registries import Registry as CoreRegistry
+from copc.registries import RegistryError
+
 
 @dataclass(frozen=True)
 class EnvSpec:
@@ -48,48 +51,63 @@ class EnvSpec:
 
 
 class Registry:
-    """A mapping of env ids to :class:`EnvSpec`."""
+    """A mapping of env ids to :class:`EnvSpec` (Gymnasium-style ``register`` / ``make``), kept
+    in a :class:`copc.Registry` (the one registry class of the house; errors are its
+    :class:`~copc.registries.RegistryError`, both a ``KeyError`` and a ``ValueError``).
+
+    Attributes:
+        table: the underlying :class:`copc.Registry` of :class:`EnvSpec` entries.
+    """
 
     def __init__(self) -> None:
-        self._specs: dict[str, EnvSpec] = {}
+        self.table: CoreRegistry[EnvSpec] = CoreRegistry("env id", key="task.env", callable_entries=False)
 
     def register(self, id: str, entry_point: str | Callable[..., gymnasium.Env],
                  overwrite: bool = False, **defaults: Any) -> EnvSpec:
         """Register ``id``; ``defaults`` become constructor kwargs.
 
         Raises:
-            ValueError: empty id, or ``id`` already registered and ``overwrite`` is False.
+            RegistryError: (a ``ValueError``) empty id, or ``id`` already registered and
+                ``overwrite`` is False.
         """
         if not isinstance(id, str) or not id:
-            raise ValueError(f"env id must be a non-empty str, got {id!r}")
-        if id in self._specs and not overwrite:
-            raise ValueError(f"env id {id!r} is already registered (pass overwrite=True)")
-        spec = EnvSpec(id, entry_point, dict(defaults))
-        self._specs[id] = spec
-        return spec
+            raise RegistryError(f"env id must be a non-empty str, got {id!r}")
+        return self.table.register(id, EnvSpec(id, entry_point, dict(defaults)), overwrite=overwrite)
+
+    def unregister(self, id: str) -> EnvSpec:
+        """Remove ``id`` (e.g. a test's temporary environment) and return its spec.
+
+        Raises:
+            RegistryError: unknown id.
+        """
+        self.spec(id)
+        return self.table.unregister(id)
 
     def make(self, id: str, **overrides: Any) -> gymnasium.Env:
         """Construct env ``id`` with its defaults updated by ``overrides``.
 
         Raises:
-            KeyError: unknown id (the message lists the registered ids).
+            RegistryError: (a ``KeyError``) unknown id (the message lists the registered ids).
         """
-        if id not in self._specs:
-            raise KeyError(f"unknown env id {id!r}; registered: {sorted(self._specs)}")
-        spec = self._specs[id]
+        spec = self.spec(id)
         return spec.load()(**{**spec.defaults, **overrides})
 
     def names(self) -> list[str]:
         """The registered ids, sorted."""
-        return sorted(self._specs)
+        return self.table.names()
 
     def spec(self, id: str) -> EnvSpec:
         """The :class:`EnvSpec` of ``id``.
 
         Raises:
-            KeyError: unknown id.
+            RegistryError: (a ``KeyError``) unknown id (the message lists the registered ids).
         """
-        return self._specs[id]
+        if id not in self.table:
+            raise RegistryError(f"unknown env id {id!r}; registered: {self.names()}")
+        return self.table.get(id)
+
+    def __contains__(self, id: object) -> bool:
+        return id in self.table
 
     def resolve(self, ref: str) -> str:
         """The registered id that ``ref`` names, importing the module that registers it first.
@@ -108,16 +126,17 @@ class Registry:
                 taken by another module.
             FileNotFoundError: the ``.py`` file does not exist.
             ImportError: the module cannot be imported (its own errors propagate too).
-            KeyError: the id is not registered (after the import); the message lists the ids.
+            RegistryError: (a ``KeyError``) the id is not registered (after the import); the
+                message lists the ids.
         """
         module, sep, id = ref.rpartition(":")
         if not id or (sep and not module):
             raise ValueError(f"env reference {ref!r}: expected 'id', 'package.module:id' or 'file.py:id'")
         if module:
             import_env_module(module)
-        if id not in self._specs:
+        if id not in self.table:
             where = f" after importing {module!r}" if module else ""
-            raise KeyError(f"unknown env id {id!r}{where}; registered: {self.names()}")
+            raise RegistryError(f"unknown env id {id!r}{where}; registered: {self.names()}")
         return id
 
 

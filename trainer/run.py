@@ -26,7 +26,7 @@ import numpy as np
 from .checkpoint import CheckpointManager, rng_state
 from .config import ConfigError, ExperimentConfig
 from .context import RunContext, build_context, checkpoint_policy_weights, initial_model_dir
-from .engines import ENGINES, EngineHandle, EngineSpec, make_engine
+from .engines import EngineHandle, EngineSpec, make_engine, preflight_engine
 from .engines.base import SamplingParams
 from .evaluation import AFTER_RL, BEFORE_RL, eval_delta, evaluate, write_records
 from .learner import learner_checkpoint_state
@@ -88,7 +88,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         serve_torchrun_worker(cfg)  # a learner rank serving rank 0 (the driver) until it is done
         return {}
     try:
-        ENGINES.preflight(cfg.rollout.engine, cfg)
+        preflight_engine(cfg.rollout.engine, cfg)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
     out = Path(cfg.output_dir)
@@ -201,7 +201,7 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     from .tasks import build_task
 
     try:
-        ENGINES.preflight(cfg.rollout.engine, cfg)
+        preflight_engine(cfg.rollout.engine, cfg)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
     out = Path(cfg.output_dir)

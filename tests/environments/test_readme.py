@@ -42,7 +42,7 @@ def test_readme_example_runs_and_trains(tmp_path, monkeypatch):
         exec(compile(try_code, "README.md[environments, block 2]", "exec"), {})
         assert "calc" in environments.names()
     finally:
-        environments.DEFAULT_REGISTRY._specs.pop("calc", None)
+        environments.unregister("calc")
         sys.modules.pop("calc_env", None)
 
     train = [json.loads(x) for x in (tmp_path / "calc_data/train.jsonl").read_text().splitlines()]

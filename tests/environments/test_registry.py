@@ -128,6 +128,7 @@ def test_resolve_plain_module_and_file_refs(tmp_path, monkeypatch):
             environments.resolve("json.py:x")
     finally:
         for name in ("echo_mod", "echo_file"):
-            reg._specs.pop(name, None)
+            if name in reg:
+                reg.unregister(name)
         for name in ("echo_pkg_mod", "echo_file_env"):
             sys.modules.pop(name, None)

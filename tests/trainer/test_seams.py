@@ -122,7 +122,7 @@ def test_a_registered_learner_backend_trains_through_copc_train(tmp_path):
         cfg = load_config(None, overrides(tmp_path / "r", "copc", steps=2, **{"learner.backend": "counting"}))
         summary = run_experiment(cfg)
     finally:
-        LEARNERS._factories.pop("counting")
+        LEARNERS.unregister("counting")
     assert summary["steps"] == 2 and CountingLearner.steps_seen == 2
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["custom/steps_seen"] for r in rows if "custom/steps_seen" in r] == [1.0, 2.0]
@@ -163,7 +163,7 @@ def test_a_registered_engine_is_used_by_copc_train(tmp_path):
         cfg = load_config(None, overrides(tmp_path / "r", "copc", steps=2, **{"rollout.engine": "counting"}))
         summary = run_experiment(cfg)
     finally:
-        ENGINES._entries.pop("counting")
+        ENGINES.unregister("counting")
     assert summary["steps"] == 2 and calls["make"] == 1
     assert calls["generate"] >= 4 and calls["sync"] == [1, 2]  # weights pushed after each step
     with pytest.raises(ConfigError, match=r"rollout.engine='counting': not a registered engine"):

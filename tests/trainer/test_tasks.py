@@ -63,7 +63,7 @@ class WordEnv(ToolEnv):
 def word_env():
     environments.register("words", entry_point=WordEnv)
     yield "words"
-    environments.DEFAULT_REGISTRY._specs.pop("words", None)
+    environments.unregister("words")
     unregister_task("words")
 
 
@@ -363,7 +363,7 @@ def test_build_task_resolves_an_env_file_that_registers_env_and_task(tmp_path, m
             assert type(task).__name__ == "Words" and task.env_id == "file_words"
             assert task.make_env().reset(options={"sample": {"w": "hey"}})[0] == "hey"
     finally:
-        environments.DEFAULT_REGISTRY._specs.pop("file_words", None)
+        environments.unregister("file_words")
         unregister_task("file_words")
         sys.modules.pop("my_words", None)
 

@@ -5,9 +5,9 @@ Built in: ``embedded`` (in-process; CPU default) and ``sglang`` (GPU server).
 """
 
 from .builtin import embedded_engine, sglang_engine, sglang_preflight
-from .registry import ENGINES, EngineHandle, EngineRegistry, EngineSpec, make_engine, register_engine
+from .registry import ENGINES, EngineHandle, EngineSpec, make_engine, preflight_engine, register_engine
 
 register_engine("embedded", embedded_engine)
 register_engine("sglang", sglang_engine, preflight=sglang_preflight)
 
-__all__ = ["ENGINES", "EngineHandle", "EngineRegistry", "EngineSpec", "make_engine", "register_engine"]
+__all__ = ["ENGINES", "EngineHandle", "EngineSpec", "make_engine", "preflight_engine", "register_engine"]

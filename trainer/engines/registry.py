@@ -9,6 +9,7 @@ evaluation all build engines through :func:`make_engine`.
 Built in (registered in :mod:`trainer.engines`): ``embedded`` (in-process, CPU default) and
 ``sglang`` (a launched SGLang server, GPU). Adding an engine = one module with a factory +
 one :func:`register_engine` call (optionally a ``preflight`` that rejects a config early).
+The registry is a :class:`copc.Registry` (the one registry class of the house).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from copc.registries import Registry
 
 from .base import InferenceEngine
 
@@ -67,77 +70,56 @@ class EngineHandle:
 EngineFactory = Callable[[EngineSpec], EngineHandle]
 
 
-@dataclass(frozen=True)
-class _Entry:
-    factory: EngineFactory
-    preflight: Callable[[Any], None] | None
+#: Capability metadata of an engine registration: ``preflight`` (``preflight(exp_cfg)`` raising
+#: :class:`~trainer.errors.ConfigError` when the engine cannot run with this config on this
+#: machine, checked before any work; None: no check).
+ENGINE_METADATA = {"preflight": ((type(None), Callable), None)}
 
-
-class EngineRegistry:
-    """Name → engine factory (``rollout.engine``)."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, _Entry] = {}
-
-    def register(self, name: str, factory: EngineFactory, *, preflight: Callable[[Any], None] | None = None,
-                 overwrite: bool = False) -> None:
-        """Register ``factory`` as engine ``name``.
-
-        Args:
-            name: the value of ``rollout.engine``.
-            factory: ``factory(spec) -> EngineHandle`` (may block while a server starts).
-            preflight: ``preflight(exp_cfg)`` raising :class:`~trainer.config.ConfigError` when
-                the engine cannot run with this config on this machine (checked before any work).
-            overwrite: replace an existing registration.
-
-        Raises:
-            ValueError: empty name, or ``name`` taken and ``overwrite`` is False.
-        """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"engine name must be a non-empty str, got {name!r}")
-        if name in self._entries and not overwrite:
-            raise ValueError(f"engine {name!r} is already registered (pass overwrite=True)")
-        self._entries[name] = _Entry(factory, preflight)
-
-    def names(self) -> list[str]:
-        """Registered engine names, sorted."""
-        return sorted(self._entries)
-
-    def _entry(self, name: str) -> _Entry:
-        if name not in self._entries:
-            raise KeyError(f"rollout.engine={name!r}: not registered; known: {self.names()}")
-        return self._entries[name]
-
-    def preflight(self, name: str, exp_cfg: Any) -> None:
-        """Run engine ``name``'s preflight check on ``exp_cfg`` (no-op without one).
-
-        Raises:
-            KeyError: unknown engine. ConfigError: from the check.
-        """
-        entry = self._entry(name)
-        if entry.preflight is not None:
-            entry.preflight(exp_cfg)
-
-    def make(self, name: str, spec: EngineSpec) -> EngineHandle:
-        """Start engine ``name`` (blocking; call through ``asyncio.to_thread`` from async code
-        when it may take long).
-
-        Raises:
-            KeyError: unknown engine (the message lists the registered ones).
-        """
-        return self._entry(name).factory(spec)
-
-
-#: The default registry (``embedded`` and ``sglang`` are registered by :mod:`trainer.engines`).
-ENGINES = EngineRegistry()
+#: The engine registry, ``rollout.engine`` → factory (``embedded`` and ``sglang`` are registered
+#: by :mod:`trainer.engines`); a :class:`copc.Registry`.
+ENGINES: Registry[EngineFactory] = Registry("engine", ENGINE_METADATA, key="rollout.engine")
 
 
 def register_engine(name: str, factory: EngineFactory, *, preflight: Callable[[Any], None] | None = None,
-                    overwrite: bool = False) -> None:
-    """Register an engine in :data:`ENGINES` (see :meth:`EngineRegistry.register`)."""
-    ENGINES.register(name, factory, preflight=preflight, overwrite=overwrite)
+                    settings: type | None = None, overwrite: bool = False, **metadata: Any) -> EngineFactory:
+    """Register ``factory`` as engine ``name`` in :data:`ENGINES`.
+
+    Args:
+        name: the value of ``rollout.engine``.
+        factory: ``factory(spec) -> EngineHandle`` (may block while a server starts).
+        preflight: ``preflight(exp_cfg)`` raising :class:`~trainer.config.ConfigError` when
+            the engine cannot run with this config on this machine (checked before any work).
+        settings: the engine's settings dataclass (``rollout.engine_settings``), or None.
+        overwrite: replace an existing registration.
+        **metadata: further capability metadata of :data:`ENGINE_METADATA`.
+
+    Returns:
+        ``factory``.
+
+    Raises:
+        copc.registries.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
+            ``overwrite`` is False.
+    """
+    return ENGINES.register(name, factory, preflight=preflight, settings=settings, overwrite=overwrite,
+                            **metadata)
+
+
+def preflight_engine(name: str, exp_cfg: Any) -> None:
+    """Run engine ``name``'s preflight check on ``exp_cfg`` (no-op without one).
+
+    Raises:
+        copc.registries.RegistryError: unknown engine. ConfigError: from the check.
+    """
+    check = ENGINES.metadata(name)["preflight"]
+    if check is not None:
+        check(exp_cfg)
 
 
 def make_engine(name: str, spec: EngineSpec) -> EngineHandle:
-    """Start engine ``name`` from :data:`ENGINES` (see :meth:`EngineRegistry.make`)."""
-    return ENGINES.make(name, spec)
+    """Start engine ``name`` from :data:`ENGINES` (blocking; call through ``asyncio.to_thread``
+    from async code when it may take long).
+
+    Raises:
+        copc.registries.RegistryError: unknown engine (the message lists the registered ones).
+    """
+    return ENGINES.get(name)(spec)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import environments
+from copc.registries import Registry
 from environments.data import data_root, iter_jsonl
 
 if TYPE_CHECKING:
@@ -107,8 +108,9 @@ class BenchmarkSpec:
         object.__setattr__(self, "default_temperature", float(temperature))
 
 
-#: The benchmark registry: name → :class:`BenchmarkSpec` (use :func:`register_benchmark`).
-BENCHMARKS: dict[str, BenchmarkSpec] = {}
+#: The benchmark registry: name → :class:`BenchmarkSpec` (use :func:`register_benchmark`); a
+#: :class:`copc.Registry`.
+BENCHMARKS: Registry[BenchmarkSpec] = Registry("benchmark", callable_entries=False)
 
 
 def register_benchmark(spec: BenchmarkSpec, overwrite: bool = False) -> BenchmarkSpec:
@@ -123,19 +125,17 @@ def register_benchmark(spec: BenchmarkSpec, overwrite: bool = False) -> Benchmar
 
     Raises:
         TypeError: ``spec`` is not a :class:`BenchmarkSpec`.
-        ValueError: the name is taken and ``overwrite`` is False.
+        copc.registries.RegistryError: (a ``ValueError``) the name is taken and ``overwrite``
+            is False.
     """
     if not isinstance(spec, BenchmarkSpec):
         raise TypeError(f"register_benchmark: expected a BenchmarkSpec, got {type(spec).__name__}")
-    if spec.name in BENCHMARKS and not overwrite:
-        raise ValueError(f"benchmark {spec.name!r} is already registered (pass overwrite=True)")
-    BENCHMARKS[spec.name] = spec
-    return spec
+    return BENCHMARKS.register(spec.name, spec, overwrite=overwrite)
 
 
 def benchmark_names() -> list[str]:
     """The registered benchmark names, sorted."""
-    return sorted(BENCHMARKS)
+    return BENCHMARKS.names()
 
 
 _QA_BUILTINS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
@@ -193,7 +193,7 @@ def resolve_benchmark(ref: str) -> BenchmarkSpec:
     if not isinstance(ref, str) or not ref.strip():
         raise ValueError(f"benchmark reference {ref!r}: must be a non-empty str")
     if ref in BENCHMARKS:
-        return BENCHMARKS[ref]
+        return BENCHMARKS.get(ref)
     path, sep, rest = ref.partition(".jsonl:")
     if not sep:
         raise ValueError(f"unknown benchmark {ref!r}; known: {benchmark_names()} (or a user "

@@ -101,10 +101,10 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
         engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint))
         return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir),
                                       "_tokenizer": load_tokenizer(tok_dir)}
-    from ..engines import ENGINES, EngineSpec, make_engine
+    from ..engines import EngineSpec, make_engine, preflight_engine
 
     try:
-        ENGINES.preflight(cfg.rollout.engine, cfg)
+        preflight_engine(cfg.rollout.engine, cfg)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
     model_dir, weights = await asyncio.to_thread(_policy, args, cfg)

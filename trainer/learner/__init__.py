@@ -15,7 +15,6 @@ from .backends.torch import LearnerConfig, TorchLearner
 from .base import (
     LEARNERS,
     Learner,
-    LearnerRegistry,
     ShardedCheckpoint,
     learner_checkpoint_state,
     make_learner,
@@ -38,6 +37,6 @@ _MEGATRON = f"{__name__}.backends.megatron"
 if importlib.util.find_spec(_MEGATRON) is not None:  # registers "megatron" (lazy factory)
     importlib.import_module(_MEGATRON)
 
-__all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "LearnerRegistry", "ShardedCheckpoint",
+__all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "ShardedCheckpoint",
            "TorchLearner", "learner_checkpoint_state", "make_learner", "register_learner",
            "register_rank_learner", "restore_learner"]

@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from copc.registries import Registry
+
 from ..checkpoint import DirectoryState
 from ..errors import ConfigError
 from ..rollout.batch import RolloutBatch
@@ -66,55 +68,45 @@ class Learner(Protocol):
 LearnerFactory = Callable[[Any, Path], Learner]
 
 
-class LearnerRegistry:
-    """Name → learner factory (``learner.backend``)."""
+#: Capability metadata of a learner backend: ``distributed`` (its state is sharded over rank
+#: processes: ``learner.world_size`` and the other rank-layout keys apply; set by
+#: :func:`~trainer.learner.distributed.registry.register_rank_learner`).
+LEARNER_METADATA = {"distributed": (bool, False)}
 
-    def __init__(self) -> None:
-        self._factories: dict[str, LearnerFactory] = {}
-
-    def register(self, name: str, factory: LearnerFactory, overwrite: bool = False) -> None:
-        """Register ``factory`` as backend ``name``.
-
-        Raises:
-            ValueError: empty name, or ``name`` taken and ``overwrite`` is False.
-        """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"learner backend name must be a non-empty str, got {name!r}")
-        if name in self._factories and not overwrite:
-            raise ValueError(f"learner backend {name!r} is already registered (pass overwrite=True)")
-        self._factories[name] = factory
-
-    def names(self) -> list[str]:
-        """Registered backend names, sorted."""
-        return sorted(self._factories)
-
-    def make(self, name: str, exp_cfg: Any, model_dir: str | Path) -> Learner:
-        """Build backend ``name``.
-
-        Raises:
-            KeyError: unknown backend (the message lists the registered ones).
-        """
-        if name not in self._factories:
-            raise KeyError(f"learner.backend={name!r}: not registered; known: {self.names()}")
-        return self._factories[name](exp_cfg, Path(model_dir))
+#: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
+#: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.megatron`);
+#: a :class:`copc.Registry`.
+LEARNERS: Registry[LearnerFactory] = Registry("learner backend", LEARNER_METADATA, key="learner.backend")
 
 
-#: The default registry; ``torch`` is registered by :mod:`trainer.learner`.
-LEARNERS = LearnerRegistry()
+def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False, *,
+                     settings: type | None = None, **metadata: Any) -> LearnerFactory:
+    """Register a learner backend in :data:`LEARNERS`.
 
+    Args:
+        name: the value of ``learner.backend``.
+        factory: ``factory(exp_cfg, model_dir) -> Learner``.
+        overwrite: replace an existing registration.
+        settings: the backend's settings dataclass (``learner.backend_settings``), or None.
+        **metadata: capability metadata of :data:`LEARNER_METADATA`.
 
-def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False) -> None:
-    """Register a learner backend in :data:`LEARNERS` (see :meth:`LearnerRegistry.register`)."""
-    LEARNERS.register(name, factory, overwrite=overwrite)
+    Returns:
+        ``factory``.
+
+    Raises:
+        copc.registries.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
+            ``overwrite`` is False.
+    """
+    return LEARNERS.register(name, factory, overwrite=overwrite, settings=settings, **metadata)
 
 
 def make_learner(exp_cfg: Any, model_dir: str | Path) -> Learner:
     """The learner of ``exp_cfg.learner.backend``, initialised from ``model_dir``.
 
     Raises:
-        KeyError: unknown backend.
+        copc.registries.RegistryError: (a ``KeyError``) unknown backend.
     """
-    return LEARNERS.make(exp_cfg.learner.backend, exp_cfg, model_dir)
+    return LEARNERS.get(exp_cfg.learner.backend)(exp_cfg, Path(model_dir))
 
 
 @runtime_checkable

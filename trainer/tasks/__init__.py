@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import environments
+from copc.registries import Registry, RegistryError
 from environments.data import data_root
 
 from ..config import ConfigError, ExperimentConfig
@@ -30,42 +32,51 @@ from .math_tool import MathToolTask
 from .remote import RemoteTask
 from .search import SearchTask, start_retriever
 
-_TASKS: dict[str, type[Task]] = {}
+#: The task registry, environment id → :class:`Task` subclass (``math_tool``, ``search`` and
+#: ``remote`` built in); a :class:`copc.Registry`. An id without an entry uses
+#: :class:`GenericTask`.
+TASKS: Registry[type[Task]] = Registry("task", key="task.env")
 
 
-def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = False) -> None:
+def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = False,
+                  settings: type | None = None, **metadata: Any) -> type[Task]:
     """Use ``task_cls`` for environment ``env_name`` (instead of :class:`GenericTask`).
 
     Args:
         env_name: a registered environment id (it may be registered later, before
             :func:`build_task`).
         task_cls: a :class:`Task` subclass, constructed as ``task_cls(cfg, env_id)``.
-        overwrite: replace a class already registered for ``env_name``.
+        overwrite: replace a class already registered for ``env_name`` (registering the same
+            class again is always allowed: a module imported twice).
+        settings: the task's settings dataclass (``task.settings``), or None.
+        **metadata: capability metadata of :data:`TASKS`.
+
+    Returns:
+        ``task_cls``.
 
     Raises:
         TypeError: ``task_cls`` is not a :class:`Task` subclass.
-        ValueError: empty ``env_name``, or a class is already registered for it and
-            ``overwrite`` is False.
+        copc.registries.RegistryError: (a ``ValueError``) empty ``env_name``, or a class is
+            already registered for it and ``overwrite`` is False.
     """
     if not isinstance(task_cls, type) or not issubclass(task_cls, Task):
         raise TypeError(f"register_task({env_name!r}, ...): expected a Task subclass, got {task_cls!r}")
-    if not isinstance(env_name, str) or not env_name:
-        raise ValueError(f"register_task: env name must be a non-empty str, got {env_name!r}")
-    if env_name in _TASKS and not overwrite and _TASKS[env_name] is not task_cls:
-        raise ValueError(f"a task class is already registered for env {env_name!r} "
-                         f"({_TASKS[env_name].__qualname__}); pass overwrite=True")
-    _TASKS[env_name] = task_cls
+    if env_name in TASKS and not overwrite and TASKS.get(env_name) is not task_cls:
+        raise RegistryError(f"a task class is already registered for env {env_name!r} "
+                            f"({TASKS.get(env_name).__qualname__}); pass overwrite=True")
+    return TASKS.register(env_name, task_cls, overwrite=True, settings=settings, **metadata)
 
 
 def unregister_task(env_name: str) -> None:
     """Forget the task class registered for ``env_name`` (no error if there is none)."""
-    _TASKS.pop(env_name, None)
+    if env_name in TASKS:
+        TASKS.unregister(env_name)
 
 
 def task_class(env_name: str) -> type[Task]:
     """The task class used for environment ``env_name``: the registered one, else
     :class:`GenericTask`."""
-    return _TASKS.get(env_name, GenericTask)
+    return TASKS.get(env_name) if env_name in TASKS else GenericTask
 
 
 def build_task(cfg: ExperimentConfig) -> Task:
@@ -145,6 +156,7 @@ __all__ = [
     "GenericTask",
     "MathToolTask",
     "SearchTask",
+    "TASKS",
     "Task",
     "absolute_task_paths",
     "build_task",

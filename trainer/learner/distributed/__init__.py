@@ -3,7 +3,7 @@
 :mod:`.launch`) and data-parallel helpers (:mod:`.shard`). Heavy parts import lazily."""
 
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
-from .registry import RANK_LEARNERS, RankLearnerFactory, RankLearnerRegistry, register_rank_learner
+from .registry import RANK_LEARNERS, RankLearnerFactory, register_rank_learner
 
 __all__ = ["RANK_LEARNERS", "GradientProbe", "MemoryProbe", "RankContext", "RankLearner",
-           "RankLearnerFactory", "RankLearnerRegistry", "register_rank_learner"]
+           "RankLearnerFactory", "register_rank_learner"]

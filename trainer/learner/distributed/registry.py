@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from copc.registries import Registry
+
 from .base import RankContext, RankLearner
 
 #: ``factory(exp_cfg, model_dir, ctx) -> RankLearner``, called inside a rank process after
@@ -21,57 +23,33 @@ from .base import RankContext, RankLearner
 RankLearnerFactory = Callable[[Any, Path, RankContext], RankLearner]
 
 
-class RankLearnerRegistry:
-    """Name → :data:`RankLearnerFactory`."""
-
-    def __init__(self) -> None:
-        self._factories: dict[str, RankLearnerFactory] = {}
-
-    def register(self, name: str, factory: RankLearnerFactory, overwrite: bool = False) -> None:
-        """Register ``factory`` under ``name``.
-
-        Raises:
-            ValueError: empty name, or ``name`` taken and ``overwrite`` is False.
-        """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"rank learner name must be a non-empty str, got {name!r}")
-        if name in self._factories and not overwrite:
-            raise ValueError(f"rank learner {name!r} is already registered (pass overwrite=True)")
-        self._factories[name] = factory
-
-    def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._factories)
-
-    def get(self, name: str) -> RankLearnerFactory:
-        """The factory of ``name``.
-
-        Raises:
-            KeyError: unknown name (the message lists the registered ones).
-        """
-        if name not in self._factories:
-            raise KeyError(f"learner.backend={name!r}: no distributed rank learner registered; "
-                           f"known: {self.names()}")
-        return self._factories[name]
+#: The rank-learner registry, ``learner.backend`` → per-rank factory (``fsdp`` registered by
+#: :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`); a
+#: :class:`copc.Registry`.
+RANK_LEARNERS: Registry[RankLearnerFactory] = Registry("distributed rank learner", key="learner.backend")
 
 
-#: The default registry (``fsdp`` registered by :mod:`trainer.learner`, ``megatron`` by
-#: :mod:`trainer.learner.backends.megatron`).
-RANK_LEARNERS = RankLearnerRegistry()
-
-
-def register_rank_learner(name: str, factory: RankLearnerFactory, overwrite: bool = False) -> None:
+def register_rank_learner(name: str, factory: RankLearnerFactory, overwrite: bool = False, *,
+                          settings: type | None = None, **metadata: Any) -> None:
     """Register a distributed backend: ``factory`` builds one rank's :class:`RankLearner`, and
     ``learner.backend: <name>`` builds a driver-side
     :class:`~trainer.learner.distributed.runtime.DistributedLearner` running it on
     ``learner.world_size`` ranks.
 
+    Args:
+        name: the value of ``learner.backend``.
+        factory: builds one rank's learner.
+        overwrite: replace an existing backend of that name.
+        settings: the backend's settings dataclass (``learner.backend_settings``), or None.
+        **metadata: further capability metadata (:data:`~trainer.learner.base.LEARNER_METADATA`).
+
     Raises:
-        ValueError: as :meth:`RankLearnerRegistry.register` (also when ``name`` is already a
-            single-process backend and ``overwrite`` is False).
+        copc.registries.RegistryError: (a ``ValueError``) empty name, or ``name`` already a
+            backend and ``overwrite`` is False.
     """
     from ..base import register_learner
     from .runtime import DistributedLearner
 
-    register_learner(name, DistributedLearner.from_config, overwrite=overwrite)
+    register_learner(name, DistributedLearner.from_config, overwrite=overwrite, settings=settings,
+                     distributed=True, **metadata)
     RANK_LEARNERS.register(name, factory, overwrite=True)

@@ -98,7 +98,7 @@ class DistributedLearner:
         from .registry import RANK_LEARNERS
 
         sec = exp_cfg.learner
-        RANK_LEARNERS.get(sec.backend)  # KeyError naming learner.backend
+        RANK_LEARNERS.get(sec.backend)  # RegistryError naming learner.backend
         if getattr(exp_cfg.launcher, "kind", "local") == "ray":
             raise ConfigError(f"launcher.kind='ray' with learner.backend={sec.backend!r}: not supported (the "
                               "Ray rollout launcher hosts the learner in one actor); use launcher.kind=local "

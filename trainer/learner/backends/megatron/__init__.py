@@ -22,7 +22,7 @@ def build_rank_learner(exp_cfg: Any, model_dir: Path, ctx: Any) -> Any:
     return build_megatron_rank_learner(exp_cfg, model_dir, ctx)
 
 
-if "megatron" not in RANK_LEARNERS.names():
+if "megatron" not in RANK_LEARNERS:
     register_rank_learner("megatron", build_rank_learner)
 
 __all__ = ["build_rank_learner"]
