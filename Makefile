@@ -18,6 +18,7 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) scripts/check_imports.py
 
 bench: setup
 	$(PY) benchmarks/run_all.py
