@@ -425,15 +425,16 @@ class MathReward:
         """Whether ``pred`` (content of ``\\boxed{}``) matches ``gold``; None on timeout.
 
         Rule: the module docstring (``math_verify`` mode) or exact string match after
-        stripping whitespace (``dapo_strict``). On the main thread math-verify runs here,
+        stripping whitespace (``dapo_strict``); an empty or whitespace-only ``pred`` is never
+        correct. On the main thread math-verify runs here,
         elsewhere in the helper process.
 
         Raises:
             InfrastructureError: the checker failed (helper died twice or cannot start,
                 math-verify unusable) — not the policy's fault, not a wrong answer.
         """
-        if pred is None or len(pred) > _MAX_ANSWER_CHARS:
-            return False
+        if pred is None or len(pred) > _MAX_ANSWER_CHARS or not pred.strip():
+            return False  # an empty answer never matches (not even an empty golden answer)
         if self.config.mode == "dapo_strict":
             return pred.strip() == gold.strip()
         if pred.strip() == gold.strip():

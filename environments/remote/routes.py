@@ -15,7 +15,8 @@ import contextlib
 import functools
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse
@@ -34,7 +35,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from environments.errors import InfrastructureError
 
 from .protocol import TextAction
-from .sessions import Session, expire_message
+from .sessions import Session, SessionManager, expire_message
 from .wire import (
     CLOSE_CODE_BASE,
     EXECUTION_ERROR,
@@ -46,10 +47,26 @@ from .wire import (
     RequestError,
 )
 
-if TYPE_CHECKING:
-    from .server import EnvServer
-
 log = logging.getLogger(__name__)
+
+
+class ServedEnv(Protocol):
+    """What the routes need of the server that serves them (:class:`~environments.remote.server.EnvServer`
+    has it; the server imports this module, never the reverse).
+
+    Attributes:
+        env_id: the served environment's id. sessions: its :class:`~.sessions.SessionManager`.
+        max_request_bytes: largest HTTP body / WebSocket message (bytes). metadata: OpenEnv's
+            ``EnvironmentMetadata``. schema: the ``GET /schema`` body. lifespan: the app's lifespan
+            (an async context manager factory taking the app).
+    """
+
+    env_id: str
+    sessions: SessionManager
+    max_request_bytes: int
+    metadata: Any
+    schema: dict[str, Any]
+    lifespan: Callable[[Any], Any]
 
 
 #: Message of a JSON body / message nested deeper than Python's parser can follow (a client's
@@ -156,7 +173,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def build_app(server: EnvServer) -> FastAPI:
+def build_app(server: ServedEnv) -> FastAPI:
     """The FastAPI app of ``server`` (routes above; lifespan: ``server.lifespan``)."""
     app = FastAPI(title=f"COPC environment {server.env_id!r} (OpenEnv protocol)", lifespan=server.lifespan)
     sessions, limit = server.sessions, server.max_request_bytes
@@ -252,7 +269,7 @@ class WebSocketSession:
     gets an error frame, then a close with code ``4000 + status``.
     """
 
-    def __init__(self, server: EnvServer, websocket: WebSocket) -> None:
+    def __init__(self, server: ServedEnv, websocket: WebSocket) -> None:
         self.server, self.ws = server, websocket
         self.session: Session | None = None
 

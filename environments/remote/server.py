@@ -36,6 +36,7 @@ from .adapter import GymTextEnvironment, space_max_length
 from .auth import BearerAuth
 from .config import DEFAULT_PORT, ServerConfig
 from .protocol import action_schema, observation_schema
+from .routes import build_app
 from .sessions import SessionManager
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,6 @@ class EnvServer:
         self.sessions = SessionManager(self._make, cfg.max_sessions, cfg.idle_timeout_s, cfg.reuse_envs,
                                        self.executor)
         self.sessions.add_idle_env(probe)
-        from .routes import build_app
-
         app = build_app(self)
         self.app = BearerAuth(app, cfg.token) if cfg.token else app
 

@@ -281,3 +281,17 @@ def test_env_step_from_worker_thread_raises_infrastructure_error(sandbox, monkey
         assert type(err) is InfrastructureError and "died twice" in str(err)
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("mode", ["math_verify", "dapo_strict"])
+def test_empty_answer_never_matches(mode):
+    """Issue 21 item 14: an empty ``\\boxed{}`` (or only whitespace) is never correct, not even
+    against an empty or whitespace golden answer (``"" == ""`` used to score 1)."""
+    reward = MathReward(MathRewardConfig(mode=mode))
+    try:
+        for gold, pred in [("", ""), (" ", ""), ("", "  "), ("5", ""), ("5", " ")]:
+            assert reward.is_correct(gold, pred) is False, (gold, pred)
+        assert reward(r"so \boxed{}", "")[0] == 0.0
+        assert reward.is_correct("5", " 5 ") is True  # a real answer still matches
+    finally:
+        reward.close()

@@ -34,6 +34,7 @@ def _scores(pred: str, golden: list[str]) -> dict[str, float]:
 
 
 ZERO = {"em": 0.0, "substring_em": 0.0, "f1": 0.0}
+ONE = {"em": 1.0, "substring_em": 1.0, "f1": 1.0}
 
 
 def test_nq_test_1420_punctuation_golden_matches_nothing():
@@ -56,7 +57,7 @@ def test_nq_test_1986_real_answers_still_match_next_to_star():
 
 
 def test_synthetic_mixed_golden_lists():
-    golden = ["---", "Paris", "the"]
+    golden = ["---", "Paris"]
     for pred in EMPTY_PREDICTIONS:
         assert _scores(pred, golden) == ZERO, pred
     assert _scores("Paris", golden) == {"em": 1.0, "substring_em": 1.0, "f1": 1.0}
@@ -65,11 +66,33 @@ def test_synthetic_mixed_golden_lists():
     assert _scores("the city of Paris", golden) == {"em": 0.0, "substring_em": 1.0, "f1": 0.5}
     assert _scores("Lyon", golden) == ZERO
     # Only empty-normalising golden answers, or none at all.
-    for golden in (["a", "...", " "], []):
+    for golden in (["...", " "], []):
         for pred in ["", "a", "Paris"]:
             assert _scores(pred, golden) == ZERO, (pred, golden)
+    # "a" is made only of an article: kept unstripped, matched by exactly that answer (issue 21)
+    for pred, expected in [("", ZERO), ("Paris", ZERO), ("a", ONE), ("A.", ONE)]:
+        assert _scores(pred, ["a", "...", " "]) == expected, pred
     # An empty prediction never matches a real answer either.
     assert _scores("", ["Paris"]) == ZERO
+
+
+def test_gold_made_only_of_articles_is_matched_by_exactly_that_answer():
+    """Issue 21 item 14: "The The" (a band) and "A" normalise to ""; their unstripped form
+    (lowercase, punctuation removed, articles kept) is used instead, so exactly that answer
+    matches and nothing else does (in particular not every sentence holding "the")."""
+    for golden, exact in [(["The The"], ["The The", "the the", " THE  the! "]), (["A"], ["A", "a", "a."])]:
+        for pred in exact:
+            assert _scores(pred, golden) == ONE, (pred, golden)
+        for pred in ["", "   ", "?", "---", "Paris", "the the band", "an", "I like the the"]:
+            assert _scores(pred, golden)["em"] == 0.0, (pred, golden)
+            assert _scores(pred, golden)["substring_em"] == 0.0, (pred, golden)
+    # token F1 against the article-only form: {the} vs {the, the}: P = 1, R = 1/2 -> F1 = 2/3
+    assert _scores("The", ["The The"]) == {"em": 0.0, "substring_em": 0.0, "f1": pytest.approx(2 / 3)}
+    # a real answer beside it is normalised as before (articles dropped)
+    assert _scores("the Beatles", ["The The", "Beatles"]) == ONE
+    # an empty answer never matches, whatever the golden list
+    for golden in (["The The"], ["A"], ["a", "the"], ["---"], []):
+        assert _scores("", golden) == ZERO and _scores(" . ", golden) == ZERO
 
 
 @pytest.mark.parametrize("reward", ["em", "substring_em", "f1"])
