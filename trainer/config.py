@@ -35,6 +35,7 @@ from .config_sections import (  # noqa: F401 - re-exported: import sections from
     TrainConfig,
     WarmStartConfig,
     _require,
+    moved_key_hint,
 )
 from .errors import ConfigError
 
@@ -188,7 +189,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         msg = str(e).split("\n")[0]
-        raise ConfigError(f"{key}: {msg}" if key else msg) from None
+        moved = moved_key_hint(key)  # a key that moved into a task's settings: say the new spelling
+        raise ConfigError(moved or (f"{key}: {msg}" if key else msg)) from None
     assert isinstance(obj, ExperimentConfig)
     from .plugins import import_plugins
 

@@ -18,6 +18,32 @@ def _require(cond: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
+#: Keys that moved out of this schema into a task's own settings (``task.settings``, checked by the
+#: task's settings dataclass: :mod:`trainer.tasks.settings`), old spelling -> task ids. Only for the
+#: one-line refusal of an old spelling (:func:`moved_key_hint`); the schema itself names none.
+MOVED_TO_TASK_SETTINGS: dict[str, tuple[str, ...]] = {
+    "task.arithmetic_kinds": ("math_tool",),
+    "task.held_out_every": ("search",),
+    "warm_start.tool_use_fraction": ("math_tool", "search"),
+    **{f"warm_start.{k}": ("search",) for k in ("second_search_fraction", "keep_misses", "drill_steps",
+                                                "drill_batch_size", "drill_lr", "reading_drill_fraction")},
+}
+
+
+def moved_key_hint(key: str | None) -> str | None:
+    """The one-line refusal of a key that moved into a task's settings, or None for any other key.
+
+    Example: ``"warm_start.keep_misses"`` -> ``"warm_start.keep_misses: moved to
+    task.settings.keep_misses (a setting of the task 'search')"``.
+    """
+    tasks = MOVED_TO_TASK_SETTINGS.get(key or "")
+    if not tasks:
+        return None
+    name = str(key).rpartition(".")[2]
+    return (f"{key}: moved to task.settings.{name} (a setting of the task "
+            f"{' / '.join(repr(t) for t in tasks)}; write task: {{settings: {{{name}: ...}}}})")
+
+
 @dataclass
 class TinyModelSpec:
     """Tiny offline model built from scratch when ``model.path`` is empty (see trainer.models.tiny).
@@ -92,15 +118,16 @@ class TaskConfig:
         data_dir: data directory; empty: ``$COPC_DATA_DIR``, else ``../shared/data``. Relative
             paths (here and in the other path keys) resolve against the current working directory.
         max_train_samples / max_eval_samples: caps (0 = all).
-        held_out_every: search tasks whose ``eval_data`` are among the ``train_data`` sets: every
-            ``held_out_every``-th row of each set is held out for evaluation (deterministic,
-            disjoint from training), >= 2.
         retriever_url: search tasks: an existing server; empty: start one (BM25 index built
-            on first use in ``retriever_index_dir``, reused after).
+            on first use in ``retriever_index_dir``, reused after). Kept here, not in the search
+            task's settings: search benchmarks and the Ray launcher's workers read them too.
         retriever_index_dir / retriever_corpus: where the auto-started server's index lives
             and which corpus it indexes (empty: ``<data dir>/wiki/corpus.jsonl``).
-        arithmetic_kinds: generated math problems' kinds (``mul``, ``sum_of_products``,
-            ``mul_minus``; empty = all), for math_tool runs without ``train_data``.
+        settings: the task's own knobs, checked by the task's settings dataclass when the task
+            is built (:mod:`trainer.tasks.settings`; ``math_tool``:
+            :class:`~trainer.tasks.math_tool.settings.MathToolSettings`, ``search``:
+            :class:`~trainer.tasks.search.settings.SearchSettings`), e.g.
+            ``{arithmetic_kinds: [mul], tool_use_fraction: 0.6}``.
     """
 
     env: str = "math_tool"
@@ -110,22 +137,16 @@ class TaskConfig:
     data_dir: str = ""
     max_train_samples: int = 0
     max_eval_samples: int = 0
-    held_out_every: int = 5
     retriever_url: str = ""
     retriever_index_dir: str = "runs/retriever_index/bm25"
     retriever_corpus: str = ""
-    arithmetic_kinds: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         _require(bool(self.env), "task.env", self.env, "must name a registered environment")
         _require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
         _require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
-        _require(isinstance(self.held_out_every, int) and self.held_out_every >= 2, "task.held_out_every",
-                 self.held_out_every, "must be an int >= 2")
-        kinds = ("mul", "sum_of_products", "mul_minus")
-        _require(all(k in kinds for k in self.arithmetic_kinds), "task.arithmetic_kinds",
-                 self.arithmetic_kinds, f"each must be one of {kinds}")
 
 
 @dataclass
@@ -258,25 +279,8 @@ class WarmStartConfig:
         num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
         lr: learning rate. seed: generator seed.
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
-        tool_use_fraction: share of traces that use the tool (``retool_arithmetic``: the
-            interpreter, the rest answer with an estimate; ``search_r1``: the retriever, the rest
-            answer at once with a guess), so RL has a decision to improve.
-        second_search_fraction: share of ``search_r1`` traces whose first search missed (no
-            golden answer in the retrieved text) that search again with a reformulated query.
-        drill_steps: optimizer steps of copy drills before the traces (0: none): one-action
-            traces that copy a pseudo-question of random corpus words into the tool call
-            (``search_r1``: ``<search>words</search>``). A model built from scratch cannot copy
-            from its context, and a few thousand real questions are memorised rather than
-            copied; drills of never-repeating word sequences teach copying (what a pretrained
-            model brings). drill_batch_size: drills per step. drill_lr: their peak LR.
-        reading_drill_fraction: share in [0, 1] of the drills that are reading drills (``search_r1``:
-            a cloze question about a corpus passage, searched for through the real retriever and
-            answered with the span copied from the result; teaches finding the question's words
-            in a passage and copying the span beside them).
-        keep_misses: ``search_r1``: keep the searching traces whose retrieved text never held a
-            golden answer (answered with the last passage's title); false drops them, so every
-            searching trace answers with a golden answer (copied from the retrieved text, or
-            yes/no). Traces that answer without searching (``tool_use_fraction`` < 1) stay.
+            The task's own warm-start knobs (share of traces using the tool, copy drills, ...) are
+            its settings (``task.settings``).
         cache_dir: share warm-starts between runs: the result is kept in ``cache_dir/<key>``, the
             key a hash of every setting it depends on (model, task, rollout budgets, this section,
             ``train.seed``); a run with the same key copies it instead of training (``copc sweep``
@@ -291,29 +295,12 @@ class WarmStartConfig:
     lr: float = 1e-3
     seed: int = 0
     schedule: str = "cosine"
-    tool_use_fraction: float = 1.0
-    second_search_fraction: float = 0.5
-    drill_steps: int = 0
-    drill_batch_size: int = 32
-    drill_lr: float = 1e-3
-    reading_drill_fraction: float = 0.0
-    keep_misses: bool = True
     cache_dir: str = ""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         _require(self.schedule in ("cosine", "constant"), "warm_start.schedule", self.schedule,
                  "must be 'cosine' or 'constant'")
-        _require(0.0 <= self.tool_use_fraction <= 1.0, "warm_start.tool_use_fraction",
-                 self.tool_use_fraction, "must be in [0, 1]")
-        _require(0.0 <= self.second_search_fraction <= 1.0, "warm_start.second_search_fraction",
-                 self.second_search_fraction, "must be in [0, 1]")
-        _require(self.drill_steps >= 0, "warm_start.drill_steps", self.drill_steps, "must be >= 0")
-        _require(self.drill_batch_size >= 1, "warm_start.drill_batch_size", self.drill_batch_size,
-                 "must be >= 1")
-        _require(self.drill_lr > 0, "warm_start.drill_lr", self.drill_lr, "must be > 0")
-        _require(0.0 <= self.reading_drill_fraction <= 1.0, "warm_start.reading_drill_fraction",
-                 self.reading_drill_fraction, "must be in [0, 1]")
         _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
                  "must be a non-empty string (the task checks it supports it)")
         for k in ("num_examples", "steps", "batch_size"):

@@ -221,10 +221,11 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     torch.set_num_threads(max(threads, os.cpu_count() or 1))  # nothing else computes during the SFT
     try:
         drill = {}
-        if w.drill_steps:
-            drills = task.drill_traces(w.drill_steps * w.drill_batch_size, w.seed, w.reading_drill_fraction)
-            drill = sft_warm_start(actor, tok, drills, steps=w.drill_steps, batch_size=w.drill_batch_size,
-                                   lr=w.drill_lr, seed=w.seed, progress=cfg.logging.progress,
+        plan = task.drill_plan()  # the task's copy drills (its settings), if any
+        if plan is not None:
+            drills = task.drill_traces(plan.steps * plan.batch_size, w.seed)
+            drill = sft_warm_start(actor, tok, drills, steps=plan.steps, batch_size=plan.batch_size,
+                                   lr=plan.lr, seed=w.seed, progress=cfg.logging.progress,
                                    agent_cfg=agent_cfg, schedule="constant")
             drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
         metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,

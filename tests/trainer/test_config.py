@@ -128,7 +128,7 @@ def test_cpu_tiny_math_is_the_main_job():
     assert cfg.warm_start.enabled and cfg.warm_start.kind == "retool_arithmetic"
     assert (cfg.train.prompts_per_step, cfg.train.total_steps, cfg.train.micro_batch_size) == (16, 30, 16)
     assert (cfg.rollout.max_new_tokens, cfg.rollout.max_turns) == (64, 3)
-    assert 0 < cfg.warm_start.tool_use_fraction < 1 and cfg.task.arithmetic_kinds == ["mul"]
+    assert 0 < cfg.task.settings["tool_use_fraction"] < 1 and cfg.task.settings["arithmetic_kinds"] == ["mul"]
     assert (cfg.eval.k, cfg.eval.temperature) == (4, 1.0)
     # the env kwargs are accepted by the real env (nested reward mapping included)
     env = MathToolEnv(**cfg.task.env_kwargs)
@@ -148,7 +148,7 @@ def test_cpu_tiny_search(monkeypatch):
     cfg = load_config(CONFIGS / "search" / "cpu_tiny.yaml")
     assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 14, "search")
     assert cfg.task.train_data[:2] == ["nq", "hotpotqa"] and cfg.task.eval_data == ["nq", "hotpotqa"]
-    assert cfg.model.tiny.tokenizer == "bpe" and cfg.warm_start.drill_steps > 0
+    assert cfg.model.tiny.tokenizer == "bpe" and cfg.task.settings["drill_steps"] > 0
     assert cfg.task.retriever_url == ""  # copc train starts the retriever itself
     assert cfg.task.retriever_corpus == ""  # <data dir>/wiki/corpus.jsonl
     assert corpus_path(cfg.task.retriever_corpus, cfg.task.data_dir).is_file()

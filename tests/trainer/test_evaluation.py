@@ -19,12 +19,8 @@ from trainer.evaluation import eval_sampling_params, evaluate, run_eval_episodes
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.trajectory import Trajectory
-from trainer.warmstart import (
-    SHORT_MATH_PROMPT,
-    SHORT_SEARCH_PROMPT,
-    retool_arithmetic_samples,
-    search_r1_samples,
-)
+from trainer.tasks.math_tool import SHORT_MATH_PROMPT, retool_arithmetic_samples
+from trainer.tasks.search import SHORT_SEARCH_PROMPT, search_r1_samples
 
 PROBLEMS = retool_arithmetic_samples(3, seed=11)
 

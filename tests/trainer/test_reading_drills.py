@@ -1,4 +1,4 @@
-"""Reading drills (trainer.warmstart.reading_drills): cloze questions about corpus passages, played
+"""Reading drills (trainer.tasks.search.drills): cloze questions about corpus passages, played
 through the REAL SearchEnv against a real BM25 retriever server over the shared corpus.
 
 Hand-computed span / question tests first (no server); then every drill is replayed through a
@@ -18,14 +18,14 @@ from environments.search.reward import normalize_answer
 from retriever.corpus import iter_corpus
 from trainer.config import load_config
 from trainer.tasks import build_task
-from trainer.warmstart.reading_drills import (
+from trainer.tasks.search.drills import (
     VISIBLE_WORDS,
     answer_spans,
     cloze_question,
     reading_drills,
     reservoir_sample,
 )
-from trainer.warmstart.search_traces import information_text
+from trainer.tasks.search.traces import information_text
 
 CPU_TINY = Path(__file__).resolve().parents[2] / "configs" / "search" / "cpu_tiny.yaml"
 
@@ -101,7 +101,7 @@ def test_reservoir_sample_is_uniform_one_pass_and_exact_for_short_streams():
 
 def test_reading_drills_warn_when_they_fall_short(caplog):
     never = [("T", "all lowercase words in this one long sentence here.")]
-    with caplog.at_level("WARNING", logger="trainer.warmstart.reading_drills"):
+    with caplog.at_level("WARNING", logger="trainer.tasks.search.drills"):
         assert reading_drills(never, 5, lambda: object()) == []
     assert "0 of the 5 asked for" in caplog.text
 

@@ -96,8 +96,7 @@ def test_warm_start_traces_on_a_server_in_another_tool_format_is_a_config_error(
         task = build_task(cfg)
         try:
             assert task.info["remote_stop_strings"] == ["</tool_call>"]
-            ws = dataclasses.replace(cfg.warm_start, enabled=True, kind="retool_arithmetic", num_examples=2,
-                                     tool_use_fraction=1.0)
+            ws = dataclasses.replace(cfg.warm_start, enabled=True, kind="retool_arithmetic", num_examples=2)
             expected = (r"^warm_start.kind='retool_arithmetic': the served environment did not play a "
                         r"scripted trace as expected \(sample .*the tool call was not executed.*"
                         r"its stop strings: \['</tool_call>'\]\)")

@@ -1,4 +1,4 @@
-"""Search-R1 warm-start traces (trainer.warmstart.search_traces) against the REAL SearchEnv and a
+"""Search-R1 warm-start traces (trainer.tasks.search.traces) against the REAL SearchEnv and a
 real BM25 retriever server over the shared Wikipedia corpus, and the search task's held-out split.
 
 Hand-computed unit tests of the copy / title / reformulation helpers come first (no server); the
@@ -29,12 +29,12 @@ from environments.search.reward import exact_match, f1_score, substring_match
 from retriever.client import ClientConfig, RetrieverClient
 from trainer.config import ConfigError, load_config
 from trainer.tasks import build_task
-from trainer.warmstart.search_traces import (
+from trainer.tasks.search.drills import query_drills
+from trainer.tasks.search.traces import (
     copied_answer,
     direct_guess,
     first_title,
     information_text,
-    query_drills,
     reformulated_query,
     search_r1_traces,
     yes_no,
@@ -140,21 +140,43 @@ def test_reformulated_query_falls_back_to_the_question():
 # -- config ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("override", "key"), [
-    ("warm_start.second_search_fraction=2.0", "warm_start.second_search_fraction=2.0"),
-    ("warm_start.second_search_fraction=-0.1", "warm_start.second_search_fraction=-0.1"),
-    ("task.held_out_every=1", "task.held_out_every=1"),
-    ("task.held_out_every=0", "task.held_out_every=0"),
-    ("warm_start.reading_drill_fraction=1.5", "warm_start.reading_drill_fraction=1.5"),
+    ("task.settings.second_search_fraction=2.0", "task.settings.second_search_fraction=2.0"),
+    ("task.settings.second_search_fraction=-0.1", "task.settings.second_search_fraction=-0.1"),
+    ("task.settings.held_out_every=1", "task.settings.held_out_every=1"),
+    ("task.settings.held_out_every=0", "task.settings.held_out_every=0"),
+    ("task.settings.reading_drill_fraction=1.5", "task.settings.reading_drill_fraction=1.5"),
+    ("task.settings.keep_misses=maybe", "task.settings.keep_misses='maybe': must be a bool"),
+    ("task.settings.drill_stepz=3", "task.settings.drill_stepz=3: unknown setting of SearchSettings"),
 ])
 def test_config_errors_name_the_key(override, key):
+    """The search task's own settings are checked by its settings dataclass when the task is
+    constructed (cheap, nothing started), one line naming the key."""
+    from trainer.tasks import SearchTask
+
     with pytest.raises(ConfigError) as ei:
-        load_config(CPU_TINY, [override])
+        SearchTask(load_config(CPU_TINY, [override]))
     assert key in str(ei.value)
 
 
+@pytest.mark.parametrize("old", ["warm_start.second_search_fraction=0.3", "task.held_out_every=4",
+                                 "warm_start.keep_misses=false", "warm_start.drill_steps=10",
+                                 "warm_start.reading_drill_fraction=0.5", "warm_start.tool_use_fraction=0.5"])
+def test_old_spellings_are_refused_with_the_new_one(old):
+    key, _, _ = old.partition("=")
+    name = key.rpartition(".")[2]
+    with pytest.raises(ConfigError) as ei:
+        load_config(CPU_TINY, [old])
+    msg = str(ei.value)
+    assert msg.startswith(f"{key}: moved to task.settings.{name} ") and "'search'" in msg and "\n" not in msg
+
+
 def test_cpu_tiny_config_values():
+    from trainer.tasks import SearchTask
+
     cfg = load_config(CPU_TINY)
-    assert cfg.task.held_out_every == 3 and cfg.warm_start.second_search_fraction == 0.5
+    settings = SearchTask(cfg).settings
+    assert settings.held_out_every == 3 and settings.second_search_fraction == 0.5
+    assert (settings.drill_steps, settings.drill_batch_size, settings.tool_use_fraction) == (1500, 32, 1.0)
     assert cfg.warm_start.kind == "search_r1" and cfg.eval.num_samples == 334
 
 
@@ -426,8 +448,10 @@ def test_base_task_has_no_drills():
     from trainer.tasks.base import Task
 
     cfg = load_config(CPU_TINY)
-    with pytest.raises(ConfigError, match=r"warm_start\.drill_steps"):
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, settings={}))  # no search settings
+    with pytest.raises(ConfigError, match=r"no copy drills \(task\.settings\.drill_steps"):
         Task(cfg).drill_traces(3, 0)
+    assert Task(cfg).drill_plan() is None
 
 
 def test_keep_misses_false_drops_title_answers_only(task):

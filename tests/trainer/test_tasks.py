@@ -135,10 +135,10 @@ def test_math_datasets_from_copc_data_dir_in_another_directory(tmp_path, monkeyp
 # -- math_tool ---------------------------------------------------------------------------------
 
 def test_math_task_generated_splits_services_and_close(tmp_path):
-    from trainer.warmstart import arithmetic_splits
+    from trainer.tasks.math_tool import arithmetic_splits
 
-    cfg = cfg_of("train.seed=3", "eval.num_samples=5", max_train_samples="12",
-                 arithmetic_kinds="[mul]")
+    cfg = cfg_of("train.seed=3", "eval.num_samples=5", "task.settings.arithmetic_kinds=[mul]",
+                 max_train_samples="12")
     task = build_task(cfg)
     try:
         train, evals = arithmetic_splits(12, 5, seed=3, kinds=("mul",))
@@ -167,9 +167,9 @@ def test_math_warm_start_traces_mix_tool_and_direct_answers_never_eval(tmp_path)
 
     cfg = cfg_of("train.seed=0", "eval.num_samples=4",
                  "task.env_kwargs={reward: {mode: dapo_strict}}", max_train_samples="8",
-                 arithmetic_kinds="[mul]")
+                 settings="{arithmetic_kinds: [mul], tool_use_fraction: 0.5}")
     with build_task(cfg) as task:
-        ws = WarmStartConfig(enabled=True, num_examples=6, seed=1, tool_use_fraction=0.5)
+        ws = WarmStartConfig(enabled=True, num_examples=6, seed=1)
         traces = task.warm_start_traces(ws, progress=False)
         again = task.warm_start_traces(ws, progress=False)
         assert traces == again  # seeded

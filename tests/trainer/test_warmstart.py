@@ -21,16 +21,14 @@ from trainer.engines.embedded import EmbeddedEngine
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model
 from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
 from trainer.rollout.observation import truncate_observation_ids
-from trainer.warmstart import (
+from trainer.tasks.math_tool import (
     SHORT_MATH_PROMPT,
-    TraceError,
     arithmetic_splits,
     retool_arithmetic_samples,
     retool_traces,
-    search_r1_samples,
-    sft_warm_start,
-    tokenize_trace,
 )
+from trainer.tasks.search import search_r1_samples
+from trainer.warmstart import TraceError, sft_warm_start, tokenize_trace
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -132,6 +130,39 @@ def test_tokenization_and_loss_mask_match_the_agent_loop(math_env_factory):
         tokenize_trace(tok, ("p", [("action", "a"), ("observation", "o")]))
     with pytest.raises(ValueError, match="kind='tool'"):
         tokenize_trace(tok, ("p", [("tool", "a"), ("action", "o")]))
+
+
+def test_sft_mask_comes_from_the_trajectory_chokepoint_hand_checked(math_env_factory):
+    """A real multi-turn trace (code call, the sandbox's reply, boxed answer) through
+    trace_trajectory: the mask is the Trajectory's own (the rollouts' producer), the same as before
+    the change, at hand-counted byte positions (byte tokenizer: one token per UTF-8 byte)."""
+    from trainer.rollout.batch import to_batch
+    from trainer.rollout.trajectory import NO_VERSION
+    from trainer.warmstart import trace_trajectory
+
+    tok = build_byte_tokenizer()
+    row = retool_arithmetic_samples(1, seed=3)[0]
+    trace = retool_traces([row], math_env_factory)[0]
+    assert trace.pieces == [("action", "Let me compute it.\n<code>\n```python\n9916 * 233\n```\n</code>"),
+                            ("observation", "\n<interpreter>\n2310428\n</interpreter>\n"),
+                            ("action", "\\boxed{2310428}")]
+    # prompt: "Compute with Python in <code>, answer in \boxed{}.\n" (51 bytes) + "What is 9916 * 233?\n" (20)
+    # action 1: 19 + 7 + 10 + 11 + 4 + 7 = 58 bytes; observation: 1 + 13 + 1 + 7 + 1 + 14 + 1 = 38;
+    # action 2: "\boxed{2310428}" = 15 bytes + EOS
+    traj = trace_trajectory(tok, trace)
+    assert (len(traj.prompt_ids), traj.turns) == (71, 2)
+    assert traj.loss_mask == [1] * 58 + [0] * 38 + [1] * 16
+    assert set(traj.logp_mu) == {0.0} and traj.min_version() == NO_VERSION  # scripted: no policy
+    ids, mask = tokenize_trace(tok, trace)
+    assert (ids, mask) == traj.sequence() and len(ids) == 183
+    assert mask == [0] * 71 + [1] * 58 + [0] * 38 + [1] * 16
+    assert ids[-1] == tok.eos_token_id and ids[71 + 57] == ord(">") and ids[71 + 58] == ord("\n")
+    # the observation cut of the agent loop: 12 tokens kept (the end of the closing tag)
+    _, cut = tokenize_trace(tok, trace, AgentLoopConfig(max_observation_tokens=12))
+    assert cut == [0] * 71 + [1] * 58 + [0] * 12 + [1] * 16
+    # the batch the learner gets from this trajectory carries the same mask on its response columns
+    batch = to_batch([traj], tok.pad_token_id)
+    assert batch.loss_mask[0].tolist() == [float(m) for m in traj.loss_mask]
 
 
 def test_sft_loss_decreases_and_ignores_observations(math_env_factory):

@@ -29,7 +29,7 @@ def test_cache_key_ignores_rl_settings_and_follows_warm_start_ones():
         assert cache_key(load_config(None, [rl])) == key, rl
     for ws in ("warm_start.steps=301", "warm_start.seed=1", "model.tiny.hidden_size=64", "train.seed=1",
                "task.env_kwargs={prompt_template: 'Q {problem}'}", "rollout.max_total_tokens=999",
-               "task.arithmetic_kinds=[mul]"):
+               "task.settings.arithmetic_kinds=[mul]"):
         assert cache_key(load_config(None, [ws])) != key, ws
 
 

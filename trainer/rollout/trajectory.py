@@ -215,6 +215,11 @@ class Trajectory:
         """The response's model tokens only, in order (decoding gives the model's text)."""
         return [t for t, m in zip(self.response_ids, self.loss_mask, strict=True) if m]
 
+    def sequence(self) -> tuple[list[int], list[int]]:
+        """The whole sequence and its loss mask: ``(prompt_ids + response_ids, [0] * len(prompt_ids)
+        + loss_mask)``, equal-length int lists (supervised warm-start rows, right-padded there)."""
+        return self.prompt_ids + self.response_ids, [0] * len(self.prompt_ids) + self.loss_mask
+
     def min_version(self) -> int | None:
         """Oldest policy version among model tokens (None if there are none)."""
         vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]

@@ -4,13 +4,17 @@
 environment factory, optional warm-start traces). The task class is chosen by environment id:
 
 * ``math_tool`` → :class:`~trainer.tasks.math_tool.MathToolTask` (sandbox pool; datasets or
-  generated arithmetic; ``retool_arithmetic`` warm start),
+  generated arithmetic; ``retool_arithmetic`` warm start), one folder ``trainer/tasks/math_tool/``
+  (task, arithmetic problems, traces, settings),
 * ``search`` → :class:`~trainer.tasks.search.SearchTask` (retriever server; QA sets;
-  ``search_r1`` warm start),
+  ``search_r1`` warm start, copy drills), one folder ``trainer/tasks/search/`` (task, traces,
+  drills, settings),
 * any other registered environment → :class:`~trainer.tasks.generic.GenericTask` (rows from the
   JSONL files of ``task.train_data`` / ``task.eval_data``; no edit to ``trainer/`` needed),
 
-unless a class was registered for that id with :func:`register_task`. ``task.env`` may also name
+unless a class was registered for that id with :func:`register_task`. A task's own knobs are its
+settings dataclass (``Task.settings_class``, registered with it), filled from ``task.settings``
+(:mod:`trainer.tasks.settings`). ``task.env`` may also name
 the module that registers the environment (``"my_pkg.envs:calc"`` or ``"calc_env.py:calc"``,
 see :func:`environments.resolve`); that module can register a task class as well.
 """
@@ -48,7 +52,8 @@ def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = Fals
         task_cls: a :class:`Task` subclass, constructed as ``task_cls(cfg, env_id)``.
         overwrite: replace a class already registered for ``env_name`` (registering the same
             class again is always allowed: a module imported twice).
-        settings: the task's settings dataclass (``task.settings``), or None.
+        settings: the task's settings dataclass (``task.settings``); None: the class's own
+            ``settings_class`` (a class without one gets ``settings`` as its ``settings_class``).
         **metadata: capability metadata of :data:`TASKS`.
 
     Returns:
@@ -56,15 +61,22 @@ def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = Fals
 
     Raises:
         TypeError: ``task_cls`` is not a :class:`Task` subclass.
-        copc.registries.RegistryError: (a ``ValueError``) empty ``env_name``, or a class is
-            already registered for it and ``overwrite`` is False.
+        copc.registries.RegistryError: (a ``ValueError``) empty ``env_name``, a class is
+            already registered for it and ``overwrite`` is False, or ``settings`` differs from
+            the class's own ``settings_class``.
     """
     if not isinstance(task_cls, type) or not issubclass(task_cls, Task):
         raise TypeError(f"register_task({env_name!r}, ...): expected a Task subclass, got {task_cls!r}")
     if env_name in TASKS and not overwrite and TASKS.get(env_name) is not task_cls:
         raise RegistryError(f"a task class is already registered for env {env_name!r} "
                             f"({TASKS.get(env_name).__qualname__}); pass overwrite=True")
-    return TASKS.register(env_name, task_cls, overwrite=True, settings=settings, **metadata)
+    own = task_cls.settings_class
+    if settings is not None and own is not None and settings is not own:
+        raise RegistryError(f"register_task({env_name!r}, {task_cls.__qualname__}): settings={settings!r} "
+                            f"but the class's settings_class is {own!r}")
+    if settings is not None and own is None:
+        task_cls.settings_class = settings  # the class parses task.settings with it
+    return TASKS.register(env_name, task_cls, overwrite=True, settings=task_cls.settings_class, **metadata)
 
 
 def unregister_task(env_name: str) -> None:
@@ -153,10 +165,10 @@ register_task("search", SearchTask)
 register_task("remote", RemoteTask)
 
 __all__ = [
+    "TASKS",
     "GenericTask",
     "MathToolTask",
     "SearchTask",
-    "TASKS",
     "Task",
     "absolute_task_paths",
     "build_task",

@@ -7,8 +7,12 @@ retriever server) with their start and stop, an environment factory (``make_env`
 episode), an ``info`` dict for the run's summary, and optionally a generator of supervised
 warm-start traces.
 
-Lifecycle: ``task = SomeTask(cfg, env_id)`` (cheap, starts nothing), ``task.start()`` (loads the
-data, starts the services; each service registers its stop function with :meth:`Task.add_closer`),
+A task's own knobs live in its settings dataclass (``settings_class``, filled from
+``task.settings``: :mod:`trainer.tasks.settings`), never in the central config schema.
+
+Lifecycle: ``task = SomeTask(cfg, env_id)`` (cheap, starts nothing; parses ``task.settings``),
+``task.start()`` (loads the data, starts the services; each service registers its stop function
+with :meth:`Task.add_closer`),
 then ``task.close()`` (stops them in reverse order; idempotent, also after a failed ``start``).
 :func:`trainer.tasks.build_task` does all of it and checks the env settings.
 """
@@ -17,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import environments
 
-from ..config import ConfigError
+from ..errors import ConfigError
+from .settings import parse_settings
 
 if TYPE_CHECKING:
     import gymnasium
@@ -33,14 +39,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DrillPlan:
+    """The copy-drill phase of a task's warm start (SFT on :meth:`Task.drill_traces` before the
+    traces; constant LR after 20 warm-up steps).
+
+    Attributes:
+        steps: optimizer steps (>= 1). batch_size: drills per step. lr: peak learning rate.
+    """
+
+    steps: int
+    batch_size: int
+    lr: float
+
+
 class Task:
     """A trainable task: data splits, services, an environment factory (subclass to customise).
 
     The base class serves any registered environment whose data comes ready-made: subclasses
     override :meth:`start` (fill ``train_samples`` / ``eval_samples`` / ``info``, start services
     and register their stop functions with :meth:`add_closer`), and where needed
-    :meth:`make_env`, ``warm_start_kinds`` and :meth:`warm_start_traces`. Register a subclass for
-    an env id with :func:`trainer.tasks.register_task`.
+    :meth:`make_env`, ``warm_start_kinds``, :meth:`warm_start_traces` and ``settings_class`` (the
+    dataclass of the task's own knobs, read from ``task.settings`` into :attr:`settings`).
+    Register a subclass for an env id with :func:`trainer.tasks.register_task`.
 
     Args:
         cfg: the experiment config (``cfg.task`` above all).
@@ -54,11 +75,16 @@ class Task:
         train_samples: training rows (``list[dict]``), disjoint from ``eval_samples``.
         eval_samples: held-out rows for evaluation.
         info: facts about the task for logs and the summary (e.g. ``retriever_url``).
+        settings: the task's own settings (an instance of ``settings_class`` made from
+            ``task.settings``; None for a task without settings).
         warm_start_kinds: the ``warm_start.kind`` values :meth:`warm_start_traces` can generate
             (empty: none).
     """
 
     warm_start_kinds: ClassVar[tuple[str, ...]] = ()
+    #: the dataclass of this task's own knobs (``task.settings``; :mod:`trainer.tasks.settings`);
+    #: None: the task has none (any ``task.settings`` key is refused).
+    settings_class: ClassVar[type | None] = None
     #: strings a run-time BPE tokenizer (``model.tiny.tokenizer: bpe``) must keep as single tokens:
     #: the environment's tool tags (e.g. ``<search>``, ``</information>``).
     tokenizer_tags: ClassVar[tuple[str, ...]] = ()
@@ -74,6 +100,20 @@ class Task:
         self.eval_samples: list[dict] = []
         self.info: dict[str, Any] = {}
         self._closers: list[Callable[[], None]] = []
+        self.settings: Any = self.parse_settings(cfg.task.settings, self.env_id)
+
+    @classmethod
+    def parse_settings(cls, values: Mapping[str, Any] | None, env_id: str) -> Any:
+        """This task class's settings from the ``task.settings`` mapping (also run at load, by
+        :meth:`trainer.config.TaskConfig.validate`).
+
+        Returns:
+            An instance of :attr:`settings_class`, or None for a task without settings.
+
+        Raises:
+            ConfigError: see :func:`trainer.tasks.settings.parse_settings`.
+        """
+        return parse_settings(cls.settings_class, values, env_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,28 +206,33 @@ class Task:
         raise ConfigError(f"warm_start.kind={ws.kind!r}: the task of env {self.env_id!r} generates "
                           f"{list(self.warm_start_kinds)}")
 
-    def drill_traces(self, n: int, seed: int, reading_fraction: float = 0.0) -> list[Trace]:
-        """Copy drills for ``warm_start.drill_steps`` (see :class:`~trainer.config.WarmStartConfig`):
-        ``n`` one-action traces whose action copies text of the prompt into a tool call.
+    def drill_plan(self) -> DrillPlan | None:
+        """The copy-drill phase of the warm start, or None for none (the base class: none; the
+        ``search`` task: its ``drill_steps`` / ``drill_batch_size`` / ``drill_lr`` settings)."""
+        return None
+
+    def drill_traces(self, n: int, seed: int, reading_fraction: float | None = None) -> list[Trace]:
+        """Copy drills for :meth:`drill_plan`: ``n`` traces whose first action copies text of the
+        prompt into a tool call.
 
         Args:
             n: number of drills. seed: their generator's seed.
-            reading_fraction: ``warm_start.reading_drill_fraction``, the share of drills that use
-                the tool's result (a task without such drills rejects a share > 0).
+            reading_fraction: the share of drills that use the tool's result (None: the task's
+                setting; a task without such drills rejects a share > 0).
 
         Raises:
             ConfigError: the task has none (the base class).
         """
-        raise ConfigError(f"warm_start.drill_steps: the task of env {self.env_id!r} has no copy drills; "
-                          "set warm_start.drill_steps=0")
+        raise ConfigError(f"drills: the task of env {self.env_id!r} has no copy drills "
+                          "(task.settings.drill_steps is a setting of the tasks that have them: search)")
 
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
         """Supervised warm-start traces played through this task's real environments, never of
         an ``eval_samples`` row.
 
         Args:
-            ws: the ``warm_start`` config section (``kind``, ``num_examples``, ``seed``,
-                ``tool_use_fraction``).
+            ws: the ``warm_start`` config section (``kind``, ``num_examples``, ``seed``); the
+                task's own knobs are in :attr:`settings`.
             progress: show a progress bar.
 
         Returns:

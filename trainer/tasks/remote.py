@@ -18,13 +18,14 @@ environment has its own).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import environments
 from environments.errors import InfrastructureError
 
 from ..config import ConfigError
-from .base import Task
+from .base import DrillPlan, Task
 from .generic import GenericTask
 
 if TYPE_CHECKING:
@@ -101,6 +102,12 @@ class RemoteTask(Task):
         self.info = {"remote_url": rcfg.http_url, "remote_env": served,
                      "remote_stop_strings": list(server.stop_strings), **delegate.info}
 
+    @classmethod
+    def parse_settings(cls, values: Mapping[str, Any] | None, env_id: str) -> Any:
+        """``task.settings`` as given: they are the served environment's task's settings, parsed by
+        that task (the delegate) in :meth:`start`, once the server said what it serves."""
+        return dict(values or {})
+
     def make_env(self) -> gymnasium.Env:
         """A :class:`~environments.remote.client.RemoteEnv` with ``task.env_kwargs``.
 
@@ -123,6 +130,20 @@ class RemoteTask(Task):
             super().check_warm_start(ws)
         else:
             self.delegate.check_warm_start(ws)
+
+    def drill_plan(self) -> DrillPlan | None:
+        """The served environment's task's copy drills (its settings), played on the server."""
+        return None if self.delegate is None else self.delegate.drill_plan()
+
+    def drill_traces(self, n: int, seed: int, reading_fraction: float | None = None) -> list[Trace]:
+        """The served environment's task's drills, played on the server (see :meth:`Task.drill_traces`).
+
+        Raises:
+            ConfigError: that task has no drills.
+        """
+        if self.delegate is None:
+            return super().drill_traces(n, seed, reading_fraction)
+        return self.delegate.drill_traces(n, seed, reading_fraction)
 
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
         """The served environment's task's traces, played on the server.

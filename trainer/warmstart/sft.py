@@ -4,8 +4,9 @@ Tokenisation is the agent loop's (:func:`trainer.rollout.agent_loop.run_episode`
 is encoded alone with :func:`~trainer.rollout.agent_loop.encode_prompt`, then each piece is
 encoded alone (no special tokens) and appended; observations are cut to
 ``AgentLoopConfig.max_observation_tokens``; the final action is followed by EOS (how a
-model ends its answer). The loss mask is 1 on action tokens and that EOS, 0 on prompt and
-observation tokens — the same mask the RL learner uses.
+model ends its answer). The tokens enter a :class:`~trainer.rollout.trajectory.Trajectory`
+through the same chokepoint as a rollout's (:func:`trace_trajectory`), so the loss mask is the
+one the RL learner uses: 1 on action tokens and that EOS, 0 on prompt and observation tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,50 @@ import torch
 
 from ..rollout.agent_loop import AgentLoopConfig, encode_prompt
 from ..rollout.observation import truncate_observation_ids
+from ..rollout.trajectory import NO_VERSION, Trajectory
+
+
+def trace_trajectory(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]],
+                     agent_cfg: AgentLoopConfig | None = None) -> Trajectory:
+    """The :class:`~trainer.rollout.trajectory.Trajectory` of one trace, built as the agent loop
+    builds a rollout's: the same chokepoint sets the loss mask (model tokens 1, observation 0).
+
+    The prompt is encoded alone (:func:`~trainer.rollout.agent_loop.encode_prompt`); each action
+    is encoded alone (no special tokens; the final one followed by EOS, how a model ends its
+    answer) and appended with :meth:`Trajectory.append_model_tokens` (behaviour log-prob 0.0,
+    version :data:`~trainer.rollout.trajectory.NO_VERSION`: scripted, no policy sampled them);
+    each observation is cut to ``max_observation_tokens``
+    (:func:`~trainer.rollout.observation.truncate_observation_ids`) and appended with
+    :meth:`Trajectory.append_observation_tokens`.
+
+    Args:
+        tokenizer: the policy's tokenizer (with ``eos_token_id``).
+        trace: ``(prompt, [(kind, text), ...])``, kind ``"action"`` or ``"observation"``.
+        agent_cfg: :class:`AgentLoopConfig` (``use_chat_template``, ``max_observation_tokens``).
+
+    Returns:
+        The trajectory (no reward; ``turns`` = number of actions).
+
+    Raises:
+        ValueError: unknown piece kind, no pieces, or a last piece that is not an action.
+    """
+    cfg = agent_cfg or AgentLoopConfig()
+    prompt, pieces = trace
+    if not pieces or pieces[-1][0] != "action":
+        raise ValueError(f"trace pieces must end with an action, got kinds {[k for k, _ in pieces]}")
+    traj = Trajectory(prompt_ids=encode_prompt(tokenizer, prompt, cfg.use_chat_template))
+    for i, (kind, text) in enumerate(pieces):
+        if kind == "action":
+            toks = list(tokenizer.encode(text, add_special_tokens=False))
+            if i == len(pieces) - 1:
+                toks.append(tokenizer.eos_token_id)
+            traj.append_model_tokens(toks, [0.0] * len(toks), NO_VERSION)
+        elif kind == "observation":
+            obs = truncate_observation_ids(tokenizer, text, cfg.max_observation_tokens)
+            traj.append_observation_tokens(obs)
+        else:
+            raise ValueError(f"trace piece {i}: kind={kind!r} must be 'action' or 'observation'")
+    return traj
 
 
 def tokenize_trace(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]],
@@ -31,32 +76,14 @@ def tokenize_trace(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]],
         agent_cfg: :class:`AgentLoopConfig` (``use_chat_template``, ``max_observation_tokens``).
 
     Returns:
-        ``(input_ids, loss_mask)``: equal-length int lists over prompt + response; the mask is
+        ``(input_ids, loss_mask)`` of :func:`trace_trajectory`'s trajectory
+        (:meth:`Trajectory.sequence`): equal-length int lists over prompt + response; the mask is
         1 exactly on action tokens and the EOS after the final action.
 
     Raises:
         ValueError: unknown piece kind, no pieces, or a last piece that is not an action.
     """
-    cfg = agent_cfg or AgentLoopConfig()
-    prompt, pieces = trace
-    if not pieces or pieces[-1][0] != "action":
-        raise ValueError(f"trace pieces must end with an action, got kinds {[k for k, _ in pieces]}")
-    ids = encode_prompt(tokenizer, prompt, cfg.use_chat_template)
-    mask = [0] * len(ids)
-    for i, (kind, text) in enumerate(pieces):
-        toks = list(tokenizer.encode(text, add_special_tokens=False))
-        if kind == "action":
-            if i == len(pieces) - 1:
-                toks.append(tokenizer.eos_token_id)
-            ids += toks
-            mask += [1] * len(toks)
-        elif kind == "observation":
-            toks = truncate_observation_ids(tokenizer, text, cfg.max_observation_tokens)
-            ids += toks
-            mask += [0] * len(toks)
-        else:
-            raise ValueError(f"trace piece {i}: kind={kind!r} must be 'action' or 'observation'")
-    return ids, mask
+    return trace_trajectory(tokenizer, trace, agent_cfg).sequence()
 
 
 def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -125,7 +152,7 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
     Args:
         model: causal LM (``transformers``), float32.
         tokenizer: its tokenizer.
-        traces: ``(prompt, pieces)`` traces (:mod:`trainer.warmstart.traces`).
+        traces: ``(prompt, pieces)`` traces (:class:`~trainer.warmstart.traces.Trace`).
         steps: optimizer steps (>= 1). batch_size: traces per step (>= 1). lr: peak LR (> 0).
         seed: shuffling seed.
         progress: show a tqdm bar with the loss.

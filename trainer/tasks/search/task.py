@@ -2,7 +2,7 @@
 
 Data: ``task.train_data`` QA sets (default ``[nq, hotpotqa]``, ``<data dir>/qa/<name>.jsonl``);
 evaluation on ``task.eval_data`` (default: the training sets): when those are among the
-training sets, every ``task.held_out_every``-th row of each is held out (deterministic,
+training sets, every ``task.settings.held_out_every``-th row of each is held out (deterministic,
 disjoint), else the other sets are read; any training row with a held-out id or question text is
 dropped. Service: a BM25 retriever server started on
 127.0.0.1 (index of ``task.retriever_corpus`` built on first use in ``task.retriever_index_dir``,
@@ -23,13 +23,16 @@ from typing import TYPE_CHECKING
 import environments
 from environments.data import data_root
 
-from .base import Task
+from ..base import DrillPlan, Task
+from .drills import query_drills, reading_drills, reservoir_sample
+from .settings import SearchSettings
+from .traces import search_r1_traces
 
 if TYPE_CHECKING:
     import gymnasium
 
-    from ..config import ExperimentConfig, WarmStartConfig
-    from ..warmstart.traces import Trace
+    from ...config import ExperimentConfig, WarmStartConfig
+    from ...warmstart.traces import Trace
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +68,12 @@ def corpus_path(retriever_corpus: str, data_dir: str) -> Path:
 class SearchTask(Task):
     """``search``: QA splits and a (possibly self-started) retriever server.
 
-    ``info``: ``{"retriever_url": <base URL>}``.
+    ``info``: ``{"retriever_url": <base URL>}``. Settings: :class:`SearchSettings`.
     """
 
     warm_start_kinds = ("search_r1",)
+    settings_class = SearchSettings
+    settings: SearchSettings
     tokenizer_tags = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
                       "<think>", "</think>")
 
@@ -94,7 +99,7 @@ class SearchTask(Task):
         if set(eval_names) <= set(names):
             # held-out rows of the training sets: every held_out_every-th row of each evaluated set
             # (deterministic, disjoint from training)
-            k = t.held_out_every
+            k = self.settings.held_out_every
             held_sets = [[r for i, r in enumerate(per_set[n]) if i % k == 0] for n in eval_names]
             # interleaved (nq, hotpotqa, nq, ...) so that a cap (eval.num_samples) keeps every set
             evals = [r for group in itertools.zip_longest(*held_sets) for r in group if r is not None]
@@ -132,13 +137,20 @@ class SearchTask(Task):
         for passage in iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)):
             yield information_block(format_passages([{"document": {"contents": passage.contents}}]))
 
-    def drill_traces(self, n: int, seed: int, reading_fraction: float = 0.0) -> list[Trace]:
-        """``n`` drills: query drills (:func:`trainer.warmstart.search_traces.query_drills`) of
+    def drill_plan(self) -> DrillPlan | None:
+        """``task.settings.drill_steps`` steps of ``drill_batch_size`` drills at ``drill_lr``
+        (None when ``drill_steps`` is 0)."""
+        s = self.settings
+        return DrillPlan(s.drill_steps, s.drill_batch_size, s.drill_lr) if s.drill_steps else None
+
+    def drill_traces(self, n: int, seed: int, reading_fraction: float | None = None) -> list[Trace]:
+        """``n`` drills: query drills (:func:`~trainer.tasks.search.drills.query_drills`) of
         pseudo-questions made of random words of the retriever corpus, and a ``reading_fraction``
-        share of reading drills (:func:`trainer.warmstart.reading_drills.reading_drills`: cloze
-        questions about a uniform sample of :data:`READING_PASSAGES` corpus passages, searched for
-        through the real retriever and answered with the span copied from what it returned;
-        fewer, with a warning, when the corpus yields too few). Never a dataset question.
+        (None: ``task.settings.reading_drill_fraction``) share of reading drills
+        (:func:`~trainer.tasks.search.drills.reading_drills`: cloze questions about a uniform sample
+        of :data:`READING_PASSAGES` corpus passages, searched for through the real retriever and
+        answered with the span copied from what it returned; fewer, with a warning, when the corpus
+        yields too few). Never a dataset question.
 
         Raises:
             FileNotFoundError / CorpusFormatError: the corpus is missing or malformed.
@@ -146,10 +158,9 @@ class SearchTask(Task):
         """
         from retriever.corpus import iter_corpus
 
-        from ..warmstart.reading_drills import reading_drills, reservoir_sample
-        from ..warmstart.search_traces import query_drills
-
         corpus = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
+        if reading_fraction is None:
+            reading_fraction = self.settings.reading_drill_fraction
         n_read = round(n * reading_fraction)
         words = [w for p in itertools.islice(iter_corpus(corpus), DRILL_PASSAGES) for w in p.contents.split()]
         drills = query_drills(words, n - n_read, self.make_env, seed=seed)
@@ -165,7 +176,7 @@ class SearchTask(Task):
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
         """``search_r1`` traces: the first ``ws.num_examples`` training questions not asked in
         ``eval_samples``, each searched for and answered with text copied from what the real
-        retriever returned (:mod:`trainer.warmstart.search_traces`).
+        retriever returned (:mod:`trainer.tasks.search.traces`).
 
         Args:
             ws: the ``warm_start`` section. progress: show a progress bar.
@@ -177,15 +188,14 @@ class SearchTask(Task):
             ConfigError: ``ws.kind`` is not ``search_r1``.
             TraceError: the environment did not score a scripted trace as expected.
         """
-        from ..warmstart import search_r1_traces
-
         self.check_warm_start(ws)
         held = {_question_key(s["question"]) for s in self.eval_samples}
         samples = [s for s in self.train_samples if _question_key(s["question"]) not in held]
         samples = samples[:ws.num_examples]
-        return search_r1_traces(samples, self.make_env, second_search_fraction=ws.second_search_fraction,
-                                tool_use_fraction=ws.tool_use_fraction, seed=ws.seed,
-                                keep_misses=ws.keep_misses, progress=progress)
+        s = self.settings
+        return search_r1_traces(samples, self.make_env, second_search_fraction=s.second_search_fraction,
+                                tool_use_fraction=s.tool_use_fraction, seed=ws.seed,
+                                keep_misses=s.keep_misses, progress=progress)
 
 
 def start_retriever(corpus: Path, index_dir: Path, timeout_s: float = 180.0

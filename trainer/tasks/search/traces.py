@@ -1,4 +1,4 @@
-"""Search-R1 warm-start traces played against the REAL search environment and retriever.
+"""Search-R1 warm-start traces of the ``search`` task, played against the REAL search env and retriever.
 
 Each trace is what a careful searcher would do with what the retriever actually returns
 (Search-R1 format, Jin et al. 2025, arXiv:2503.09516):
@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .traces import Trace, TraceError, _each
+from environments.data import DEFAULT_DATA_DIR
+
+from ...warmstart.traces import Trace, TraceError, play_traces
+
+#: A short search prompt template for tiny models (``SearchConfig.prompt_template``).
+SHORT_SEARCH_PROMPT = "Search with <search>, answer in <answer>.\nQuestion: {question}\n"
 
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 # a title may hold balanced parentheses followed by a space ("26th (Cameronian) Regiment of Foot");
@@ -190,43 +195,42 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     # a row whose golden answers all normalise to "" (e.g. NQ test_1420: "---") can never be
     # answered correctly (environments/search/reward.py), so it gives no trace
     usable = [s for s in samples if any(normalize_answer(g) for g in s["golden_answers"])]
-    return _each(usable, env_factory, progress, "search-r1 traces", play)
+    return play_traces(usable, env_factory, play, progress=progress, desc="search-r1 traces")
 
 
-def query_drills(words: Sequence[str], n: int, env_factory: Callable[[], Any], *, seed: int = 0,
-                 min_words: int = 4, max_words: int = 18) -> list[Trace]:
-    """Copy drills: ``n`` one-action traces ``(prompt, [("action", "<search> Q </search>")])``.
+def search_r1_samples(datasets: Iterable[str] = ("nq", "hotpotqa"), *, n: int | None = None,
+                      seed: int = 0, offset: int = 0, data_dir: str = DEFAULT_DATA_DIR
+                      ) -> list[dict[str, Any]]:
+    """Questions of the shared QA sets (``<data_dir>/qa/<name>.jsonl``), shuffled with ``seed``.
 
-    ``Q`` is a pseudo-question of ``min_words``..``max_words`` words drawn uniformly from ``words``
-    (with a final ``?``); the prompt is what the env's ``reset`` renders for it. Nothing is
-    searched and no dataset question is used. Sequences never repeat, so a model can only lower
-    its loss by copying from its context (induction), not by memorising questions.
-
-    Args:
-        words: the vocabulary (e.g. words of corpus passages), non-empty.
-        n: drills to make (>= 0). env_factory: ``() -> SearchEnv`` (its prompt template).
-        seed: generator seed. min_words / max_words: pseudo-question length range in words.
+    Rows of all ``datasets`` are pooled, ids are prefixed with the dataset name
+    (``"nq/test_3283"``: ids of different sets may collide), the pool is shuffled with
+    ``random.Random(seed)``, and rows ``[offset, offset + n)`` are returned (all from
+    ``offset`` if ``n`` is None). Disjoint ranges give disjoint train / held-out splits.
 
     Returns:
-        ``n`` :class:`Trace` s.
+        Dicts ``{"id", "question", "golden_answers": [str, ...], "data_source"}``.
 
     Raises:
-        ValueError: empty ``words``, negative ``n`` or a bad length range.
+        FileNotFoundError / ValueError: a missing or malformed data file (from
+            :func:`environments.search.env.load_qa`); ValueError on negative ``n`` / ``offset``
+            or a range past the end of the pool.
     """
-    if not words or n < 0 or not 1 <= min_words <= max_words:
-        raise ValueError(f"query_drills: need words (got {len(words)}), n >= 0 (got {n}) and "
-                         f"1 <= min_words <= max_words (got {min_words}, {max_words})")
-    rng = random.Random(seed)
-    questions = [" ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) + "?"
-                 for _ in range(n)]
-    samples = [{"id": f"drill-{i}", "question": q, "golden_answers": []} for i, q in enumerate(questions)]
+    from environments.search.env import load_qa
 
-    def play(env: Any, s: Mapping[str, Any]) -> Trace:
-        prompt, _ = env.reset(options={"sample": dict(s)})
-        return Trace(prompt, [("action", f"<search> {s['question']}</search>")])
+    if offset < 0 or (n is not None and n < 0):
+        raise ValueError(f"search_r1_samples: n={n!r} and offset={offset!r} must be >= 0")
+    pool = []
+    for name in datasets:
+        for row in load_qa(name, data_dir):
+            pool.append({**row, "id": f"{name}/{row['id']}", "data_source": name})
+    random.Random(seed).shuffle(pool)
+    end = len(pool) if n is None else offset + n
+    if end > len(pool):
+        raise ValueError(f"search_r1_samples: offset={offset} + n={n} exceeds the {len(pool)} "
+                         f"questions of {tuple(datasets)}")
+    return pool[offset:end]
 
-    return _each(samples, env_factory, False, "query drills", play)
 
-
-__all__ = ["copied_answer", "first_title", "information_text", "query_drills", "reformulated_query",
-           "search_r1_traces"]
+__all__ = ["SHORT_SEARCH_PROMPT", "copied_answer", "direct_guess", "first_title", "information_text",
+           "reformulated_query", "search_r1_samples", "search_r1_traces", "yes_no"]

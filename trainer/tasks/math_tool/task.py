@@ -17,27 +17,32 @@ from typing import TYPE_CHECKING
 import environments
 from environments.data import data_root
 
-from .base import Task
+from ..base import Task
+from .arithmetic import arithmetic_splits, retool_arithmetic_samples
+from .settings import MathToolSettings
+from .traces import direct_answer_traces, retool_traces
 
 if TYPE_CHECKING:
     import gymnasium
 
     from environments.sandbox import Sandbox
 
-    from ..config import ExperimentConfig, WarmStartConfig
-    from ..warmstart.traces import Trace
+    from ...config import ExperimentConfig, WarmStartConfig
+    from ...warmstart.traces import Trace
 
-#: Generated-problem kinds when ``task.arithmetic_kinds`` is empty.
+#: Generated-problem kinds when ``task.settings.arithmetic_kinds`` is empty.
 DEFAULT_KINDS = ("mul", "sum_of_products", "mul_minus")
 
 
 class MathToolTask(Task):
     """``math_tool``: math datasets or generated arithmetic, a shared sandbox pool.
 
-    ``info``: ``{"sandbox": <what the sandbox enforces>}``.
+    ``info``: ``{"sandbox": <what the sandbox enforces>}``. Settings: :class:`MathToolSettings`.
     """
 
     warm_start_kinds = ("retool_arithmetic",)
+    settings_class = MathToolSettings
+    settings: MathToolSettings
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         super().__init__(cfg, env_id)
@@ -61,10 +66,9 @@ class MathToolTask(Task):
             train = [r for name in t.train_data for r in load_math(name, data_dir)]
             evals = [r for name in (t.eval_data or ["math500"]) for r in load_math(name, data_dir)]
         else:
-            from ..warmstart import arithmetic_splits
             n_train = t.max_train_samples or 2000
             n_eval = t.max_eval_samples or cfg.eval.num_samples
-            kinds = tuple(t.arithmetic_kinds) or DEFAULT_KINDS
+            kinds = tuple(self.settings.arithmetic_kinds) or DEFAULT_KINDS
             train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed, kinds=kinds)
         self.train_samples = self.cap_train(train)
         self.eval_samples = self.cap_eval(evals)
@@ -79,9 +83,9 @@ class MathToolTask(Task):
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
         """``retool_arithmetic`` traces: generated problems from their own seed stream
         (``10_000 + ws.seed``; problems of ``eval_samples`` filtered out), ``ws.num_examples``
-        of them; a ``ws.tool_use_fraction`` solved with one ``<code>`` call whose output is
-        copied into ``\\boxed{}``, the rest answered from the head (an estimate), shuffled with
-        ``ws.seed``. Problem kinds: ``task.arithmetic_kinds`` (empty: all).
+        of them; a ``task.settings.tool_use_fraction`` solved with one ``<code>`` call whose output
+        is copied into ``\\boxed{}``, the rest answered from the head (an estimate), shuffled with
+        ``ws.seed``. Problem kinds: ``task.settings.arithmetic_kinds`` (empty: all).
 
         Args:
             ws: the ``warm_start`` section. progress: show progress bars.
@@ -93,15 +97,13 @@ class MathToolTask(Task):
             ConfigError: ``ws.kind`` is not ``retool_arithmetic``.
             TraceError: the environment did not score a scripted trace as expected.
         """
-        from ..warmstart import direct_answer_traces, retool_arithmetic_samples, retool_traces
-
         self.check_warm_start(ws)
         n, seed = ws.num_examples, ws.seed
         held = {s.get("problem", s.get("question")) for s in self.eval_samples}
         pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed,
-                                         kinds=tuple(self.cfg.task.arithmetic_kinds) or DEFAULT_KINDS)
+                                         kinds=tuple(self.settings.arithmetic_kinds) or DEFAULT_KINDS)
         samples = [s for s in pool if s["problem"] not in held][:n]
-        n_tool = round(ws.tool_use_fraction * len(samples))
+        n_tool = round(self.settings.tool_use_fraction * len(samples))
         traces = retool_traces(samples[:n_tool], self.make_env, progress=progress)
         traces += direct_answer_traces(samples[n_tool:], self.make_env, progress=progress)
         random.Random(seed).shuffle(traces)

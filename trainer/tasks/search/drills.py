@@ -1,19 +1,22 @@
-"""Reading drills: cloze questions made from corpus passages, searched for and answered through the
-REAL search environment and retriever.
+"""Drills of the ``search`` task (``task.settings.drill_steps``): query drills and reading drills.
 
-A tiny model trained from scratch can copy (the query drills of
-:func:`~trainer.warmstart.search_traces.query_drills`) but has never learned to *read*: to find
-where a question's words sit in a retrieved passage and copy the span next to them. The ~2,200
-training questions are too few to teach that (the model memorises them). Cloze questions made
-from the corpus itself are unlimited: take a sentence of a passage, cut out an answer span (a
-year, a number, a run of capitalised words), and ask for it with the words around it ("cloze
-translation" as in Lewis et al. 2019, *Unsupervised Question Answering by Cloze Translation*,
-ACL, Section 3, in its simplest form: wh-word + context words, no translation model).
+Query drills (:func:`query_drills`) teach a model built from scratch to copy: one-action traces
+that copy a pseudo-question of random corpus words into ``<search>``.
+
+Reading drills are cloze questions made from corpus passages, searched for and answered through the
+REAL search environment and retriever. A tiny model trained from scratch can copy (the query drills)
+but has never learned to *read*: to find where a question's words sit in a retrieved passage and
+copy the span next to them. The ~2,200 training questions are too few to teach that (the model
+memorises them). Cloze questions made from the corpus itself are unlimited: take a sentence of a
+passage, cut out an answer span (a year, a number, a run of capitalised words), and ask for it with
+the words around it ("cloze translation" as in Lewis et al. 2019, *Unsupervised Question Answering
+by Cloze Translation*, ACL, Section 3, in its simplest form: wh-word + context words, no translation
+model).
 
 Each drill is a Search-R1 trace played through the env: ``<search> Q</search>`` → the real
-``<information>`` block → ``<answer> A</answer>`` with ``A`` copied as written in that block.
-A drill whose answer is not in what the retriever returned is dropped (it would teach guessing).
-No dataset question or golden answer is used.
+``<information>`` block → ``<answer> A</answer>`` with ``A`` copied as written in that block. A
+drill whose answer is not in what the retriever returned is dropped (it would teach guessing). No
+dataset question or golden answer is used.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .search_traces import copied_answer
-from .traces import Trace, TraceError, _each
+from ...warmstart.traces import Trace, TraceError, play_traces
+from .traces import copied_answer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -217,7 +220,7 @@ def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Cal
         made += 1
         return Trace(prompt, [("action", action), ("observation", obs), ("action", final)])
 
-    kept = _each(samples, env_factory, False, "reading drills", play)
+    kept = play_traces(samples, env_factory, play, desc="reading drills")
     if len(kept) < n:
         log.warning("reading drills: %d of the %d asked for (%d cloze questions tried; the others had "
                     "no usable sentence or the retriever returned another passage)", len(kept), n,
@@ -225,4 +228,39 @@ def reading_drills(passages: Iterable[tuple[str, str]], n: int, env_factory: Cal
     return kept
 
 
-__all__ = ["Cloze", "answer_spans", "cloze_question", "reading_drills", "reservoir_sample"]
+def query_drills(words: Sequence[str], n: int, env_factory: Callable[[], Any], *, seed: int = 0,
+                 min_words: int = 4, max_words: int = 18) -> list[Trace]:
+    """Copy drills: ``n`` one-action traces ``(prompt, [("action", "<search> Q </search>")])``.
+
+    ``Q`` is a pseudo-question of ``min_words``..``max_words`` words drawn uniformly from ``words``
+    (with a final ``?``); the prompt is what the env's ``reset`` renders for it. Nothing is
+    searched and no dataset question is used. Sequences never repeat, so a model can only lower
+    its loss by copying from its context (induction), not by memorising questions.
+
+    Args:
+        words: the vocabulary (e.g. words of corpus passages), non-empty.
+        n: drills to make (>= 0). env_factory: ``() -> SearchEnv`` (its prompt template).
+        seed: generator seed. min_words / max_words: pseudo-question length range in words.
+
+    Returns:
+        ``n`` :class:`Trace` s.
+
+    Raises:
+        ValueError: empty ``words``, negative ``n`` or a bad length range.
+    """
+    if not words or n < 0 or not 1 <= min_words <= max_words:
+        raise ValueError(f"query_drills: need words (got {len(words)}), n >= 0 (got {n}) and "
+                         f"1 <= min_words <= max_words (got {min_words}, {max_words})")
+    rng = random.Random(seed)
+    questions = [" ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) + "?"
+                 for _ in range(n)]
+    samples = [{"id": f"drill-{i}", "question": q, "golden_answers": []} for i, q in enumerate(questions)]
+
+    def play(env: Any, s: Mapping[str, Any]) -> Trace:
+        prompt, _ = env.reset(options={"sample": dict(s)})
+        return Trace(prompt, [("action", f"<search> {s['question']}</search>")])
+
+    return play_traces(samples, env_factory, play, desc="query drills")
+
+
+__all__ = ["Cloze", "answer_spans", "cloze_question", "query_drills", "reading_drills", "reservoir_sample"]
