@@ -30,11 +30,13 @@ from copc.registries import Registry, RegistryError
 from environments.data import data_root
 
 from ..config import ConfigError, ExperimentConfig
-from .base import Task, check_env_settings
+from .base import DrillPlan, Task, check_env_settings
 from .generic import GenericTask
 from .math_tool import MathToolTask
+from .math_tool.settings import MathToolSettings
 from .remote import RemoteTask
 from .search import SearchTask, start_retriever
+from .search.settings import SearchSettings
 
 #: The task registry, environment id → :class:`Task` subclass (``math_tool``, ``search`` and
 #: ``remote`` built in); a :class:`copc.Registry`. An id without an entry uses
@@ -166,8 +168,11 @@ register_task("remote", RemoteTask)
 
 __all__ = [
     "TASKS",
+    "DrillPlan",
     "GenericTask",
+    "MathToolSettings",
     "MathToolTask",
+    "SearchSettings",
     "SearchTask",
     "Task",
     "absolute_task_paths",

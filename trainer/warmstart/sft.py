@@ -135,6 +135,40 @@ def masked_logits(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
     return head(hidden[keep]).float()
 
 
+def _check_sft_args(traces: Sequence[Any], steps: Any, batch_size: Any, lr: Any, schedule: str) -> None:
+    """Raise ``ValueError`` naming the argument of :func:`sft_warm_start` that is bad."""
+    if not traces:
+        raise ValueError("sft_warm_start: traces is empty")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"sft_warm_start: steps={steps!r} must be an int >= 1")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"sft_warm_start: batch_size={batch_size!r} must be an int >= 1")
+    if not lr > 0:
+        raise ValueError(f"sft_warm_start: lr={lr!r} must be > 0")
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"sft_warm_start: schedule={schedule!r} must be 'cosine' or 'constant'")
+
+
+def lr_schedule(schedule: str, steps: int, warmup_frac: float) -> Callable[[int], float]:
+    """The LR factor of step ``i`` (0-based; multiplies the peak LR) of :func:`sft_warm_start`.
+
+    ``"cosine"``: linear warm-up over ``w = max(1, int(warmup_frac * steps))`` steps,
+    ``(i + 1) / w``, then ``0.1 + 0.45 (1 + cos(pi t))`` with ``t = (i - w) / max(1, steps - w)``
+    (cosine decay to 0.1); ``"constant"``: ``(i + 1) / 20`` for the first 20 steps, then 1.
+    """
+    warm = max(1, int(warmup_frac * steps)) if schedule == "cosine" else 20
+
+    def lr_factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if schedule == "constant":
+            return 1.0
+        t = (step - warm) / max(1, steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    return lr_factor
+
+
 def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tuple[str, Any]], *,
                    steps: int, batch_size: int, lr: float, seed: int, progress: bool = True,
                    agent_cfg: AgentLoopConfig | None = None, weight_decay: float = 0.0,
@@ -170,16 +204,7 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
     """
     from tqdm.auto import tqdm
 
-    if not traces:
-        raise ValueError("sft_warm_start: traces is empty")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"sft_warm_start: steps={steps!r} must be an int >= 1")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"sft_warm_start: batch_size={batch_size!r} must be an int >= 1")
-    if not lr > 0:
-        raise ValueError(f"sft_warm_start: lr={lr!r} must be > 0")
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"sft_warm_start: schedule={schedule!r} must be 'cosine' or 'constant'")
+    _check_sft_args(traces, steps, batch_size, lr, schedule)
     rows = [tokenize_trace(tokenizer, t, agent_cfg) for t in traces]
     max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     for i, (x, _) in enumerate(rows):
@@ -189,17 +214,7 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    warm = max(1, int(warmup_frac * steps)) if schedule == "cosine" else 20
-
-    def lr_factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if schedule == "constant":
-            return 1.0
-        t = (step - warm) / max(1, steps - warm)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(schedule, steps, warmup_frac))
     order: list[int] = []
     losses: list[float] = []
     model.train()

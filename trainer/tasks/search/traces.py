@@ -146,11 +146,10 @@ def search_r1_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable
     """
     from environments.search.reward import normalize_answer
 
-    if not 0.0 <= tool_use_fraction <= 1.0:
-        raise ValueError(f"search_r1_traces: tool_use_fraction={tool_use_fraction!r} must be in [0, 1]")
-    if not 0.0 <= second_search_fraction <= 1.0:
-        raise ValueError(f"search_r1_traces: second_search_fraction={second_search_fraction!r} "
-                         "must be in [0, 1]")
+    for name, share in (("tool_use_fraction", tool_use_fraction),
+                        ("second_search_fraction", second_search_fraction)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"search_r1_traces: {name}={share!r} must be in [0, 1]")
     rng = random.Random(seed)
 
     def search(env: Any, sid: Any, query: str, pieces: list[tuple[str, str]]) -> str:
