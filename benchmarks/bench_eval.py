@@ -31,7 +31,8 @@ from tiny_bench_model import tiny_bench_model  # benchmarks/ is on sys.path when
 
 from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from trainer.evaluate.benchmarks import DEFAULT_INDEX_DIR, BenchmarkServices, load_rows, resolve_benchmark
-from trainer.evaluate.runner import EvalSettings, ResultsWriter, run_benchmark
+from trainer.evaluate.records import RecordWriter
+from trainer.evaluate.runner import BenchmarkJob, EvalSettings, run_benchmark
 from trainer.rollout.agent_loop import AgentLoopConfig
 
 GOAL_RATIO = 4.0
@@ -44,11 +45,11 @@ def run_arm(engine: EmbeddedEngine, tok, spec, rows: list[dict], make_env, concu
     """Seconds and records for all ``rows`` (k = 1, greedy) at ``concurrency`` episodes in flight."""
     settings = EvalSettings(k=1, temperature=0.0, seed=0, max_new_tokens=max_new_tokens,
                             agent=AgentLoopConfig(max_turns=max_turns), concurrency=concurrency)
-    writer = ResultsWriter(out_dir / f"c{concurrency}-{time.monotonic_ns()}.jsonl")
+    writer = RecordWriter(out_dir / f"c{concurrency}-{time.monotonic_ns()}.jsonl")
+    job = BenchmarkJob(spec.name, spec.benchmark_kind(), rows, make_env, 1, 0.0)
     t0 = time.perf_counter()
     try:
-        recs = asyncio.run(run_benchmark(engine, tok, spec.name, spec.kind, rows, make_env, settings,
-                                         1, 0.0, writer, {}))
+        recs = asyncio.run(run_benchmark(engine, tok, job, settings, writer))
     finally:
         writer.close()
     return time.perf_counter() - t0, recs

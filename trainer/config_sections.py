@@ -315,18 +315,25 @@ class EvalConfig:
     Attributes:
         enabled: run it. num_samples: held-out problems. temperature: 0 = greedy.
         k: samples per problem for avg@k (1 with greedy).
+        kind_settings: ``copc eval --benchmarks``: per benchmark kind, settings overriding its
+            settings dataclass's defaults (``{mcq: {letters: ABCDE}}``; validated by the kind,
+            :func:`trainer.evaluate.kinds.make_kind`, when the benchmarks are resolved).
     """
 
     enabled: bool = True
     num_samples: int = 64
     temperature: float = 0.0
     k: int = 1
+    kind_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         _require(self.num_samples >= 1, "eval.num_samples", self.num_samples, "must be >= 1")
         _require(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
         _require(self.k >= 1, "eval.k", self.k, "must be >= 1")
+        for kind, settings in self.kind_settings.items():
+            _require(isinstance(settings, dict), f"eval.kind_settings.{kind}", settings,
+                     "must be a mapping of the kind's settings")
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-#: Suffixes of the interval bounds that :func:`trainer.evaluation.summarize` adds to a metric.
+#: Suffixes of the interval bounds that :func:`trainer.evaluate.heldout.summarize_records` adds to a metric.
 CI_LOW, CI_HIGH = "_ci95_low", "_ci95_high"
 
 
@@ -26,7 +26,7 @@ def format_with_ci(metrics: dict, key: str) -> str:
 
 
 def format_delta(delta: dict) -> str:
-    """An ``eval_delta`` (:func:`trainer.evaluation.paired_difference`) as
+    """An ``eval_delta`` (:func:`trainer.evaluate.heldout.paired_difference`) as
     ``"+0.030 [+0.010, +0.050] (n=334)"``; ``"—"`` when it has no paired question."""
     if not delta or not delta.get("n"):
         return "—"

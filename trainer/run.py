@@ -28,13 +28,12 @@ from .config import ConfigError, ExperimentConfig
 from .context import RunContext, build_context, checkpoint_policy_weights, initial_model_dir
 from .engines import EngineHandle, EngineSpec, make_engine, preflight_engine
 from .engines.base import SamplingParams
-from .evaluation import AFTER_RL, BEFORE_RL, eval_delta, evaluate, write_records
+from .evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
 from .learner import learner_checkpoint_state
 from .metrics_log import write_summary
 from .orchestration.loop import AsyncTrainingLoop, LoopConfig
 from .progress import TrainProgress
 from .report import print_report
-from .rollout.agent_loop import AgentLoopConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +58,9 @@ async def open_engine(cfg: ExperimentConfig, model_dir: Path, tokenizer: Any, ou
 
 
 async def _evaluate(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any, name: str) -> dict:
-    """Held-out evaluation; its per-episode records go to ``<output_dir>/eval/<name>.jsonl``."""
-    records: list = []
-    metrics = await evaluate(engine, task.make_env, tok, task.eval_samples, k=cfg.eval.k,
-                             temperature=cfg.eval.temperature, agent_cfg=AgentLoopConfig.from_config(cfg),
-                             max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed,
-                             records_out=records)
-    write_records(Path(cfg.output_dir) / "eval" / f"{name}.jsonl", records)
-    return metrics
+    """Held-out evaluation (:func:`trainer.evaluate.heldout.evaluate_held_out`, the evaluation
+    core on ``task.eval_samples``); its records go to ``<output_dir>/eval/<name>.jsonl``."""
+    return await evaluate_held_out(cfg, engine, task, tok, name)
 
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:

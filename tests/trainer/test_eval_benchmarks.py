@@ -193,7 +193,7 @@ def test_user_benchmark_on_another_env_gets_only_its_env_kwargs(tmp_path):
     sub = BenchmarkSpec("sub", f"{envfile}:bench_my_search", "nq", "qa")
     assert service_of(sub.env) == "search"
     with BenchmarkServices([sub], retriever_url="http://127.0.0.1:9") as svc:
-        assert svc.info == {"retriever_url": "http://127.0.0.1:9"} and svc._stop_retriever is None
+        assert svc.info == {"retriever_url": "http://127.0.0.1:9"} and svc.running() == []  # no server
         env = svc.env_factory(sub)()
         assert type(env).__name__ == "MySearch" and env.config.retriever_url == "http://127.0.0.1:9"
         env.close()

@@ -13,17 +13,9 @@ import pytest
 from rich.console import Console
 
 from trainer.config import load_config
-from trainer.evaluation import (
-    Z95,
-    episode_records,
-    eval_delta,
-    normal_mean_interval,
-    paired_difference,
-    read_records,
-    summarize,
-    wilson_interval,
-    write_records,
-)
+from trainer.evaluate.heldout import episode_records, eval_delta, paired_difference, summarize
+from trainer.evaluate.records import read_records, write_records
+from trainer.evaluate.stats import Z95, normal_mean_interval, wilson_interval
 from trainer.report import format_delta, format_with_ci, print_report
 from trainer.rollout.trajectory import Trajectory
 
@@ -113,13 +105,17 @@ def test_episode_records_fields_order_and_atomic_round_trip(tmp_path):
              traj(0.0, sid="q1", finish="infra_error: retriever down"),
              traj(0.0, sid="q1", em=0.0, final_answer="Rome")]
     recs = episode_records(trajs, 2)
-    assert [(r["sample_id"], r["sample_index"], r["copy"]) for r in recs] == \
+    # the one record schema (trainer.evaluate.records.EpisodeRecord): copy -> episode,
+    # final_answer -> answer, infra_failed -> failed, em -> score_components["em"]
+    assert [(r["sample_id"], r["sample_index"], r["episode"]) for r in recs] == \
         [("q0", 0, 0), ("q0", 0, 1), ("q1", 1, 0), ("q1", 1, 1)]
-    assert recs[0] == {"sample_id": "q0", "sample_index": 0, "copy": 0, "reward": 1.0, "correct": True,
-                       "em": 1.0, "tool_calls": 2, "turns": 2, "invalid_actions": 1, "response_tokens": 0,
-                       "finish_reason": "terminated", "final_answer": "Paris", "infra_failed": False}
-    assert recs[1]["em"] is None and recs[1]["final_answer"] is None
-    assert recs[2]["infra_failed"] is True and recs[3]["final_answer"] == "Rome"
+    assert recs[0] == {"benchmark": None, "sample_id": "q0", "sample_index": 0, "episode": 0, "seed": None,
+                       "prompt": None, "response": None, "turns_text": None, "answer": "Paris", "reward": 1.0,
+                       "score_components": {"em": 1.0}, "correct": True, "response_tokens": 0, "turns": 2,
+                       "tool_calls": 2, "invalid_actions": 1, "finish_reason": "terminated", "failed": False,
+                       "attempts": 1}
+    assert recs[1]["score_components"].get("em") is None and recs[1]["answer"] is None
+    assert recs[2]["failed"] is True and recs[3]["answer"] == "Rome"
     path = write_records(tmp_path / "eval" / "before_rl.jsonl", recs)
     assert read_records(path) == recs
     write_records(path, recs[:1])  # replaced whole, no temporary file left behind

@@ -16,7 +16,7 @@ import pytest
 
 from trainer.cli import main as cli_main
 from trainer.evaluate.metrics import summarize_benchmark
-from trainer.evaluate.runner import latest_records, read_results
+from trainer.evaluate.records import latest_records, read_results
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 
 DATA = Path("../shared/data").resolve()

@@ -15,7 +15,8 @@ from environments.math_tool import MathToolEnv
 from environments.math_tool.reward import MathRewardConfig
 from environments.search.env import SearchEnv
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.evaluation import eval_sampling_params, evaluate, run_eval_episodes, summarize
+from trainer.evaluate.heldout import evaluate, run_eval_episodes, summarize
+from trainer.evaluate.runner import eval_sampling_params
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.trajectory import Trajectory

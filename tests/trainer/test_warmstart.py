@@ -198,7 +198,7 @@ def test_sft_loss_decreases_and_ignores_observations(math_env_factory):
 def test_short_sft_reproduces_the_trace_format_in_the_real_agent_loop(math_env_factory):
     """After a short SFT, greedy decoding through the real loop + engine + env calls the tool and
     the sandbox runs the code (a number comes back in <interpreter>)."""
-    from trainer.evaluation import run_eval_episodes
+    from trainer.evaluate.heldout import run_eval_episodes
 
     tok = build_byte_tokenizer()
     train = retool_arithmetic_samples(64, seed=5, kinds=("mul",))

@@ -1,11 +1,15 @@
 """Evaluation benchmarks: a registry of named benchmarks (the Search-R1 QA sets, AIME, MATH-500),
 user benchmarks given as ``"path/to/file.jsonl:env_id[:kind]"``, their rows, and the services
-their environments need (one shared sandbox pool, one BM25 retriever server).
+their environments need, started by the benchmarks' *tasks*.
 
 A benchmark (:class:`BenchmarkSpec`) names an environment (``search``, ``math_tool``, or
-``"file.py:id"``), a dataset that environment's loader understands (or a JSONL path), and a
-*kind* that decides its metrics: ``qa`` (greedy exact match / F1 / cover-EM, one sample per
-question) or ``math`` (avg@k / pass@k over ``k`` samples at temperature 1).
+``"file.py:id"``), a dataset its kind's loader understands (or a JSONL path), and a *kind*
+(:mod:`trainer.evaluate.kinds`: ``qa``, ``math`` or a user's) that reads its rows, scores its
+episodes and names its metrics. The environment's *task* (:func:`trainer.tasks.task_class`:
+the task registered for that env id, or for an environment class it derives from) provides the
+services: :class:`BenchmarkServices` calls :meth:`trainer.tasks.base.Task.start_services` once per
+task (one sandbox pool for the math benchmarks, one BM25 retriever server for the search ones)
+and builds every environment with that task's ``make_env``.
 
 Example::
 
@@ -13,13 +17,14 @@ Example::
     with BenchmarkServices(specs) as services:
         for spec in specs:
             rows = load_rows(spec, max_samples=100)
-            make_env = services.env_factory(spec)
-            env = make_env()
+            env = services.env_factory(spec)()
             obs, _ = env.reset(options={"sample": rows[0]})
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,24 +33,21 @@ from typing import TYPE_CHECKING, Any
 
 import environments
 from copc.registries import Registry
-from environments.data import data_root, iter_jsonl
+from environments.data import data_root
+
+from .kinds import BENCHMARK_KINDS, BenchmarkKind, infer_kind, kind_names, make_kind
 
 if TYPE_CHECKING:
     import gymnasium
 
-    from environments.sandbox import Sandbox
+    from ..config import ExperimentConfig
+    from ..tasks.base import Task
 
 log = logging.getLogger(__name__)
 
-#: Benchmark kinds: ``qa`` (greedy EM / F1 / cover-EM) and ``math`` (avg@k / pass@k).
-KINDS = ("qa", "math")
-#: Per-kind ``(default_k, default_temperature)`` when a spec does not give them.
-KIND_DEFAULTS: dict[str, tuple[int, float]] = {"qa": (1, 0.0), "math": (4, 1.0)}
 #: Where :class:`BenchmarkServices` keeps the BM25 index when none is given (relative: to the
 #: current working directory).
 DEFAULT_INDEX_DIR = "runs/retriever_index/bm25"
-#: Workers of the shared sandbox pool.
-DEFAULT_SANDBOX_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -55,17 +57,18 @@ class BenchmarkSpec:
     Attributes:
         name: the benchmark's name (what ``--benchmarks`` lists and results are keyed by).
         env: the environment: a registered id (``"search"``, ``"math_tool"``) or a reference
-            :func:`environments.resolve` understands (``"pkg.mod:id"``, ``"file.py:id"``).
-        data: a dataset name the environment's loader understands (``"nq"``, ``"aime2024"``)
-            or a JSONL path (absolute, or relative to the data directory).
-        kind: ``"qa"`` or ``"math"`` (see :data:`KINDS`); decides how rows are loaded and
-            which metrics are computed.
+            :func:`environments.resolve` understands (``"pkg.mod:id"``, ``"file.py:id"``); its
+            task provides the services.
+        data: a dataset name the kind's loader understands (``"nq"``, ``"aime2024"``) or a
+            JSONL path (absolute, or relative to the data directory).
+        kind: a registered benchmark kind (:func:`trainer.evaluate.kinds.kind_names`).
         env_kwargs: constructor keyword arguments of the environment (e.g.
             ``{"reward": {"mode": "math_verify"}}``).
-        default_k: samples per row when the caller does not say (``None``: 1 for ``qa``, 4 for
-            ``math``); always an int >= 1 after creation.
-        default_temperature: sampling temperature when the caller does not say (``None``: 0.0
-            for ``qa``, greedy; 1.0 for ``math``); always a float >= 0 after creation.
+        kind_settings: the kind's settings for this benchmark (fields of its settings dataclass).
+        default_k: samples per row when the caller does not say (``None``: the kind's
+            ``default_k``); always an int >= 1 after creation.
+        default_temperature: sampling temperature likewise (``None``: the kind's); always a
+            float >= 0 after creation.
 
     Raises:
         ValueError: a field is invalid; the message names it (``"BenchmarkSpec.kind='x': ..."``).
@@ -78,21 +81,28 @@ class BenchmarkSpec:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     default_k: int | None = None
     default_temperature: float | None = None
+    kind_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("name", "env", "data"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"BenchmarkSpec.{name}={value!r}: must be a non-empty str")
-        if self.kind not in KINDS:
+        if self.kind not in BENCHMARK_KINDS:
             raise ValueError(f"BenchmarkSpec.kind={self.kind!r} (benchmark {self.name!r}): "
-                             f"must be one of {list(KINDS)}")
-        if not isinstance(self.env_kwargs, Mapping) \
-                or not all(isinstance(k, str) for k in self.env_kwargs):
-            raise ValueError(f"BenchmarkSpec.env_kwargs={self.env_kwargs!r} (benchmark "
-                             f"{self.name!r}): must be a mapping with str keys")
-        object.__setattr__(self, "env_kwargs", dict(self.env_kwargs))
-        k, temperature = KIND_DEFAULTS[self.kind]
+                             f"must be one of {kind_names()}")
+        for name in ("env_kwargs", "kind_settings"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                raise ValueError(f"BenchmarkSpec.{name}={value!r} (benchmark {self.name!r}): must be "
+                                 "a mapping with str keys")
+            object.__setattr__(self, name, dict(value))
+        try:
+            settings = self.benchmark_kind().settings
+        except ValueError as e:
+            raise ValueError(f"BenchmarkSpec.kind_settings={self.kind_settings!r} (benchmark "
+                             f"{self.name!r}): {e}") from None
+        k, temperature = settings.default_k, settings.default_temperature
         if self.default_k is not None:
             k = self.default_k
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -106,6 +116,15 @@ class BenchmarkSpec:
                                  f"{self.name!r}): must be a number >= 0")
         object.__setattr__(self, "default_k", k)
         object.__setattr__(self, "default_temperature", float(temperature))
+
+    def benchmark_kind(self, overrides: Mapping[str, Any] | None = None) -> BenchmarkKind:
+        """The kind with this benchmark's settings: the kind's defaults, then ``kind_settings``,
+        then ``overrides`` (e.g. ``eval.kind_settings.<kind>``).
+
+        Raises:
+            ValueError: a setting the kind's dataclass does not have or rejects.
+        """
+        return make_kind(self.kind, {**self.kind_settings, **(overrides or {})})
 
 
 #: The benchmark registry: name → :class:`BenchmarkSpec` (use :func:`register_benchmark`); a
@@ -149,27 +168,6 @@ for _name, _k in _MATH_BUILTINS.items():
                                      default_temperature=1.0))
 
 
-def infer_kind(path: str | Path) -> str:
-    """The kind of a JSONL benchmark file, from its first row: ``"qa"`` if it has
-    ``golden_answers``, ``"math"`` if it has ``problem`` and ``answer``.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: the file is empty, its first row is not a JSON object, or has neither shape.
-    """
-    first = iter_jsonl(path, limit=1)  # the project's JSONL reader: same errors everywhere
-    if not first:
-        raise ValueError(f"benchmark file {str(Path(path))!r} has no rows")
-    lineno, row = first[0]
-    if "golden_answers" in row:
-        return "qa"
-    if "problem" in row and "answer" in row:
-        return "math"
-    raise ValueError(f"{Path(path)}:{lineno}: cannot infer the benchmark kind: rows need "
-                     "'golden_answers' (qa) or 'problem' and 'answer' (math); or name it: "
-                     f"'{path}:<env>:qa|math'")
-
-
 def resolve_benchmark(ref: str) -> BenchmarkSpec:
     """The benchmark named by ``ref``.
 
@@ -178,8 +176,8 @@ def resolve_benchmark(ref: str) -> BenchmarkSpec:
             user benchmark ``"path/to/file.jsonl:env"`` / ``"path/to/file.jsonl:env:kind"``:
             ``env`` is an environment reference (``"math_tool"``, ``"envs/calc.py:calc"``), the
             path is relative to the current working directory unless absolute, and ``kind``
-            (``qa`` | ``math``) is inferred from the first row when omitted (see
-            :func:`infer_kind`). A user benchmark is named by its file stem.
+            (a registered kind) is inferred from the first row when omitted (see
+            :func:`~trainer.evaluate.kinds.infer_kind`). A user benchmark is named by its file stem.
 
     Returns:
         The :class:`BenchmarkSpec` (a user benchmark gets its kind's defaults and no
@@ -197,15 +195,15 @@ def resolve_benchmark(ref: str) -> BenchmarkSpec:
     path, sep, rest = ref.partition(".jsonl:")
     if not sep:
         raise ValueError(f"unknown benchmark {ref!r}; known: {benchmark_names()} (or a user "
-                         "benchmark 'path/to/file.jsonl:env_id[:qa|math]')")
+                         "benchmark 'path/to/file.jsonl:env_id[:kind]')")
     path += ".jsonl"
     env, kind = rest, ""
     head, colon, last = rest.rpartition(":")
-    if colon and head and last in KINDS:
+    if colon and head and last in BENCHMARK_KINDS:
         env, kind = head, last
     if not env.strip():
         raise ValueError(f"benchmark reference {ref!r}: no environment after '{path}:' "
-                         "(expected 'path/to/file.jsonl:env_id[:qa|math]')")
+                         "(expected 'path/to/file.jsonl:env_id[:kind]')")
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise FileNotFoundError(f"benchmark {ref!r}: file {str(file)!r} not found")
@@ -213,10 +211,10 @@ def resolve_benchmark(ref: str) -> BenchmarkSpec:
 
 
 def load_rows(spec: BenchmarkSpec, data_dir: str = "", max_samples: int = 0) -> list[dict[str, Any]]:
-    """The benchmark's rows, read with the environments' own loaders (so normalisation is the
-    same as in training): ``qa`` with :func:`environments.search.env.load_qa` (``id``,
-    ``question``, ``golden_answers``), ``math`` with :func:`environments.math_tool.load_math`
-    (``id``, ``problem``, ``answer`` as str).
+    """The benchmark's rows, read by its kind (:meth:`~trainer.evaluate.kinds.BenchmarkKind.load_rows`:
+    ``qa`` with :func:`environments.search.env.load_qa`, ``math`` with
+    :func:`environments.math_tool.load_math`, the environments' own loaders, so normalisation is
+    the same as in training).
 
     Args:
         spec: the benchmark.
@@ -234,16 +232,7 @@ def load_rows(spec: BenchmarkSpec, data_dir: str = "", max_samples: int = 0) -> 
     """
     if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0:
         raise ValueError(f"max_samples={max_samples!r}: must be an int >= 0 (0: all rows)")
-    limit = max_samples or None
-    root = str(data_root(data_dir))
-    if spec.kind == "qa":
-        from environments.search.env import load_qa
-
-        rows = load_qa(spec.data, root, limit)
-    else:
-        from environments.math_tool import load_math
-
-        rows = load_math(spec.data, root, limit)
+    rows = spec.benchmark_kind().load_rows(spec.data, str(data_root(data_dir)), max_samples or None)
     seen: set[str] = set()
     for r in rows:
         r["id"] = str(r["id"])
@@ -254,9 +243,10 @@ def load_rows(spec: BenchmarkSpec, data_dir: str = "", max_samples: int = 0) -> 
 
 
 def service_of(env: str) -> str | None:
-    """Which shared service an environment takes: ``"search"`` (a retriever URL) for
-    ``SearchEnv`` and its subclasses, ``"math_tool"`` (a sandbox pool) for ``MathToolEnv`` and
-    its subclasses, ``None`` for any other environment.
+    """The task whose services an environment takes: the env id itself when a task class is
+    registered for it (``"search"``, ``"math_tool"``, a user's), else the registered task of the
+    nearest environment class it derives from (a ``SearchEnv`` subclass: ``"search"``), else
+    None (no services).
 
     Args:
         env: an environment reference (imports its module, see :func:`environments.resolve`).
@@ -264,25 +254,30 @@ def service_of(env: str) -> str | None:
     Raises:
         ValueError, FileNotFoundError, ImportError, KeyError: see :func:`environments.resolve`.
     """
-    from environments.math_tool.env import MathToolEnv
-    from environments.search.env import SearchEnv
+    from ..tasks import TASKS
 
     env_id = environments.resolve(env)
-    if env_id in ("search", "math_tool"):
+    served = TASKS.names()
+    if env_id in served:
         return env_id
     entry = environments.DEFAULT_REGISTRY.spec(env_id).load()
-    if isinstance(entry, type):
-        if issubclass(entry, SearchEnv):
-            return "search"
-        if issubclass(entry, MathToolEnv):
-            return "math_tool"
-    return None
+    if not isinstance(entry, type):
+        return None
+    bases = []
+    for other in served:
+        if other in environments.names():
+            base = environments.DEFAULT_REGISTRY.spec(other).load()
+            if isinstance(base, type) and issubclass(entry, base):
+                bases.append((len(base.__mro__), other))
+    return max(bases)[1] if bases else None
 
 
 class BenchmarkServices:
-    """The services the benchmarks' environments share: one sandbox pool (when any benchmark
-    runs ``math_tool``) and one BM25 retriever server on 127.0.0.1 (when any runs ``search``
-    and no ``retriever_url`` is given, or a search benchmark pins none in its ``env_kwargs``).
+    """The services the benchmarks' environments share, started by their tasks: for each task
+    some benchmark's environment takes its services from (:func:`service_of`), one task object
+    whose :meth:`~trainer.tasks.base.Task.start_services` runs once (the math benchmarks share
+    one sandbox pool, the search ones one BM25 retriever server on 127.0.0.1 unless
+    ``retriever_url`` names a running one).
 
     A context manager: ``with BenchmarkServices(specs) as s:`` starts them and closes them on
     exit. Environments resolve (their modules are imported) on creation, so a bad ``env``
@@ -290,16 +285,16 @@ class BenchmarkServices:
 
     Args:
         specs: the benchmarks to serve.
-        data_dir: the data directory (its ``wiki/corpus.jsonl`` is the retriever's corpus).
-        retriever_url: a running retriever server to use instead of starting one.
-        index_dir: the BM25 index directory (built on first use, reused after; relative: to
-            the current working directory).
-        corpus: the retriever corpus (empty: ``<data directory>/wiki/corpus.jsonl``).
-        sandbox_workers: workers of the shared sandbox pool.
+        data_dir / retriever_url / index_dir / corpus: the tasks' ``task.data_dir``,
+            ``task.retriever_url`` (a running retriever server to use instead of starting one),
+            ``task.retriever_index_dir`` (built on first use, reused after) and
+            ``task.retriever_corpus`` (empty: ``<data directory>/wiki/corpus.jsonl``).
+        cfg: the experiment config the tasks are built from (default: the defaults); the
+            arguments above override its ``task`` section.
 
     Attributes:
-        info: after :meth:`start`: ``{"retriever_url": url}`` when a search benchmark is served,
-            ``{"sandbox": <what the sandbox enforces>}`` when a math one is.
+        info: after :meth:`start`: the started tasks' ``info`` merged (``{"retriever_url": url}``
+            when a search benchmark is served, ``{"sandbox": <what it enforces>}`` for a math one).
 
     Raises:
         ValueError, FileNotFoundError, ImportError, KeyError: a benchmark's ``env`` does not
@@ -308,68 +303,61 @@ class BenchmarkServices:
 
     def __init__(self, specs: list[BenchmarkSpec] | tuple[BenchmarkSpec, ...], data_dir: str = "",
                  retriever_url: str = "", index_dir: str = DEFAULT_INDEX_DIR, corpus: str = "",
-                 sandbox_workers: int = DEFAULT_SANDBOX_WORKERS) -> None:
+                 cfg: ExperimentConfig | None = None) -> None:
+        from ..config import ExperimentConfig
+
+        base = cfg if cfg is not None else ExperimentConfig()
+        self._cfg = dataclasses.replace(base, task=dataclasses.replace(
+            base.task, data_dir=data_dir, retriever_url=retriever_url, retriever_index_dir=index_dir,
+            retriever_corpus=corpus, env_kwargs={}))
         self.specs = list(specs)
-        self.data_dir = data_dir
-        self.retriever_url = retriever_url
-        self.index_dir = index_dir
-        self.corpus = corpus
-        self.sandbox_workers = sandbox_workers
         self.info: dict[str, Any] = {}
-        self.sandbox: Sandbox | None = None
-        self._given_url = retriever_url
         self._services = {spec.env: service_of(spec.env) for spec in self.specs}
         self._env_ids = {spec.env: environments.resolve(spec.env) for spec in self.specs}
-        self._stop_retriever: Callable[[], None] | None = None
-        self._started = False
+        self._tasks: dict[str, Task] = {}
 
-    def _needs(self, service: str) -> list[BenchmarkSpec]:
-        return [s for s in self.specs if self._services[s.env] == service]
+    @property
+    def sandbox(self) -> Any:
+        """The shared sandbox pool of a started task (``None`` when none runs one)."""
+        pools = [t.sandbox for t in self._tasks.values() if getattr(t, "sandbox", None) is not None]
+        return pools[0] if pools else None
+
+    def running(self) -> list[str]:
+        """The started tasks that run a service of their own (a server, a pool), sorted."""
+        return sorted(name for name, t in self._tasks.items() if t._closers)
 
     def start(self) -> BenchmarkServices:
-        """Start the sandbox pool and the retriever server the benchmarks need (once; later
-        calls do nothing).
+        """Start the services of every task the benchmarks need (once; later calls do nothing).
 
         Returns:
             ``self``.
 
         Raises:
-            SandboxUnavailableError: the sandbox cannot start.
-            RuntimeError / TimeoutError: the retriever server did not become healthy.
-            FileNotFoundError: the retriever corpus does not exist.
-            (Anything started before the failure is closed.)
+            Whatever a task's ``start_services`` raises (SandboxUnavailableError, a retriever
+            that does not become healthy, FileNotFoundError for a missing corpus); anything
+            started before the failure is closed.
         """
-        if self._started:
+        if self._tasks:
             return self
+        from ..tasks import task_class
+
         try:
-            if self._needs("math_tool"):
-                from environments.sandbox import Sandbox, SandboxConfig
-
-                self.sandbox = Sandbox(SandboxConfig(workers=self.sandbox_workers))
-                self.info["sandbox"] = self.sandbox.enforced
-            searches = self._needs("search")
-            if searches and not self.retriever_url \
-                    and any("retriever_url" not in s.env_kwargs for s in searches):
-                from ..tasks.search import corpus_path, start_retriever
-
-                corpus = corpus_path(self.corpus, self.data_dir)
-                if not corpus.is_file():
-                    raise FileNotFoundError(f"retriever corpus {str(corpus)!r} not found (search "
-                                            f"benchmarks {[s.name for s in searches]})")
-                url, stop = start_retriever(corpus, Path(self.index_dir).expanduser().resolve())
-                self.retriever_url, self._stop_retriever = url, stop
-            if searches and self.retriever_url:
-                self.info["retriever_url"] = self.retriever_url
+            for name in sorted({s for s in self._services.values() if s is not None}):
+                task = task_class(name)(dataclasses.replace(self._cfg, task=dataclasses.replace(
+                    self._cfg.task, env=name)), name)
+                self._tasks[name] = task
+                task.start_services()
+                self.info.update(task.info)
         except BaseException:
             self.close()
             raise
-        self._started = True
         return self
 
     def env_factory(self, spec: BenchmarkSpec) -> Callable[[], gymnasium.Env]:
-        """A function building a fresh environment of ``spec``: ``environments.make(env,
-        **spec.env_kwargs)`` plus ``sandbox=<the shared pool>`` for a ``math_tool`` env or
-        ``retriever_url=<the server>`` for a ``search`` env (unless ``env_kwargs`` pins one).
+        """A function building a fresh environment of ``spec``: its task's ``make_env`` (with the
+        task's services: the sandbox pool, the retriever URL) for the env id of ``spec.env`` and
+        ``spec.env_kwargs``; ``environments.make(env, **spec.env_kwargs)`` for an environment no
+        task serves.
 
         Args:
             spec: a benchmark (one of ``specs``, or any on an environment needing no service
@@ -386,36 +374,26 @@ class BenchmarkServices:
         if spec.env not in self._services:
             self._services[spec.env] = service_of(spec.env)
             self._env_ids[spec.env] = environments.resolve(spec.env)
-        service, env_id = self._services[spec.env], self._env_ids[spec.env]
-        kwargs = dict(spec.env_kwargs)
-        if service == "math_tool":
-            if self.sandbox is None:
-                raise RuntimeError(f"benchmark {spec.name!r} needs the sandbox pool: call "
-                                   "BenchmarkServices.start() first (with the benchmark in specs)")
-            kwargs["sandbox"] = self.sandbox
-        elif service == "search" and "retriever_url" not in kwargs:
-            if not (self._started and self.retriever_url):
-                raise RuntimeError(f"benchmark {spec.name!r} needs the retriever: call "
-                                   "BenchmarkServices.start() first (with the benchmark in specs)")
-            kwargs["retriever_url"] = self.retriever_url
+        service, env_id, kwargs = self._services[spec.env], self._env_ids[spec.env], dict(spec.env_kwargs)
+        if service is None:
+            return lambda: environments.make(env_id, **kwargs)
+        task = self._tasks.get(service)
+        if task is None:
+            from ..tasks import task_class
 
-        def make() -> gymnasium.Env:
-            return environments.make(env_id, **kwargs)
-
-        return make
+            what = task_class(service).service_names or f"the services of task {service!r}"
+            raise RuntimeError(f"benchmark {spec.name!r} needs {what}: call BenchmarkServices.start() first "
+                               "(with the benchmark in specs)")
+        view = copy.copy(task)  # the started task's services, this benchmark's env id and settings
+        view.env_id, view.env_kwargs, view._closers = env_id, kwargs, []
+        return view.make_env
 
     def close(self) -> None:
-        """Stop the retriever server and the sandbox pool this object started (idempotent)."""
-        stop, self._stop_retriever = self._stop_retriever, None
-        sandbox, self.sandbox = self.sandbox, None
-        try:
-            if stop is not None:
-                stop()
-        finally:
-            if sandbox is not None:
-                sandbox.close()
-            self.retriever_url = self._given_url
-            self._started = False
+        """Stop the services the tasks started, last first (idempotent)."""
+        tasks, self._tasks = self._tasks, {}
+        for task in reversed(list(tasks.values())):
+            task.close()
+        self.info = {}
 
     def __enter__(self) -> BenchmarkServices:
         return self.start()
@@ -424,6 +402,5 @@ class BenchmarkServices:
         self.close()
 
 
-__all__ = ["BENCHMARKS", "DEFAULT_INDEX_DIR", "KINDS", "KIND_DEFAULTS", "BenchmarkServices",
-           "BenchmarkSpec", "benchmark_names", "infer_kind", "load_rows", "register_benchmark",
-           "resolve_benchmark", "service_of"]
+__all__ = ["BENCHMARKS", "DEFAULT_INDEX_DIR", "BenchmarkServices", "BenchmarkSpec", "benchmark_names",
+           "infer_kind", "load_rows", "register_benchmark", "resolve_benchmark", "service_of"]

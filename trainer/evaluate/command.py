@@ -118,16 +118,20 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
 SETTINGS_FILE = "eval_settings.json"
 
 
-def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[Any, list[dict]]]:
-    """Resolve ``--benchmarks`` and load each one's rows, before any model is loaded.
+def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[Any, Any, list[dict]]]:
+    """Resolve ``--benchmarks``, their kinds (with ``eval.kind_settings``) and load each one's
+    rows, before any model is loaded.
+
+    Returns:
+        ``(spec, kind, rows)`` per benchmark, in ``--benchmarks`` order.
 
     Raises:
         ConfigError: naming ``--benchmarks`` (unknown, duplicate name, missing file, rows the
-            environment cannot read).
+            kind cannot read) or ``eval.kind_settings.<kind>.<key>`` (a setting the kind rejects).
     """
     from .benchmarks import load_rows, resolve_benchmark
 
-    out: list[tuple[Any, list[dict]]] = []
+    out: list[tuple[Any, Any, list[dict]]] = []
     names: set[str] = set()
     for ref in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
         try:
@@ -138,8 +142,12 @@ def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[A
             rows = load_rows(spec, cfg.task.data_dir, max_samples)
         except (ValueError, KeyError, OSError) as e:
             raise _fail("--benchmarks", ref, str(e.args[0] if isinstance(e, KeyError) else e)) from None
+        try:
+            kind = spec.benchmark_kind(cfg.eval.kind_settings.get(spec.kind))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         names.add(spec.name)
-        out.append((spec, rows))
+        out.append((spec, kind, rows))
     if not out:
         raise _fail("--benchmarks", args.benchmarks, "names no benchmark")
     return out
@@ -183,20 +191,17 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
 
 
 async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
-               benchmarks: list[tuple[Any, list[dict]]], record: dict) -> dict:
-    from tqdm.auto import tqdm
-
+               benchmarks: list[tuple[Any, Any, list[dict]]], record: dict) -> dict:
+    """Start the benchmarks' services and the engine, play every benchmark, write the report."""
     from .benchmarks import BenchmarkServices
-    from .metrics import summarize_benchmark
-    from .report import write_report
-    from .runner import RESULTS_FILE, ResultsWriter, latest_records, read_results, run_benchmark
+    from .records import RESULTS_FILE, RecordWriter, latest_records, read_results
 
-    results = out / RESULTS_FILE
-    done = latest_records(read_results(results)) if args.resume else {}
-    specs = [spec for spec, _ in benchmarks]
+    done = latest_records(read_results(out / RESULTS_FILE)) if args.resume else {}
+    specs = [spec for spec, _, _ in benchmarks]
     try:
         services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, retriever_url=args.retriever_url,
-                                     index_dir=cfg.task.retriever_index_dir)
+                                     index_dir=cfg.task.retriever_index_dir, corpus=cfg.task.retriever_corpus,
+                                     cfg=cfg)
     except (KeyError, ImportError, OSError, ValueError) as e:
         raise _fail("--benchmarks", args.benchmarks, f"{type(e).__name__}: {e}") from None
     if args.retriever_url:
@@ -204,24 +209,13 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
     engine, close, what = await _open_engine(args, cfg, out)
     tok = what.pop("_tokenizer")
     writer = None
-    per_benchmark: dict[str, dict] = {}
     try:
         await asyncio.to_thread(services.start)
-        for spec, rows in benchmarks:  # before anything is written: rows the env cannot read
+        for spec, _, rows in benchmarks:  # before anything is written: rows the env cannot read
             await asyncio.to_thread(_probe, services.env_factory(spec), spec, rows)
         (out / SETTINGS_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
-        writer = ResultsWriter(results)
-        for spec, rows in benchmarks:
-            n = settings.k or spec.default_k
-            temp = spec.default_temperature if settings.temperature is None else settings.temperature
-            bar = tqdm(total=len(rows) * n, desc=spec.name, disable=not cfg.logging.progress)
-            try:
-                recs = await run_benchmark(engine, tok, spec.name, spec.kind, rows,
-                                           services.env_factory(spec), settings, n, temp, writer, done,
-                                           progress=bar)
-            finally:
-                bar.close()
-            per_benchmark[spec.name] = {**summarize_benchmark(recs, spec.kind), "k": n, "temperature": temp}
+        writer = RecordWriter(out / RESULTS_FILE, append=True)
+        per_benchmark = await _play_all(engine, tok, cfg, settings, benchmarks, services, writer, done)
     finally:
         if writer is not None:
             writer.close()
@@ -232,8 +226,33 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
               "temperature": args.temperature if args.temperature is not None else "per benchmark",
               "max_samples": args.max_samples, "seed": args.seed,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    from .report import write_report
+
     write_report(out, header, per_benchmark)
     return {"header": header, "benchmarks": per_benchmark}
+
+
+async def _play_all(engine: Any, tok: Any, cfg: Any, settings: Any,
+                    benchmarks: list[tuple[Any, Any, list[dict]]], services: Any, writer: Any,
+                    done: dict) -> dict[str, dict]:
+    """Play each benchmark through the evaluation core; its metrics (with ``k`` and ``temperature``)."""
+    from tqdm.auto import tqdm
+
+    from .metrics import summarize_benchmark
+    from .runner import BenchmarkJob, run_benchmark
+
+    per_benchmark: dict[str, dict] = {}
+    for spec, kind, rows in benchmarks:
+        n = settings.k or spec.default_k
+        temp = spec.default_temperature if settings.temperature is None else settings.temperature
+        job = BenchmarkJob(spec.name, kind, rows, services.env_factory(spec), n, temp)
+        bar = tqdm(total=len(rows) * n, desc=spec.name, disable=not cfg.logging.progress)
+        try:
+            recs = await run_benchmark(engine, tok, job, settings, writer, done, progress=bar)
+        finally:
+            bar.close()
+        per_benchmark[spec.name] = {**summarize_benchmark(recs, kind), "k": n, "temperature": temp}
+    return per_benchmark
 
 
 def _probe(make_env: Any, spec: Any, rows: list[dict]) -> None:
@@ -276,7 +295,8 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--model / --checkpoint / --endpoint: give exactly one (got {sources or 'none'})")
     cfg = _experiment_config(args)
     from ..rollout.agent_loop import AgentLoopConfig
-    from .runner import RESULTS_FILE, EvalSettings
+    from .records import RESULTS_FILE
+    from .runner import EvalSettings
 
     try:
         settings = EvalSettings(k=args.k, temperature=args.temperature, max_samples=args.max_samples,
@@ -293,7 +313,8 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
                     "choose another --out")
     record = _check_resume(out, {"seed": settings.seed, "temperature": settings.temperature, "k": settings.k,
                                  "max_new_tokens": settings.max_new_tokens, "agent": repr(settings.agent),
-                                 "benchmarks": {s.name: repr(s) for s, _ in benchmarks}}, args.resume)
+                                 "benchmarks": {s.name: f"{s!r} {k.settings!r}" for s, k, _ in benchmarks}},
+                           args.resume)
     out.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_run(args, cfg, out, settings, benchmarks, record))
     print(json.dumps({b: {k: v for k, v in m.items() if not isinstance(v, dict)}

@@ -1,37 +1,43 @@
-"""Run named benchmarks against an engine, one JSONL line per episode, resumable.
+"""The evaluation core: play a benchmark's episodes and record each one.
 
-For each benchmark (:mod:`trainer.evaluate.benchmarks`) every question ``i`` gets ``n``
-episodes played by the shared group runner (:func:`trainer.rollout.groups.run_group`), so
-episode ``j`` of question ``i`` samples with seed ``seed + 7919·i + j`` whatever else runs.
-Each finished episode is appended to ``<out>/results.jsonl`` at once (flushed), so a killed
-evaluation loses at most the episodes in flight; ``resume`` skips every (benchmark, question,
-episode) already there with a result. An episode ended by an infrastructure failure
-(sandbox, retriever, reward checker, engine) is re-played up to ``retries`` times; if it still
-fails it is recorded with ``failed: true`` and excluded from the metrics (counted) — never
-scored as a wrong answer. A bug in an environment (``env_error``) stops the evaluation.
+:func:`play_benchmark` is the one loop every evaluation of the house runs (``copc eval``,
+``copc train``'s held-out evaluation before and after RL, :func:`trainer.evaluate.heldout.evaluate`):
+every question ``i`` gets ``n`` episodes played by the shared group runner
+(:func:`trainer.rollout.groups.run_group`), so episode ``j`` of question ``i`` samples with seed
+``seed + 7919·i + j`` whatever else runs. An episode ended by an infrastructure failure (sandbox,
+retriever, reward checker, engine) is re-played up to ``retries`` times; if it still fails it is
+kept, marked failed, and excluded from the metrics (counted) — never scored as a wrong answer.
+A bug in an environment (``env_error``) stops the evaluation.
+
+:func:`run_benchmark` records each finished episode (:func:`trainer.evaluate.records.record_of`)
+and writes it at once through a :class:`~trainer.evaluate.records.RecordWriter`, so a killed
+``copc eval`` loses at most the episodes in flight; ``done`` (resume) skips every (benchmark,
+question, episode) already recorded.
+
+Greedy decoding: ``temperature == 0`` is run as ``SamplingParams(temperature=1.0, top_k=1)``:
+sampling from the single most likely token is argmax decoding, and the reported behaviour
+log-probs (irrelevant for evaluation) stay those of ``softmax(logits)``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..engines.base import InferenceEngine
-from ..evaluation import eval_sampling_params
+from ..engines.base import InferenceEngine, SamplingParams
 from ..rollout.agent_loop import AgentLoopConfig
-from ..rollout.groups import EnvPool, run_group
+from ..rollout.groups import EnvPool, episode_seed, run_group
 from ..rollout.trajectory import Trajectory
+from .records import EpisodeRecord, RecordWriter, record_of
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .kinds import BenchmarkKind
 
-RESULTS_FILE = "results.jsonl"
+#: ``on_episode(question index, sample, trajectory, attempts)``, awaited once per finished episode.
+OnEpisode = Callable[[int, Mapping[str, Any], Trajectory, int], Awaitable[None] | None]
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ class EvalSettings:
         k: episodes per question (``n`` of avg@n / pass@k); None: each benchmark's default.
         temperature: sampling temperature (0 = greedy); None: each benchmark's default.
         max_samples: first N questions of each benchmark (0 = all).
-        seed: base sampling seed (episode ``j`` of question ``i``: ``seed + 7919·i + j``).
+        seed: base sampling seed (episode ``j`` of question ``i``: ``seed + 7919·i + j``); None:
+            the engine's RNG.
         max_new_tokens: tokens per model turn.
         agent: episode budgets (:class:`AgentLoopConfig`).
         retries: re-plays of an episode ended by an infrastructure failure.
@@ -55,7 +62,7 @@ class EvalSettings:
     k: int | None = None
     temperature: float | None = None
     max_samples: int = 0
-    seed: int = 0
+    seed: int | None = 0
     max_new_tokens: int = 256
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     retries: int = 2
@@ -70,154 +77,127 @@ class EvalSettings:
         for name in ("max_samples", "retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: must be >= 0")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency={self.concurrency!r}: must be >= 1")
+        c = self.concurrency
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"concurrency={self.concurrency!r}: must be an int >= 1")
 
 
-def _segments(tr: Trajectory, tokenizer: Any) -> list[dict[str, str]]:
-    """The response as turns: ``[{"action": model text, "observation": env text}, ...]``."""
-    ids, mask, turns = tr.response_ids, tr.loss_mask, []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and mask[j] == mask[i]:
-            j += 1
-        text = tokenizer.decode(ids[i:j], skip_special_tokens=True)
-        if mask[i] == 1:
-            turns.append({"action": text, "observation": ""})
-        elif turns:
-            turns[-1]["observation"] += text
-        else:
-            turns.append({"action": "", "observation": text})
-        i = j
-    return turns
+@dataclass(frozen=True)
+class BenchmarkJob:
+    """One benchmark to play: its rows, environments, kind and sampling.
 
-
-def episode_record(benchmark: str, kind: str, index: int, sample: Mapping[str, Any], tr: Trajectory,
-                   tokenizer: Any, seed: int | None, attempts: int) -> dict[str, Any]:
-    """The ``results.jsonl`` line of one episode.
-
-    ``correct``: for ``qa``, exact match (``score_components["em"] == 1``; an episode cut before
-    it answered has EM / cover-EM / F1 0); for ``math``, reward > 0.5. ``failed``: an
-    infrastructure failure (excluded from the metrics).
-    """
-    comps = dict(tr.info.get("reward_components") or {})
-    if kind == "qa":  # an episode that never answered (cut by a budget) scores 0 on every metric
-        comps = {"em": 0.0, "substring_em": 0.0, "f1": 0.0, **comps}
-    correct = comps.get("em", 0.0) >= 1.0 if kind == "qa" else tr.reward > 0.5
-    turns = _segments(tr, tokenizer)
-    return {"benchmark": benchmark, "sample_id": sample.get("id"), "sample_index": index,
-            "episode": int(tr.info.get("episode", 0)), "seed": seed,
-            "prompt": tokenizer.decode(tr.prompt_ids, skip_special_tokens=True),
-            "response": "".join(t["action"] + t["observation"] for t in turns), "turns_text": turns,
-            "answer": tr.info.get("final_answer"), "reward": float(tr.reward),
-            "score_components": comps, "correct": bool(correct and not tr.infra_failed),
-            "response_tokens": tr.num_model_tokens, "turns": tr.turns,
-            "tool_calls": int(tr.info.get("tool_calls", 0)), "finish_reason": tr.finish_reason,
-            "failed": tr.infra_failed, "attempts": attempts}
-
-
-def read_results(path: Path) -> list[dict[str, Any]]:
-    """Records of a ``results.jsonl`` (a torn last line — a killed writer — is ignored)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            log.warning("%s: ignoring a torn line", path)
-    return out
-
-
-def latest_records(records: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int, int], dict]:
-    """The last record of each (benchmark, question, episode)."""
-    return {(r["benchmark"], int(r["sample_index"]), int(r["episode"])): dict(r) for r in records}
-
-
-class ResultsWriter:
-    """Appends records to ``results.jsonl`` and flushes each one (``fsync`` every ``sync_every``).
-
-    Opening an existing file first cuts a torn last line (a killed writer), so appended records
-    always start on a line of their own.
+    Attributes:
+        name: the benchmark's name (records are keyed by it).
+        kind: the :class:`~trainer.evaluate.kinds.BenchmarkKind` scoring its episodes.
+        rows: the questions (index = position).
+        make_env: a zero-argument environment factory (a pool of them is reused).
+        n: episodes per question (>= 1).
+        temperature: sampling temperature (0 = greedy).
     """
 
-    def __init__(self, path: Path, sync_every: int = 16) -> None:
-        self.path, self.sync_every, self._n = path, sync_every, 0
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # a writer killed mid-line left a torn record: cut it (it is re-run)
-            data = path.read_bytes()
-            keep = data.rfind(b"\n") + 1
-            if keep < len(data):
-                with path.open("r+b") as f:
-                    f.truncate(keep)
-        self._f = path.open("a")
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        """Append one record (one line)."""
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._f.flush()
-        self._n += 1
-        if self._n % self.sync_every == 0:
-            os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        """Flush, fsync and close."""
-        if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+    name: str
+    kind: BenchmarkKind
+    rows: Sequence[Mapping[str, Any]]
+    make_env: Callable[[], Any]
+    n: int
+    temperature: float
 
 
-async def run_benchmark(engine: InferenceEngine, tokenizer: Any, name: str, kind: str,
-                        rows: Sequence[Mapping[str, Any]], make_env: Any, settings: EvalSettings,
-                        n: int, temperature: float, writer: ResultsWriter,
-                        done: Mapping[tuple[str, int, int], Mapping[str, Any]], progress: Any = None
-                        ) -> list[dict[str, Any]]:
-    """Play every missing episode of one benchmark; return all its records (old and new).
+def eval_sampling_params(temperature: float, max_new_tokens: int, top_p: float = 1.0,
+                         seed: int | None = None) -> SamplingParams:
+    """Sampling parameters of evaluation: greedy (``top_k = 1`` at temperature 1) when
+    ``temperature == 0``, else plain sampling at ``temperature``.
+
+    Raises:
+        ValueError: ``temperature < 0`` (or invalid ``SamplingParams`` fields).
+    """
+    if temperature < 0 or math.isnan(temperature):
+        raise ValueError(f"evaluate: temperature={temperature!r} must be >= 0 (0 = greedy)")
+    if temperature == 0:
+        return SamplingParams(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, seed=seed)
+    return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+
+
+async def play_benchmark(engine: InferenceEngine, tokenizer: Any, job: BenchmarkJob, settings: EvalSettings,
+                         on_episode: OnEpisode, skip: Callable[[int, int], bool] | None = None) -> None:
+    """Play every episode of ``job`` not skipped; call ``on_episode`` for each finished one.
 
     Args:
-        rows: the benchmark's questions (index = position). make_env: environment factory.
-        n: episodes per question. temperature: sampling temperature (0 = greedy).
-        done: records already in ``results.jsonl`` (resume): kept when not ``failed``.
+        engine: the policy. tokenizer: its tokenizer.
+        job: the benchmark. settings: budgets, seed, retries, concurrency.
+        on_episode: called (and awaited if it returns an awaitable) with ``(question index,
+            sample, trajectory, attempts)`` once per episode, after its retries.
+        skip: ``skip(question, episode)`` True for episodes already done (resume).
+
+    Raises:
+        ValueError: ``job.n < 1`` or a bad temperature.
+        RuntimeError: the environment raised on an episode (``env_error``: a bug), naming the
+            benchmark, the question and the count.
+    """
+    sampling = eval_sampling_params(job.temperature, settings.max_new_tokens, seed=settings.seed)
+    pool = EnvPool(job.make_env, min(settings.concurrency, max(len(job.rows) * job.n, 1)))
+
+    async def question(i: int, sample: Mapping[str, Any]) -> None:
+        todo = [j for j in range(job.n) if skip is None or not skip(i, j)]
+        attempt = 0
+        while todo:
+            attempt += 1
+            trajs = await run_group(engine, pool, tokenizer, sample, job.n, sampling, settings.agent, uid=i,
+                                    group_id=sample.get("id", i), episodes=todo)
+            broken = [t for t in trajs if t.env_failed]
+            if broken:  # a bug in the environment, not a wrong answer nor an infrastructure failure
+                first = broken[0]
+                raise RuntimeError(f"{job.name}: the environment raised on {len(broken)} of {len(trajs)} "
+                                   f"episodes; first (sample {first.sample_id!r}): {first.finish_reason}")
+            retry = []
+            for tr in trajs:
+                if tr.infra_failed and attempt <= settings.retries:
+                    retry.append(int(tr.info["episode"]))
+                    continue
+                done = on_episode(i, sample, tr, attempt)
+                if done is not None:
+                    await done
+            todo = retry
+
+    try:
+        await asyncio.gather(*(question(i, s) for i, s in enumerate(job.rows)))
+    finally:
+        await pool.close()
+
+
+async def run_benchmark(engine: InferenceEngine, tokenizer: Any, job: BenchmarkJob, settings: EvalSettings,
+                        writer: RecordWriter | None = None,
+                        done: Mapping[tuple[str, int, int], Mapping[str, Any]] | None = None,
+                        progress: Any = None) -> list[dict[str, Any]]:
+    """Play every missing episode of one benchmark; return all its records (old and new) as dicts,
+    ordered by question then episode.
+
+    Args:
+        engine, tokenizer, job, settings: see :func:`play_benchmark`.
+        writer: each new record is written through it at once (None: kept in memory only).
+        done: records already written (resume): kept when not ``failed`` and inside the
+            current rows / ``n``.
         progress: optional object with ``update(count)`` (a progress bar).
 
     Raises:
         RuntimeError: the environment raised (a bug, ``env_error``).
     """
-    sampling = eval_sampling_params(temperature, settings.max_new_tokens, seed=settings.seed)
-    pool = EnvPool(make_env, min(settings.concurrency, max(len(rows) * n, 1)))
-    # resume: keep earlier results of this benchmark's questions/episodes (not failed ones, and
-    # not those outside the current --max-samples / --k)
-    records = {key: rec for key, rec in done.items()
-               if key[0] == name and not rec.get("failed") and key[1] < len(rows) and key[2] < n}
+    records = {key: dict(rec) for key, rec in (done or {}).items()
+               if key[0] == job.name and not rec.get("failed") and key[1] < len(job.rows) and key[2] < job.n}
+    def record(i: int, sample: Mapping[str, Any], tr: Trajectory, attempts: int) -> None:
+        j = int(tr.info["episode"])
+        rec: EpisodeRecord = record_of(tr, job.kind, index=i, benchmark=job.name, tokenizer=tokenizer,
+                                       seed=episode_seed(settings.seed, i, j), attempts=attempts)
+        if writer is not None:
+            writer.write(rec)
+        records[(job.name, i, j)] = rec.to_json()
+        if progress is not None:
+            progress.update(1)
 
-    async def question(i: int, sample: Mapping[str, Any]) -> None:
-        todo = [j for j in range(n) if (name, i, j) not in records]
-        attempt = 0
-        while todo:
-            attempt += 1
-            trajs = await run_group(engine, pool, tokenizer, sample, n, sampling, settings.agent, uid=i,
-                                    group_id=sample.get("id", i), episodes=todo)
-            retry = []
-            for tr in trajs:
-                if tr.env_failed:
-                    raise RuntimeError(f"{name}: the environment raised on question {i} "
-                                       f"({sample.get('id')!r}): {tr.finish_reason}")
-                j = int(tr.info["episode"])
-                if tr.infra_failed and attempt <= settings.retries:
-                    retry.append(j)
-                    continue
-                seed = None if sampling.seed is None else sampling.seed + 7919 * i + j
-                rec = episode_record(name, kind, i, sample, tr, tokenizer, seed, attempt)
-                writer.write(rec)
-                records[(name, i, j)] = rec
-                if progress is not None:
-                    progress.update(1)
-            todo = retry
+    await play_benchmark(engine, tokenizer, job, settings, record,
+                         skip=lambda i, j: (job.name, i, j) in records)
+    return [records[key] for key in sorted(records)]
 
-    try:
-        await asyncio.gather(*(question(i, s) for i, s in enumerate(rows)))
-    finally:
-        await pool.close()
-    return [records[key] for key in sorted(k for k in records if k[0] == name)]
+
+__all__ = ["BenchmarkJob", "EvalSettings", "OnEpisode", "eval_sampling_params",
+           "play_benchmark", "run_benchmark"]

@@ -33,7 +33,7 @@ from .grid import Cell, SweepSpec, check_key, format_value
 #: Overrides every run gets first (the user's overrides win): a run's progress bar would only
 #: clutter its log file.
 DEFAULT_OVERRIDES = ("logging.progress=false",)
-#: Metric names :func:`trainer.evaluation.summarize` reports (``avg@k`` / ``pass@k`` use the
+#: Metric names :func:`trainer.evaluate.heldout.summarize_records` reports (``avg@k`` / ``pass@k`` use the
 #: run's ``eval.k``; ``em`` only for tasks with an exact-match reward component, e.g. search).
 EVAL_METRICS = ("accuracy", "mean_reward", "em", "n", "episodes", "infra_failed", "mean_turns",
                 "tool_call_rate", "mean_tool_calls", "mean_response_tokens")

@@ -11,9 +11,11 @@ A task's own knobs live in its settings dataclass (``settings_class``, filled fr
 ``task.settings``: :mod:`trainer.tasks.settings`), never in the central config schema.
 
 Lifecycle: ``task = SomeTask(cfg, env_id)`` (cheap, starts nothing; parses ``task.settings``),
-``task.start()`` (loads the data, starts the services; each service registers its stop function
-with :meth:`Task.add_closer`),
-then ``task.close()`` (stops them in reverse order; idempotent, also after a failed ``start``).
+``task.start()`` (loads the data, then :meth:`Task.start_services`: starts the services, each
+registering its stop function with :meth:`Task.add_closer`), then ``task.close()`` (stops them in
+reverse order; idempotent, also after a failed ``start``). ``copc eval`` calls
+:meth:`Task.start_services` alone: a benchmark's environments get the services of their task,
+without its training data.
 :func:`trainer.tasks.build_task` does all of it and checks the env settings.
 """
 
@@ -91,6 +93,8 @@ class Task:
     #: ``task.env_kwargs.tool_format`` values the warm-start traces are written in (the built-in
     #: generators write the tag formats of ReTool / Search-R1).
     warm_start_tool_formats: ClassVar[tuple[str, ...]] = ("tags",)
+    #: what :meth:`start_services` starts, in words (for messages; empty: nothing).
+    service_names: ClassVar[str] = ""
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         self.cfg = cfg
@@ -121,6 +125,15 @@ class Task:
 
         Raises:
             ConfigError: bad data or service settings (the message names the key).
+        """
+
+    def start_services(self) -> None:
+        """Start the services the task's environments use (no data is read), registering each
+        stop function with :meth:`add_closer`; :meth:`start` calls it after loading the data.
+        The base class has none.
+
+        Raises:
+            Whatever a service raises when it cannot start (the subclass documents it).
         """
 
     def add_closer(self, fn: Callable[[], None]) -> None:

@@ -43,6 +43,7 @@ class MathToolTask(Task):
     warm_start_kinds = ("retool_arithmetic",)
     settings_class = MathToolSettings
     settings: MathToolSettings
+    service_names = "the sandbox pool"
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         super().__init__(cfg, env_id)
@@ -58,7 +59,6 @@ class MathToolTask(Task):
             SandboxUnavailableError: the sandbox cannot start.
         """
         from environments.math_tool import load_math
-        from environments.sandbox import Sandbox, SandboxConfig
 
         cfg, t = self.cfg, self.cfg.task
         data_dir = str(data_root(t.data_dir))
@@ -72,9 +72,19 @@ class MathToolTask(Task):
             train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed, kinds=kinds)
         self.train_samples = self.cap_train(train)
         self.eval_samples = self.cap_eval(evals)
+        self.start_services()
+
+    def start_services(self) -> None:
+        """Start the shared sandbox pool (2 workers); ``info["sandbox"]``: what it enforces.
+
+        Raises:
+            SandboxUnavailableError: the sandbox cannot start.
+        """
+        from environments.sandbox import Sandbox, SandboxConfig
+
         self.sandbox = Sandbox(SandboxConfig(workers=2))
         self.add_closer(self.sandbox.close)
-        self.info = {"sandbox": self.sandbox.enforced}
+        self.info = {**self.info, "sandbox": self.sandbox.enforced}
 
     def make_env(self) -> gymnasium.Env:
         """A ``MathToolEnv`` on the task's shared sandbox pool, with ``task.env_kwargs``."""

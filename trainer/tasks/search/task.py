@@ -74,6 +74,7 @@ class SearchTask(Task):
     warm_start_kinds = ("search_r1",)
     settings_class = SearchSettings
     settings: SearchSettings
+    service_names = "the retriever"
     tokenizer_tags = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
                       "<think>", "</think>")
 
@@ -113,13 +114,26 @@ class SearchTask(Task):
                  if r["id"] not in held and _question_key(r["question"]) not in held_questions]
         self.train_samples = self.cap_train(train)
         self.eval_samples = self.cap_eval(evals)
+        self.start_services()
+
+    def start_services(self) -> None:
+        """Connect to ``task.retriever_url``, or start a BM25 retriever server on the corpus;
+        ``info["retriever_url"]``: its base URL.
+
+        Raises:
+            FileNotFoundError: the corpus does not exist (the message names it).
+            RuntimeError / TimeoutError: the retriever server did not become healthy.
+        """
+        t = self.cfg.task
         url = t.retriever_url
         if not url:
-            url, stop = start_retriever(corpus_path(t.retriever_corpus, t.data_dir),
-                                        Path(t.retriever_index_dir).expanduser().resolve())
+            corpus = corpus_path(t.retriever_corpus, t.data_dir)
+            if not corpus.is_file():
+                raise FileNotFoundError(f"retriever corpus {str(corpus)!r} not found")
+            url, stop = start_retriever(corpus, Path(t.retriever_index_dir).expanduser().resolve())
             self.add_closer(stop)
         self.retriever_url = url
-        self.info = {"retriever_url": url}
+        self.info = {**self.info, "retriever_url": url}
 
     def tokenizer_texts(self) -> Iterator[str]:
         """The base texts (training prompts, invalid-action reply), then every corpus passage
