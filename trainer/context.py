@@ -144,35 +144,6 @@ class RunContext:
                 close_learner(self.learner)
 
 
-def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
-                              model_dir: Path) -> dict[str, torch.Tensor]:
-    """The policy weights (Hugging Face names) saved in a training checkpoint directory.
-
-    The learner of ``learner.backend`` is built on ``model_dir``'s architecture, its state loaded
-    from ``checkpoint``, and its weights exported (so any backend's checkpoint layout works).
-
-    Raises:
-        ConfigError: ``checkpoint`` is not a complete training checkpoint (names ``--checkpoint``).
-    """
-    from .errors import ConfigError
-
-    try:
-        state = CheckpointManager(checkpoint.parent, 1).load(checkpoint)
-    except (FileNotFoundError, ValueError) as e:
-        state, why = None, f" ({e})"
-    else:
-        why = ""
-    if state is None:
-        raise ConfigError(f"--checkpoint={str(checkpoint)!r}: neither a model directory (config.json) nor "
-                          f"a complete training checkpoint{why}")
-    learner = make_learner(cfg, model_dir)
-    try:
-        restore_learner(learner, state)
-        return dict(learner.export_policy_weights())
-    finally:
-        close_learner(learner)
-
-
 def close_learner(learner: Any) -> None:
     """Stop a learner's processes when it has any (``close()``: distributed backends)."""
     close = getattr(learner, "close", None)

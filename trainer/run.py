@@ -25,10 +25,11 @@ import numpy as np
 
 from .checkpoint import CheckpointManager, rng_state
 from .config import ConfigError, ExperimentConfig
-from .context import RunContext, build_context, checkpoint_policy_weights, initial_model_dir
+from .context import RunContext, build_context, initial_model_dir
 from .engines import EngineHandle, EngineSpec, make_engine, preflight_engine
 from .engines.base import SamplingParams
 from .evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
+from .evaluate.policy import checkpoint_policy_weights
 from .learner import learner_checkpoint_state
 from .metrics_log import write_summary
 from .orchestration.loop import AsyncTrainingLoop, LoopConfig

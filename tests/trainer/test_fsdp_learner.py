@@ -16,7 +16,7 @@ import torch
 
 from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, LearnerSection, load_config
-from trainer.context import checkpoint_policy_weights
+from trainer.evaluate.policy import checkpoint_policy_weights
 from trainer.learner import learner_checkpoint_state, make_learner, restore_learner
 from trainer.learner.distributed.runtime import DistributedLearner, check_model_parallel
 from trainer.learner.distributed.shard import dp_rows, micro_plan

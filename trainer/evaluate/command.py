@@ -57,7 +57,7 @@ def _policy(args: argparse.Namespace, cfg: Any) -> tuple[Path, Any]:
         if not (path / "config.json").is_file():
             raise _fail("--model", args.model, "not a save_pretrained directory (no config.json)")
         return path, None
-    from ..context import checkpoint_policy_weights
+    from .policy import checkpoint_policy_weights
 
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():

@@ -1,0 +1,47 @@
+"""The policy weights ``copc eval`` evaluates: those of a training checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..checkpoint import CheckpointManager
+from ..errors import ConfigError
+from ..learner import make_learner, restore_learner
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import ExperimentConfig
+
+
+def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
+                              model_dir: Path) -> dict[str, torch.Tensor]:
+    """The policy weights (Hugging Face names) saved in a training checkpoint directory.
+
+    The learner of ``learner.backend`` is built on ``model_dir``'s architecture, its state loaded
+    from ``checkpoint``, and its weights exported (so any backend's checkpoint layout works).
+
+    Raises:
+        ConfigError: ``checkpoint`` is not a complete training checkpoint (names ``--checkpoint``).
+    """
+    try:
+        state = CheckpointManager(checkpoint.parent, 1).load(checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        state, why = None, f" ({e})"
+    else:
+        why = ""
+    if state is None:
+        raise ConfigError(f"--checkpoint={str(checkpoint)!r}: neither a model directory (config.json) nor "
+                          f"a complete training checkpoint{why}")
+    learner = make_learner(cfg, model_dir)
+    try:
+        restore_learner(learner, state)
+        return dict(learner.export_policy_weights())
+    finally:
+        close = getattr(learner, "close", None)  # distributed backends: stop their processes
+        if callable(close):
+            close()
+
+
+__all__ = ["checkpoint_policy_weights"]
