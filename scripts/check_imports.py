@@ -35,8 +35,7 @@ module is placed in the layer of the longest prefix in the list that names it (a
                            registries below it, and nothing below it reads a config object
   10 trainer.warmstart     task-agnostic warm start (SFT, trace cache, trace playing)
   11 trainer.tasks         tasks: data, environment, reward, held-out set, services
-  12 trainer.evaluation, trainer.evaluate
-                           the evaluation core and benchmark runs
+  12 trainer.evaluate      the evaluation core and benchmark runs
   13 trainer.orchestration the training loop, staleness, the Ray launcher
   14 trainer.context, trainer.run, trainer.cli_train, trainer.analyze, trainer.sweep
                            assembling and running a job from a config; analysis; sweeps
@@ -72,7 +71,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.config", "trainer.config_sections"),
     ("trainer.warmstart",),
     ("trainer.tasks",),
-    ("trainer.evaluation", "trainer.evaluate"),
+    ("trainer.evaluate",),
     ("trainer.orchestration",),
     ("trainer.context", "trainer.run", "trainer.cli_train", "trainer.analyze", "trainer.sweep"),
     ("trainer.cli", "=trainer"),
