@@ -74,6 +74,13 @@ class ServedEnv(Protocol):
 NESTED_TOO_DEEP = "is nested too deeply for the server's JSON parser (not accepted as JSON)"
 
 
+def unparsable(e: ValueError) -> str:
+    """The end of the message for JSON that parses but holds a value Python refuses to build
+    (an integer of more than ``sys.get_int_max_str_digits()`` digits, 4,300 by default): a
+    client's fault, 400 ``INVALID_JSON``, never a 500."""
+    return f"holds a value the server cannot parse ({str(e).split(';')[0]}); not accepted as JSON"
+
+
 def validation_error(e: ValidationError, prefix: str) -> RequestError:
     """A pydantic ``ValidationError`` as a 422 :class:`RequestError` whose field is the first
     error's location under ``prefix`` (``"data.text: Field required"``)."""
@@ -150,8 +157,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
     Raises:
         RequestError: ``PAYLOAD_TOO_LARGE`` (413) over ``limit``; ``INVALID_JSON`` (400) for a
-            body that is not JSON (or nested too deeply to parse); ``VALIDATION_ERROR`` (422) for
-            one that is not an object.
+            body that is not JSON, nested too deeply to parse, or holding a value Python will not
+            build (:func:`unparsable`); ``VALIDATION_ERROR`` (422) for one that is not an object.
     """
     size, chunks = 0, []
     async for chunk in request.stream():
@@ -167,6 +174,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise RequestError(INVALID_JSON, "body", f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise RequestError(INVALID_JSON, "body", f"request body {NESTED_TOO_DEEP}") from None
+    except ValueError as e:  # valid JSON, a value Python will not build (a 5,000-digit integer)
+        raise RequestError(INVALID_JSON, "body", f"request body {unparsable(e)}") from None
     if not isinstance(body, dict):
         raise RequestError(VALIDATION_ERROR, "body", f"request body must be a JSON object, got "
                                                      f"{type(body).__name__}")
@@ -241,7 +250,9 @@ def build_app(server: ServedEnv) -> FastAPI:
             if session_id is None:
                 raise RequestError(VALIDATION_ERROR, "session_id",
                                    "session_id query parameter is required (the id POST /reset returned)")
-            return sessions.get(session_id).env.state.model_dump()
+            session = sessions.get(session_id)
+            sessions.touch(session)  # a state request is activity (idle timeout)
+            return session.env.state.model_dump()
         except RequestError as e:
             return error_response(e)
 
@@ -338,6 +349,8 @@ class WebSocketSession:
                 raise RequestError(INVALID_JSON, "message", f"message is not valid JSON: {e}") from None
             except RecursionError:
                 raise RequestError(INVALID_JSON, "message", f"message {NESTED_TOO_DEEP}") from None
+            except ValueError as e:
+                raise RequestError(INVALID_JSON, "message", f"message {unparsable(e)}") from None
             if not isinstance(message, dict):
                 raise RequestError(VALIDATION_ERROR, "message",
                                    f"message must be a JSON object, got {type(message).__name__}")
@@ -362,6 +375,7 @@ class WebSocketSession:
                 obs = await self.server.sessions.run(session, session.env.step, action)
                 return json.dumps({"type": "observation", "data": observation_payload(obs)})
             if op == "state":
+                self.server.sessions.touch(session)  # activity (idle timeout)
                 return json.dumps({"type": "state", "data": session.env.state.model_dump()})
             if op == "close":
                 return None

@@ -17,7 +17,8 @@ What this server adds: sessions (:mod:`.sessions`) bounded by ``max_sessions``, 
 between sessions; HTTP sessions as an extension (``POST /reset`` returns ``metadata.session_id``;
 ``POST /step`` / ``GET /state`` name it; ``DELETE /sessions/{id}``; a ``/ws?session_id=`` client
 attaches to one, as in OpenEnv); request size limits; a bearer token (:mod:`.auth`), required for
-any non-loopback address; errors naming the field (:mod:`.wire`). Environments taking a
+any non-loopback address, and without one the loopback ``Origin`` / ``Host`` check (cross-site
+WebSocket hijacking, DNS rebinding); errors naming the field (:mod:`.wire`). Environments taking a
 ``sandbox`` argument (``math_tool``) share one sandbox pool of ``sandbox_workers`` workers.
 """
 
@@ -33,7 +34,7 @@ from typing import Any
 import environments
 
 from .adapter import GymTextEnvironment, space_max_length
-from .auth import BearerAuth
+from .auth import protect
 from .config import DEFAULT_PORT, ServerConfig
 from .protocol import action_schema, observation_schema
 from .routes import build_app
@@ -59,7 +60,8 @@ class EnvServer:
 
     Attributes:
         cfg, env_id, stop_strings, max_action_chars, max_observation_chars, max_request_bytes,
-        sessions (:class:`SessionManager`), app (the ASGI app, with the token check if any).
+        sessions (:class:`SessionManager`), app (the ASGI app behind :func:`~.auth.protect`: the
+        token check with a token, the loopback ``Origin`` / ``Host`` check without).
 
     Raises:
         ValueError: unknown environment, or settings it rejects (the message names them).
@@ -109,7 +111,7 @@ class EnvServer:
                                        self.executor)
         self.sessions.add_idle_env(probe)
         app = build_app(self)
-        self.app = BearerAuth(app, cfg.token) if cfg.token else app
+        self.app = protect(app, cfg.host, cfg.token)
 
     def _make(self) -> GymTextEnvironment:
         env = environments.make(self.env_id, **self._kwargs)

@@ -6,9 +6,10 @@ A session is one client's episode(s) on one environment instance: a ``/ws`` conn
 ``session_id`` opens an HTTP session (closed by ``DELETE /sessions/{id}`` or the idle timeout).
 Calls into a session's environment run one at a time, in a worker thread (environments block:
 sandboxed code, retriever requests). A session with no request in flight for ``idle_timeout_s``
-seconds is closed (a WebSocket-bound one is told why and disconnected). An environment whose
-session ended normally is reset-cleared and kept for the next session, as the trainer's env pool
-does (``reuse_envs``); one whose call raised is closed.
+seconds (any request naming it counts: ``reset``, ``step``, ``state``) is closed (a WebSocket-
+bound one is told why and disconnected). An environment whose session ended normally is reset-
+cleared and kept for the next session, as the trainer's env pool does (``reuse_envs``); one
+whose call raised is closed.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ class SessionManager:
                                f"{field}={session_id!r}: no such session (closed, expired after "
                                f"{self.idle_timeout_s:g} s idle, or never opened)")
         return session
+
+    def touch(self, session: Session) -> None:
+        """Count a request that does not call the environment (``GET /state``, a ``/ws``
+        ``state`` message) as activity: the idle timeout starts again."""
+        session.last_active = time.monotonic()
 
     async def run(self, session: Session, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a worker thread, one call at a time per session; marks the session
