@@ -26,8 +26,8 @@ from .policy_losses import (
 )
 from .presets import PRESET_NAMES, AlgorithmConfig, get_preset
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry, RegistryError
-from .settings import build_settings
 from .registry import AdvantageInputs, PolicyLossInputs, compute_advantages, compute_policy_loss
+from .settings import build_settings
 from .token_tree import TokenTree
 from .value_loss import value_loss
 

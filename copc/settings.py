@@ -49,7 +49,7 @@ def _check(tp: Any, v: Any, key: str) -> Any:
     if origin in (list, tuple, Sequence) or tp in (list, tuple):
         if isinstance(v, str | bytes) or not isinstance(v, Sequence):
             raise ValueError(f"{key}={v!r}: must be a list")
-        elem = args[0] if args and (origin is not tuple or len(args) == 2 and args[1] is Ellipsis) else Any
+        elem = args[0] if args and (origin is not tuple or (len(args) == 2 and args[1] is Ellipsis)) else Any
         out = [_check(elem, x, f"{key}[{i}]") for i, x in enumerate(v)]
         return tuple(out) if (origin is tuple or tp is tuple) else out
     if origin in (dict, Mapping) or tp in (dict, Mapping):
@@ -100,8 +100,8 @@ def build_settings(cls: type, raw: Mapping[str, Any] | Any | None, key: str) -> 
     Raises:
         ValueError: ``raw`` not a mapping; an unknown field (``"<key>.foo=1: unknown setting
             of Cls; known: [...]"``); a value of the wrong type (``"<key>.port='x': must be an
-            int"``); a required field missing; or what ``cls`` itself raises (prefixed by
-            ``key`` unless its message already names it).
+            int"``); a required field missing; or what ``cls`` itself raises (a message
+            ``"port=0: ..."`` becomes ``"<key>.port=0: ..."``; others are prefixed by ``key``).
     """
     if isinstance(raw, cls):
         return raw
@@ -123,4 +123,7 @@ def build_settings(cls: type, raw: Mapping[str, Any] | Any | None, key: str) -> 
         return cls(**values)
     except (TypeError, ValueError) as e:
         msg = str(e)
-        raise ValueError(msg if msg.startswith(key) else f"{key}: {msg}") from None
+        head = msg.split("=", 1)[0]
+        if msg.startswith(key):
+            raise ValueError(msg) from None
+        raise ValueError(f"{key}.{msg}" if head in fields else f"{key}: {msg}") from None

@@ -38,6 +38,7 @@ from .config_sections import (  # noqa: F401 - re-exported: import sections from
     moved_key_hint,
 )
 from .errors import ConfigError
+from .plugins import check_plugins, import_plugins
 
 _ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
 
@@ -91,6 +92,8 @@ class ExperimentConfig:
             if "unknown preset" in msg:
                 key = "preset"
             elif first and first.group() in _ALGORITHM_FIELDS:
+                if first.group().endswith("_settings"):  # already a key: estimator_settings.x=1
+                    raise ConfigError(f"algorithm.{msg}") from None
                 key = f"algorithm.{first.group()}"
             else:
                 key = "algorithm"
@@ -123,6 +126,7 @@ class ExperimentConfig:
             v = getattr(self, f.name)
             if hasattr(v, "validate"):
                 v.validate()
+        check_plugins(self)  # the named engine / backend / task: registered, settings, capabilities
         algo = self.algorithm_config()
         _ = self.max_staleness  # a preset's own staleness vs train.fixed_lag
         n = self.rollout.n_samples_per_prompt
@@ -192,8 +196,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         moved = moved_key_hint(key)  # a key that moved into a task's settings: say the new spelling
         raise ConfigError(moved or (f"{key}: {msg}" if key else msg)) from None
     assert isinstance(obj, ExperimentConfig)
-    from .plugins import import_plugins
-
     import_plugins(obj.plugins)  # they may register what the config names (estimators, engines...)
     return obj.validate()
 

@@ -6,11 +6,27 @@ Import them from :mod:`trainer.config` (re-exported there).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+
+#: Keys that moved into a plug-in's own settings: old dotted key → its new spelling. A config
+#: (YAML or override) that still sets one is refused with one line naming both (:func:`moved_key_hint`).
+MOVED_KEYS: dict[str, str] = {
+    "rollout.sglang_port": "rollout.engine_settings.port (with rollout.engine: sglang)",
+    "rollout.sglang_tp": "rollout.engine_settings.tp (with rollout.engine: sglang)",
+    "rollout.sglang_dp": "rollout.engine_settings.dp (with rollout.engine: sglang)",
+    "rollout.sglang_base_gpu_id": "rollout.engine_settings.base_gpu_id (with rollout.engine: sglang)",
+    "rollout.sglang_mem_fraction": "rollout.engine_settings.mem_fraction (with rollout.engine: sglang)",
+}
+#: Keys that were removed: old dotted key → why (a config that sets one is refused).
+REMOVED_KEYS: dict[str, str] = {
+    "model.critic_path": "removed: it was never read (the critic starts from the actor's weights plus a "
+                         "fresh value head)",
+}
 
 
 def _require(cond: bool, key: str, value: Any, why: str) -> None:
@@ -31,11 +47,16 @@ MOVED_TO_TASK_SETTINGS: dict[str, tuple[str, ...]] = {
 
 
 def moved_key_hint(key: str | None) -> str | None:
-    """The one-line refusal of a key that moved into a task's settings, or None for any other key.
+    """The one-line refusal of a key that moved into a plug-in's settings (:data:`MOVED_KEYS`,
+    :data:`MOVED_TO_TASK_SETTINGS`) or was removed (:data:`REMOVED_KEYS`), or None for any other key.
 
     Example: ``"warm_start.keep_misses"`` -> ``"warm_start.keep_misses: moved to
     task.settings.keep_misses (a setting of the task 'search')"``.
     """
+    if key in MOVED_KEYS:
+        return f"{key}: moved to {MOVED_KEYS[key]}"
+    if key in REMOVED_KEYS:
+        return f"{key}: {REMOVED_KEYS[key]}"
     tasks = MOVED_TO_TASK_SETTINGS.get(key or "")
     if not tasks:
         return None
@@ -75,14 +96,12 @@ class ModelConfig:
     Attributes:
         path: local checkpoint directory (``save_pretrained`` layout, e.g. Qwen3-4B); empty:
             build the tiny model described by ``tiny``.
-        critic_path: critic initialisation; empty: the actor's weights plus a fresh value head.
         dtype: ``float32`` | ``bfloat16`` (parameters).
         attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2``.
         gradient_checkpointing: trade compute for memory in the learner.
     """
 
     path: str = ""
-    critic_path: str = ""
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
     dtype: str = "float32"
     attn_implementation: str = "eager"
@@ -164,8 +183,9 @@ class RolloutConfig:
         concurrency: episodes in flight at once.
         max_total_tokens, max_turns, max_observation_tokens: episode budgets (tokens / turns).
         engine_max_batch_size: embedded engine batch size (sequences).
-        sglang_port / sglang_tp / sglang_dp / sglang_base_gpu_id / sglang_mem_fraction: SGLang
-            server settings (``tp × dp`` GPUs from ``base_gpu_id`` on).
+        engine_settings: the engine's own settings, validated by the settings dataclass it was
+            registered with (``sglang``: :class:`~trainer.engines.builtin.SGLangSettings`,
+            ``{port, tp, dp, base_gpu_id, mem_fraction}``); empty: its defaults.
         use_chat_template: wrap prompts with the tokenizer's chat template (real instruct
             models; the tiny byte-level models have none).
     """
@@ -181,26 +201,16 @@ class RolloutConfig:
     max_turns: int = 8
     max_observation_tokens: int = 1024
     engine_max_batch_size: int = 32
-    sglang_port: int = 30000
-    sglang_tp: int = 1
-    sglang_dp: int = 1
-    sglang_base_gpu_id: int = 0
-    sglang_mem_fraction: float = 0.8
+    engine_settings: dict[str, Any] = field(default_factory=dict)
     use_chat_template: bool = False
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        from .engines.registry import ENGINES
-
-        _require(self.engine in ENGINES.names(), "rollout.engine", self.engine,
-                 f"not a registered engine; known: {ENGINES.names()}")
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
-                  "max_turns", "max_observation_tokens", "engine_max_batch_size", "sglang_tp", "sglang_dp"):
+                  "max_turns", "max_observation_tokens", "engine_max_batch_size"):
             _require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")
-        _require(self.sglang_base_gpu_id >= 0, "rollout.sglang_base_gpu_id", self.sglang_base_gpu_id,
-                 "must be >= 0")
 
 
 @dataclass
@@ -381,6 +391,12 @@ class LearnerSection:
             cross-backend parity checks, where Adam amplifies rounding differences).
         timeout_s: seconds a collective or a rank's reply may take before the run fails
             (a crashed or hung rank raises in the driver instead of hanging it).
+        backend_settings: the backend's own settings, validated by the settings dataclass it
+            was registered with (none of the built-in backends has any yet); empty: defaults.
+
+    Which rank-layout keys a backend accepts is its capability metadata
+    (:data:`~trainer.learner.base.LEARNER_METADATA`: ``distributed``, ``tensor_parallel``,
+    ``pipeline_parallel``), checked by :meth:`check_plugin`.
     """
 
     backend: str = "torch"
@@ -392,6 +408,7 @@ class LearnerSection:
     cpu_offload: bool = False
     optimizer: str = "adamw"
     timeout_s: float = 1800.0
+    backend_settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def data_parallel_size(self) -> int:
@@ -405,11 +422,6 @@ class LearnerSection:
         Model-dependent checks (``tensor_parallel_size`` vs the number of attention heads) run
         when the learner is built (:func:`trainer.learner.distributed.runtime.check_model_parallel`).
         """
-        from .learner.base import LEARNERS
-        from .learner.distributed.registry import RANK_LEARNERS
-
-        _require(self.backend in LEARNERS.names(), "learner.backend", self.backend,
-                 f"not a registered learner backend; known: {LEARNERS.names()}")
         for k in ("world_size", "tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, k)
             _require(isinstance(v, int) and v >= 1, f"learner.{k}", v, "must be an int >= 1")
@@ -424,22 +436,42 @@ class LearnerSection:
         _require(self.optimizer in ("adamw", "sgd"), "learner.optimizer", self.optimizer,
                  "must be 'adamw' or 'sgd'")
         _require(self.timeout_s > 0, "learner.timeout_s", self.timeout_s, "must be > 0")
-        if self.backend not in RANK_LEARNERS.names():  # a single-process backend (torch, a user's)
+
+    def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
+        """Check the rank layout against the backend's capability metadata (called by
+        :func:`trainer.plugins.check_plugins` once ``backend`` is known to be registered).
+
+        Args:
+            meta: the backend's metadata (``distributed``, ``tensor_parallel``,
+                ``pipeline_parallel``).
+            registry: the learner-backend registry (to name the backends that can).
+
+        Raises:
+            ConfigError: a rank-layout key the backend does not support, naming it.
+        """
+        b = self.backend
+        if not meta.get("distributed", False):  # a single-process backend (torch, a user's)
             for k, default in (("world_size", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1),
                                ("cpu_offload", False), ("launch", "spawn"), ("dist_backend", "auto")):
                 _require(getattr(self, k) == default, f"learner.{k}", getattr(self, k),
-                         f"only for a distributed backend ({RANK_LEARNERS.names()}); learner.backend="
-                         f"{self.backend!r} runs in one process (leave it at {default!r})")
-        elif self.backend == "fsdp":
+                         f"only for a distributed backend ({registry.names(distributed=True)}); "
+                         f"learner.backend={b!r} runs in one process (leave it at {default!r})")
+            return
+        tp, pp = meta.get("tensor_parallel", False), meta.get("pipeline_parallel", False)
+        if not (tp or pp):
             for k in ("tensor_parallel_size", "pipeline_parallel_size"):
                 _require(getattr(self, k) == 1, f"learner.{k}", getattr(self, k),
-                         "learner.backend='fsdp' is data parallel only (use 'megatron' for model "
-                         "parallelism)")
-        elif self.backend == "megatron":
-            pp = self.pipeline_parallel_size
-            _require(pp == 1, "learner.pipeline_parallel_size", pp,
-                     "learner.backend='megatron' runs pipeline size 1 only (tensor x data parallel); use "
-                     "learner.tensor_parallel_size for model parallelism")
+                         f"learner.backend={b!r} is data parallel only (model-parallel backends: "
+                         f"{registry.names(tensor_parallel=True)})")
+        _require(tp or self.tensor_parallel_size == 1, "learner.tensor_parallel_size",
+                 self.tensor_parallel_size,
+                 f"learner.backend={b!r} has no tensor parallelism (backends with it: "
+                 f"{registry.names(tensor_parallel=True)})")
+        _require(pp or self.pipeline_parallel_size == 1, "learner.pipeline_parallel_size",
+                 self.pipeline_parallel_size,
+                 f"learner.backend={b!r} runs pipeline size 1 only" + (
+                     " (tensor x data parallel); use learner.tensor_parallel_size for model parallelism"
+                     if tp else ""))
 
 
 @dataclass

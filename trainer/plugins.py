@@ -5,12 +5,22 @@ line) names modules whose import registers environments, tasks, advantage estima
 losses, engines or learner backends. :func:`trainer.config.load_config` imports them before
 validating (so ``algorithm.advantage_estimator: my_est`` passes), and the Ray rollout workers
 and learner actor import them again in their own processes.
+
+The plug-ins the config *names* (an engine, a learner backend, a task, ...) are looked up
+through :data:`SEAMS`: for each, the config key of the name, the registry (by module name, so
+the config imports no plug-in package) and the key of the plug-in's own settings section,
+validated by the settings dataclass registered with the name (:func:`plugin_settings`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from copc.registries import Registry, RegistryError
 
 from .errors import ConfigError
 
@@ -34,3 +44,139 @@ def import_plugins(refs: Sequence[str]) -> None:
 def absolute_plugins(refs: Sequence[str]) -> list[str]:
     """``refs`` with ``.py`` paths made absolute (for processes with another working directory)."""
     return [str(Path(r).expanduser().resolve()) if str(r).endswith(".py") else str(r) for r in refs]
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One extension kind that the config names by a registered name, with its own settings.
+
+    Attributes:
+        kind: what is registered (``"engine"``), for messages.
+        key: the config key holding the name (``"rollout.engine"``).
+        registry: where the :class:`copc.Registry` lives, ``"package.module:ATTRIBUTE"``;
+            importing that module registers the built-in plug-ins of the kind.
+        settings_key: the config key of the plug-in's own settings (``"rollout.engine_settings"``),
+            validated by the settings dataclass the name was registered with.
+        resolve: ``"package.module:function"`` turning the config value into a registry name
+            (``task.env`` → an environment id), or empty (the value is the name).
+        optional: a name without a registration is allowed (it then takes no settings; a task
+            of an environment without a registered task class is the generic task).
+    """
+
+    kind: str
+    key: str
+    registry: str
+    settings_key: str
+    resolve: str = ""
+    optional: bool = False
+
+
+#: The seams the config names (a lookup table, so the config imports no plug-in package: each
+#: registry is imported by name when a config is validated). A new seam is one row here.
+SEAMS: tuple[Seam, ...] = (
+    Seam("engine", "rollout.engine", "trainer.engines.registry:ENGINES", "rollout.engine_settings"),
+    Seam("learner backend", "learner.backend", "trainer.learner.base:LEARNERS", "learner.backend_settings"),
+    Seam("task", "task.env", "trainer.tasks:TASKS", "task.settings", resolve="environments:resolve",
+         optional=True),
+)
+
+
+def _load(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def seam(key: str) -> Seam:
+    """The :class:`Seam` whose name lives at config key ``key`` (``"rollout.engine"``).
+
+    Raises:
+        KeyError: no seam has that key.
+    """
+    for s in SEAMS:
+        if s.key == key:
+            return s
+    raise KeyError(f"no plug-in seam at config key {key!r}; seams: {[s.key for s in SEAMS]}")
+
+
+def registry(key: str) -> Registry:
+    """The :class:`copc.Registry` of the seam at config key ``key`` (its module imported, so the
+    built-ins are registered)."""
+    return _load(seam(key).registry)
+
+
+def _value(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def plugin_name(cfg: Any, key: str) -> str | None:
+    """The registry name the config names at ``key`` (``task.env`` resolved to an environment
+    id), or None when it is not registered and the seam is optional.
+
+    Raises:
+        ConfigError: an unregistered name of a mandatory seam, listing the registered ones.
+    """
+    s, reg = seam(key), registry(key)
+    name = _value(cfg, key)
+    if s.resolve:
+        try:
+            name = _load(s.resolve)(name)
+        except Exception:  # an unresolvable reference is reported where it is used (build_task)
+            return None
+    if name in reg:
+        return name
+    if s.optional:
+        return None
+    raise ConfigError(f"{key}={name!r}: not a registered {s.kind}; known: {reg.names()} (register it in a "
+                      "module listed under plugins:)")
+
+
+def plugin_settings(cfg: Any, key: str) -> Any:
+    """The validated settings of the plug-in the config names at ``key``: an instance of the
+    settings dataclass it was registered with (built from the config's settings section), or
+    None when it takes none.
+
+    Raises:
+        ConfigError: an unregistered name; settings given to a plug-in that takes none; an
+            unknown setting or a wrong type (one line naming ``<settings_key>.<field>`` and the
+            value).
+    """
+    s = seam(key)
+    name, raw = plugin_name(cfg, key), _value(cfg, s.settings_key)
+    if name is None:
+        if raw:
+            raise ConfigError(f"{s.settings_key}={dict(raw)!r}: {key}={_value(cfg, key)!r} has no registered "
+                              f"{s.kind} with settings")
+        return None
+    try:
+        return registry(key).build_settings(name, raw, s.settings_key)
+    except RegistryError as e:
+        raise ConfigError(str(e)) from None
+
+
+def plugin_metadata(cfg: Any, key: str) -> Mapping[str, Any]:
+    """Capability metadata of the plug-in the config names at ``key`` (empty when an optional
+    seam's name is not registered).
+
+    Raises:
+        ConfigError: an unregistered name of a mandatory seam.
+    """
+    name = plugin_name(cfg, key)
+    return {} if name is None else registry(key).metadata(name)
+
+
+def check_plugins(cfg: Any) -> None:
+    """Validate every seam of ``cfg``: its name is registered and its settings section passes
+    the plug-in's settings dataclass; then each section's ``check_plugin(metadata, registry)``
+    (when it has one) checks the section against the plug-in's capability metadata.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    for s in SEAMS:
+        plugin_settings(cfg, s.key)
+        section = getattr(cfg, s.key.split(".")[0])
+        check = getattr(section, "check_plugin", None)
+        if check is not None:
+            check(plugin_metadata(cfg, s.key), registry(s.key))

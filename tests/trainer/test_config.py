@@ -19,6 +19,8 @@ from trainer.cli import build_parser
 from trainer.cli import main as cli_main
 from trainer.cli_train import eval_command, train_command
 from trainer.config import ConfigError, ExperimentConfig, load_config, to_yaml
+from trainer.engines import SGLangSettings
+from trainer.plugins import plugin_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -90,7 +92,9 @@ def test_paper_preset_configs(task, preset, tmp_path):
     lrn, r = cfg.learner, cfg.rollout
     sizes = (lrn.world_size, lrn.tensor_parallel_size, lrn.pipeline_parallel_size)
     assert lrn.backend == "megatron" and sizes == (4, 2, 1)
-    assert r.sglang_base_gpu_id == lrn.world_size and lrn.world_size + r.sglang_tp * r.sglang_dp == 8
+    sg = plugin_settings(cfg, "rollout.engine")  # SGLang's own settings (rollout.engine_settings)
+    assert r.engine == "sglang" and isinstance(sg, SGLangSettings)
+    assert sg.base_gpu_id == lrn.world_size and lrn.world_size + sg.tp * sg.dp == 8
 
 
 @pytest.mark.parametrize("task", sorted(TASK_STALENESS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 from .registry import EngineHandle, EngineSpec, Weights
@@ -38,6 +39,38 @@ def embedded_engine(spec: EngineSpec) -> EngineHandle:
     return EngineHandle(engine, sync, engine.close)
 
 
+@dataclass(frozen=True)
+class SGLangSettings:
+    """The ``sglang`` engine's own settings (``rollout.engine_settings`` with ``rollout.engine:
+    sglang``): a server of ``tp × dp`` GPUs from ``base_gpu_id`` on.
+
+    Attributes:
+        port: the server's port on 127.0.0.1 (1..65535). tp / dp: tensor / data-parallel
+            size of the server (>= 1). base_gpu_id: first GPU (>= 0). mem_fraction: the
+            share of each GPU's memory SGLang may hold statically, in (0, 1].
+
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    port: int = 30000
+    tp: int = 1
+    dp: int = 1
+    base_gpu_id: int = 0
+    mem_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port={self.port!r}: must be in 1..65535")
+        for k in ("tp", "dp"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k}={getattr(self, k)!r}: must be >= 1")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id={self.base_gpu_id!r}: must be >= 0")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction={self.mem_fraction!r}: must be in (0, 1]")
+
+
 def sglang_preflight(exp: Any) -> None:
     """SGLang needs a CUDA GPU and the ``sglang`` package.
 
@@ -64,15 +97,14 @@ def sglang_engine(spec: EngineSpec) -> EngineHandle:
     from .sglang import SGLangEngine, SGLangEngineConfig
     from .sglang_launcher import SGLangLauncher, SGLangLauncherConfig
 
-    r = spec.exp.rollout
+    r: SGLangSettings = spec.settings
     root = (spec.work_dir or spec.model_dir.parent) / "sglang_weights"
     start_dir = spec.model_dir
     if spec.weights is not None:
         start_dir = save_hf_weights(spec.weights, spec.model_dir, root / f"v{spec.version}")
-    launcher = SGLangLauncher(SGLangLauncherConfig(model_path=str(start_dir), port=r.sglang_port,
-                                                   tp=r.sglang_tp, dp=r.sglang_dp,
-                                                   base_gpu_id=r.sglang_base_gpu_id,
-                                                   mem_fraction_static=r.sglang_mem_fraction))
+    launcher = SGLangLauncher(SGLangLauncherConfig(model_path=str(start_dir), port=r.port,
+                                                   tp=r.tp, dp=r.dp, base_gpu_id=r.base_gpu_id,
+                                                   mem_fraction_static=r.mem_fraction))
     launcher.start()
     engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=spec.version))
 

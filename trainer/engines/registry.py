@@ -14,6 +14,7 @@ The registry is a :class:`copc.Registry` (the one registry class of the house).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ class EngineSpec:
         weights: initial weights overriding those in ``model_dir`` (e.g. a resumed learner's),
             or None.
         work_dir: a directory the engine may write to (weight snapshots for disk sync, logs).
+        settings: the engine's own settings (an instance of the dataclass it was registered
+            with, built from ``rollout.engine_settings`` by :func:`make_engine`), or None.
     """
 
     exp: Any
@@ -49,6 +52,7 @@ class EngineSpec:
     version: int = 0
     weights: Weights | None = None
     work_dir: Path | None = None
+    settings: Any = None
 
 
 @dataclass
@@ -119,7 +123,16 @@ def make_engine(name: str, spec: EngineSpec) -> EngineHandle:
     """Start engine ``name`` from :data:`ENGINES` (blocking; call through ``asyncio.to_thread``
     from async code when it may take long).
 
+    ``spec.settings`` is filled from ``spec.exp.rollout.engine_settings`` when the engine has a
+    settings dataclass and the spec carries none.
+
     Raises:
-        copc.registries.RegistryError: unknown engine (the message lists the registered ones).
+        copc.registries.RegistryError: unknown engine (the message lists the registered ones),
+            or bad ``rollout.engine_settings``.
     """
-    return ENGINES.get(name)(spec)
+    factory = ENGINES.get(name)
+    if spec.settings is None and ENGINES.settings_type(name) is not None:
+        rollout = getattr(spec.exp, "rollout", None)
+        spec = dataclasses.replace(spec, settings=ENGINES.build_settings(
+            name, getattr(rollout, "engine_settings", None), "rollout.engine_settings"))
+    return factory(spec)

@@ -68,10 +68,14 @@ class Learner(Protocol):
 LearnerFactory = Callable[[Any, Path], Learner]
 
 
-#: Capability metadata of a learner backend: ``distributed`` (its state is sharded over rank
-#: processes: ``learner.world_size`` and the other rank-layout keys apply; set by
-#: :func:`~trainer.learner.distributed.registry.register_rank_learner`).
-LEARNER_METADATA = {"distributed": (bool, False)}
+#: Capability metadata of a learner backend (checked against the config's ``learner`` section by
+#: :meth:`~trainer.config_sections.LearnerSection.check_plugin`): ``distributed`` (it runs on
+#: ``learner.world_size`` rank processes; set by
+#: :func:`~trainer.learner.distributed.registry.register_rank_learner`), ``tensor_parallel`` and
+#: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
+#: ``learner.pipeline_parallel_size`` > 1).
+LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
+                    "pipeline_parallel": (bool, False)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
 #: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.megatron`);

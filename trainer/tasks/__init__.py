@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import environments
 from copc.registries import Registry, RegistryError
 from environments.data import data_root
 
-from ..config import ConfigError, ExperimentConfig
+from ..errors import ConfigError
 from .base import DrillPlan, Task, check_env_settings
 from .generic import GenericTask
 from .math_tool import MathToolTask
@@ -37,6 +37,9 @@ from .math_tool.settings import MathToolSettings
 from .remote import RemoteTask
 from .search import SearchTask, start_retriever
 from .search.settings import SearchSettings
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
 
 #: The task registry, environment id → :class:`Task` subclass (``math_tool``, ``search`` and
 #: ``remote`` built in); a :class:`copc.Registry`. An id without an entry uses

@@ -24,8 +24,7 @@ CACHE_FORMAT = 2
 #: ``rollout`` keys that only concern RL generation (engine, sampling, concurrency), never the
 #: supervised warm-start; the episode budgets (``max_*``, ``use_chat_template``) stay in the key.
 _ROLLOUT_NOT_SFT = frozenset({"engine", "temperature", "top_p", "top_k", "n_samples_per_prompt",
-                              "concurrency", "engine_max_batch_size", "sglang_port", "sglang_tp", "sglang_dp",
-                              "sglang_base_gpu_id", "sglang_mem_fraction"})
+                              "concurrency", "engine_max_batch_size", "engine_settings"})
 
 
 def cache_key(cfg: Any) -> str:

@@ -23,6 +23,6 @@ def build_rank_learner(exp_cfg: Any, model_dir: Path, ctx: Any) -> Any:
 
 
 if "megatron" not in RANK_LEARNERS:
-    register_rank_learner("megatron", build_rank_learner)
+    register_rank_learner("megatron", build_rank_learner, tensor_parallel=True)
 
 __all__ = ["build_rank_learner"]
