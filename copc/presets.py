@@ -192,8 +192,9 @@ class AlgorithmConfig:
             raise ValueError(f"obs_reward must be one of {OBS_REWARD_MODES}, got {self.obs_reward!r}")
         if self.obs_discount not in OBS_DISCOUNT_MODES:
             raise ValueError(f"obs_discount must be one of {OBS_DISCOUNT_MODES}, got {self.obs_discount!r}")
-        if self.obs_discount != "skip" and self.advantage_estimator == "vtrace":
-            raise ValueError("obs_discount='per_token' is not supported by advantage_estimator='vtrace'")
+        if self.obs_discount != "skip" and not meta["per_token_obs_discount"]:
+            raise ValueError(f"obs_discount={self.obs_discount!r} is not supported by advantage_estimator="
+                             f"{self.advantage_estimator!r} (its per_token_obs_discount metadata is False)")
         if self.max_staleness is not None and (isinstance(self.max_staleness, bool)
                                                or not isinstance(self.max_staleness, int)
                                                or self.max_staleness < 0):

@@ -230,9 +230,27 @@ class Registry(Generic[E]):
         return len(self._entries)
 
 
+_OPTIONAL_FN = (type(None), Callable)
+
+#: Capability metadata of an advantage estimator:
+#:
+#: * ``needs_critic`` (bool, required): it reads ``inputs.values``; ``use_critic`` must equal it.
+#: * ``needs_groups`` (bool): it compares samples of one prompt; ``n_samples_per_prompt >= 2``.
+#: * ``per_token_obs_discount`` (bool, default True): it honours ``obs_discount='per_token'``.
+#: * ``lambda_rows`` (``fn(inputs, cfg, lam) -> (advantages, returns)`` or None): the estimator
+#:   with a per-row ``(B,)`` λ in one pass (length-adaptive λ); None: it is run once per λ value.
+#: * ``channel_margins`` (``fn(cfg) -> (low, high)`` or None): the clipped-ratio interval of its
+#:   advantage channel, logged as an off-policy diagnostic; None: it has none.
+ESTIMATOR_METADATA: dict[str, tuple[Any, Any]] = {
+    "needs_critic": (bool, REQUIRED), "needs_groups": (bool, False), "per_token_obs_discount": (bool, True),
+    "lambda_rows": (_OPTIONAL_FN, None), "channel_margins": (_OPTIONAL_FN, None)}
+#: Capability metadata of a policy loss: ``channel_margins`` (``fn(cfg) -> (low, high)`` or None),
+#: the interval of its policy channel, logged as an off-policy diagnostic.
+POLICY_LOSS_METADATA: dict[str, tuple[Any, Any]] = {"channel_margins": (_OPTIONAL_FN, None)}
+
 #: Advantage estimators: ``fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> (advantages,
-#: returns)``; metadata ``needs_critic`` (required) and ``needs_groups`` (default False).
-ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(
-    "advantage estimator", metadata={"needs_critic": (bool, REQUIRED), "needs_groups": (bool, False)})
-#: Policy losses: ``fn(logp, inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> (loss, metrics)``.
-POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss")
+#: returns)``; metadata :data:`ESTIMATOR_METADATA`; settings: ``cfg.estimator_settings``.
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator", ESTIMATOR_METADATA)
+#: Policy losses: ``fn(logp, inputs: PolicyLossInputs, cfg: AlgorithmConfig) -> (loss, metrics)``;
+#: metadata :data:`POLICY_LOSS_METADATA`; settings: ``cfg.policy_loss_settings``.
+POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss", POLICY_LOSS_METADATA)

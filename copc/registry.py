@@ -33,6 +33,7 @@ import torch
 
 from .advantages import coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import Denominators
+from .margins import margins
 from .outcome import (
     batch_normalized_advantages,
     broadcast_to_tokens,
@@ -94,7 +95,17 @@ class PolicyLossInputs:
 #: Advantage estimators, with metadata ``needs_critic`` (bool, required) and ``needs_groups``
 #: (bool, default False); see the module docstring.
 
-@ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True)
+def _advantage_margins(cfg: AlgorithmConfig) -> tuple[float, float]:
+    """(ℓ_A, u_A) of the COPC advantage channel (η_A = 0: ρ̄ ≡ 1, ``copc_wo_rc``)."""
+    return margins(cfg.eta_a, cfg.eps_low, cfg.eps_high)
+
+
+def _policy_margins(cfg: AlgorithmConfig) -> tuple[float, float]:
+    """(ℓ_P, u_P) of the DIS policy channel."""
+    return margins(cfg.eta_p, cfg.eps_low, cfg.eps_high)
+
+
+@ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True, channel_margins=_advantage_margins)
 def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'copc'")
     return coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
@@ -112,13 +123,19 @@ def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
                                 obs_discount=cfg.obs_discount)
 
 
-@ADVANTAGE_ESTIMATORS.register("vtrace", needs_critic=True)
-def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+def _vtrace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) -> tuple[Tensor, Tensor]:
+    """V-trace with ``lam`` a float or a per-row ``(B,)`` tensor (its loop over T takes either)."""
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'vtrace'")
     return vtrace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
-                                   gamma=cfg.gamma, lam=cfg.lam, rho_clip=cfg.rho_clip,
+                                   gamma=cfg.gamma, lam=lam, rho_clip=cfg.rho_clip,
                                    c_clip=cfg.c_clip, bootstrap_values=x.bootstrap_values,
                                    obs_reward=cfg.obs_reward)
+
+
+@ADVANTAGE_ESTIMATORS.register("vtrace", needs_critic=True, per_token_obs_discount=False,
+                               lambda_rows=_vtrace_rows)
+def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    return _vtrace_rows(x, cfg, cfg.lam)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, needs_groups=True)
@@ -152,7 +169,7 @@ def compute_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[T
     return adv, ret
 
 
-@POLICY_LOSSES.register("dis")
+@POLICY_LOSSES.register("dis", channel_margins=_policy_margins)
 def _dis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
     return dis_policy_loss(logp, x.logp_mu, x.advantages, x.loss_mask, eta_p=cfg.eta_p,
                            eps_low=cfg.eps_low, eps_high=cfg.eps_high,

@@ -53,7 +53,9 @@ def custom():
 
 
 def test_builtin_metadata():
-    meta = {n: dict(copc.ADVANTAGE_ESTIMATORS.metadata(n)) for n in copc.ADVANTAGE_ESTIMATORS.names()}
+    needs = ("needs_critic", "needs_groups")
+    meta = {n: {k: copc.ADVANTAGE_ESTIMATORS.metadata(n)[k] for k in needs}
+            for n in copc.ADVANTAGE_ESTIMATORS.names()}
     assert meta == {
         "batch_norm": {"needs_critic": False, "needs_groups": False},
         "copc": {"needs_critic": True, "needs_groups": False},
@@ -62,7 +64,17 @@ def test_builtin_metadata():
         "vtrace": {"needs_critic": True, "needs_groups": False},
     }
     assert copc.POLICY_LOSSES.names() == BUILTIN_LOSSES
-    assert dict(copc.POLICY_LOSSES.metadata("dis")) == {}
+    # capabilities the trainer reads instead of comparing names: only vtrace takes a (B,) λ in one
+    # pass and lacks per-token observation discounting; only copc / dis have a channel interval
+    est, loss = copc.ADVANTAGE_ESTIMATORS, copc.POLICY_LOSSES
+    assert est.names(per_token_obs_discount=False) == ["vtrace"]
+    assert [n for n in est.names() if est.metadata(n)["lambda_rows"] is not None] == ["vtrace"]
+    assert [n for n in est.names() if est.metadata(n)["channel_margins"] is not None] == ["copc"]
+    assert [n for n in loss.names() if loss.metadata(n)["channel_margins"] is not None] == ["dis"]
+    cfg = copc.get_preset("copc", eta_a=0.25, eta_p=0.5)
+    assert est.metadata("copc")["channel_margins"](cfg) == copc.margins(0.25, cfg.eps_low, cfg.eps_high)
+    assert loss.metadata("dis")["channel_margins"](cfg) == copc.margins(0.5, cfg.eps_low, cfg.eps_high)
+    assert dict(loss.metadata("ppo")) == {"channel_margins": None}
     with pytest.raises(TypeError):  # read-only
         copc.ADVANTAGE_ESTIMATORS.metadata("gae")["needs_critic"] = False  # type: ignore[index]
 
@@ -156,7 +168,8 @@ def test_register_validates_metadata():
     with pytest.raises(ValueError, match=r"'x': register\(\) needs metadata needs_critic=<bool>"):
         reg.register("x")
     with pytest.raises(ValueError, match=r"'x': unknown metadata \['need_critic'\]; known: "
-                                         r"\['needs_critic', 'needs_groups'\]"):
+                                         r"\['channel_margins', 'lambda_rows', 'needs_critic', "
+                                         r"'needs_groups', 'per_token_obs_discount'\]"):
         reg.register("x", need_critic=False)
     with pytest.raises(ValueError, match="metadata needs_critic must be a bool, got 'yes'"):
         reg.register("x", needs_critic="yes")

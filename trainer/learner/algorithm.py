@@ -275,12 +275,9 @@ class ActorCriticAlgorithm:
             adv, ret = copc.compute_advantages(inputs, algo)
         else:
             lam = length_adaptive_lambda(mask, algo.length_adaptive_alpha)
-            if algo.advantage_estimator == "vtrace":  # its loop over T takes a (B,) λ: one pass, not per λ
-                inputs.require("values", "logp_old", "logp_mu", who="advantage estimator 'vtrace'")
-                adv, ret = copc.vtrace_advantage_return(
-                    inputs.rewards, inputs.values, inputs.logp_old, inputs.logp_mu, mask, gamma=algo.gamma,
-                    lam=lam, rho_clip=algo.rho_clip, c_clip=algo.c_clip,
-                    bootstrap_values=inputs.bootstrap_values, obs_reward=algo.obs_reward)
+            rows = copc.ADVANTAGE_ESTIMATORS.metadata(algo.advantage_estimator)["lambda_rows"]
+            if rows is not None:  # the estimator takes a (B,) λ in one pass (vtrace), not one run per λ
+                adv, ret = rows(inputs, plain, lam)
             else:
                 adv, ret = per_row_lambda(lambda v, rows: copc.compute_advantages(
                     _input_rows(inputs, rows), plain.replace(lam=v)), lam, mask.shape[0])
@@ -401,15 +398,16 @@ class ActorCriticAlgorithm:
 
     # -- per-step off-policy diagnostics (kept apart from the loss/estimator code) -----------
     def policy_channel_interval(self) -> tuple[float, float] | None:
-        """(ℓ_P, u_P) of the DIS policy channel, or None when the preset's loss has none (not ``dis``)."""
-        a = self.algo
-        return copc.margins(a.eta_p, a.eps_low, a.eps_high) if a.policy_loss == "dis" else None
+        """(ℓ_P, u_P) of the policy channel, or None when the loss has none (its ``channel_margins``
+        metadata; ``dis`` has one)."""
+        fn = copc.POLICY_LOSSES.metadata(self.algo.policy_loss)["channel_margins"]
+        return None if fn is None else fn(self.algo)
 
     def advantage_channel_interval(self) -> tuple[float, float] | None:
-        """(ℓ_A, u_A) of the clipped-ratio advantage channel, or None when the preset's estimator
-        has none (not ``copc``; ``copc_wo_rc`` has it with η_A = 0, i.e. ρ̄ ≡ 1)."""
-        a = self.algo
-        return copc.margins(a.eta_a, a.eps_low, a.eps_high) if a.advantage_estimator == "copc" else None
+        """(ℓ_A, u_A) of the clipped-ratio advantage channel, or None when the estimator has none
+        (its ``channel_margins`` metadata; ``copc`` has one, ``copc_wo_rc`` with η_A = 0, i.e. ρ̄ ≡ 1)."""
+        fn = copc.ADVANTAGE_ESTIMATORS.metadata(self.algo.advantage_estimator)["channel_margins"]
+        return None if fn is None else fn(self.algo)
 
     def off_policy_diagnostics(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
                                version: int) -> dict[str, float]:

@@ -27,6 +27,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.config import ExperimentConfig, load_config, to_yaml
 from trainer.errors import ConfigError
 from trainer.metrics_log import SUMMARY_FILE
+from trainer.plugins import plugin_metadata
 
 from .grid import Cell, SweepSpec, check_key, format_value
 
@@ -199,7 +200,7 @@ def build_plan(spec: SweepSpec) -> SweepPlan:
     # cells differ in RL settings: they share one warm-start (the user's cache_dir, if any, wins)
     common = [*DEFAULT_OVERRIDES, f"warm_start.cache_dir={format_value(str(out / WARM_START_CACHE))}",
               *spec.overrides]
-    metric = spec.metric or ("em" if base.task.env == "search" else "accuracy")
+    metric = spec.metric or plugin_metadata(base, "task.env").get("headline_metric", "accuracy")
     resolved = SweepSpec(**{**vars(spec), "config": config, "seeds": seeds, "out": str(out),
                             "metric": metric})
     plan = SweepPlan(spec=resolved, out=out, base=base, cells=cells)

@@ -41,10 +41,14 @@ from .search.settings import SearchSettings
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
 
+#: Capability metadata of a task: ``headline_metric`` (the summary metric a sweep ranks cells by
+#: when its spec names none: ``em`` for the QA task ``search``, ``accuracy`` otherwise).
+TASK_METADATA = {"headline_metric": (str, "accuracy")}
+
 #: The task registry, environment id → :class:`Task` subclass (``math_tool``, ``search`` and
 #: ``remote`` built in); a :class:`copc.Registry`. An id without an entry uses
 #: :class:`GenericTask`.
-TASKS: Registry[type[Task]] = Registry("task", key="task.env")
+TASKS: Registry[type[Task]] = Registry("task", TASK_METADATA, key="task.env")
 
 
 def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = False,
@@ -166,7 +170,7 @@ def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 register_task("math_tool", MathToolTask)
-register_task("search", SearchTask)
+register_task("search", SearchTask, headline_metric="em")
 register_task("remote", RemoteTask)
 
 __all__ = [
