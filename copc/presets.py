@@ -93,6 +93,13 @@ class AlgorithmConfig:
             Monte-Carlo returns (plain GAE returns with λ = 1, no advantage-channel weighting)
             instead of the estimator's returns. Needs a critic estimator.
 
+    Plug-in settings (the registered estimator's / loss's own knobs):
+        estimator_settings: an instance of the settings dataclass ``advantage_estimator`` was
+            registered with (``ADVANTAGE_ESTIMATORS.register(name, settings=Cls)``), given as
+            a mapping of its fields (or None: its defaults); None when it takes no settings.
+            The estimator reads ``cfg.estimator_settings``.
+        policy_loss_settings: the same for ``policy_loss`` (``cfg.policy_loss_settings``).
+
     Raises:
         ValueError: at construction, naming the first invalid field and its value; an
             unregistered ``advantage_estimator``/``policy_loss`` (listing the registered ones);
@@ -135,6 +142,8 @@ class AlgorithmConfig:
     pos_lm_coef: float = 0.0
     pos_lm_reward_threshold: float = 0.5
     critic_warmup_mc_returns: bool = False
+    estimator_settings: Any = None
+    policy_loss_settings: Any = None
 
     def __post_init__(self) -> None:
         """Validate every field (see class docstring)."""
@@ -155,6 +164,11 @@ class AlgorithmConfig:
                              f"{POLICY_LOSSES.names()}, got {self.policy_loss!r} "
                              "(register a custom one with copc.POLICY_LOSSES.register first)")
         meta = ADVANTAGE_ESTIMATORS.metadata(self.advantage_estimator)
+        # the plug-ins' own settings: a mapping (or None) becomes their settings dataclass
+        object.__setattr__(self, "estimator_settings", ADVANTAGE_ESTIMATORS.build_settings(
+            self.advantage_estimator, self.estimator_settings, "estimator_settings"))
+        object.__setattr__(self, "policy_loss_settings", POLICY_LOSSES.build_settings(
+            self.policy_loss, self.policy_loss_settings, "policy_loss_settings"))
         if self.use_critic and not meta["needs_critic"]:
             raise ValueError(f"use_critic=True with advantage_estimator={self.advantage_estimator!r}: "
                              "that estimator never reads values, the critic would train for nothing")

@@ -105,6 +105,8 @@ def build_settings(cls: type, raw: Mapping[str, Any] | Any | None, key: str) -> 
     """
     if isinstance(raw, cls):
         return raw
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):  # another plug-in's settings
+        raw = {f.name: getattr(raw, f.name) for f in dataclasses.fields(raw)}
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ValueError(f"{key}={raw!r}: must be a mapping of {cls.__name__} fields")
