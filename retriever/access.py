@@ -109,7 +109,7 @@ def check_bind(host: str, token: str | None) -> None:
     """
     if not token and not is_loopback(host):
         raise ValueError(f"--host={host!r}: binding a non-loopback address requires a bearer token "
-                         "(--token-file FILE); the server runs code on behalf of its clients")
+                         "(--token-file FILE): anyone who can reach that address could use the server")
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

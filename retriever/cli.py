@@ -4,6 +4,10 @@ Examples::
 
     copc retriever build --corpus ../shared/data/wiki/corpus.jsonl --kind bm25 --out runs/idx/bm25
     copc retriever serve --index runs/idx/bm25 --host 127.0.0.1 --port 8000
+    copc retriever serve --index runs/idx/bm25 --host 0.0.0.0 --token-file /run/secrets/retriever-token
+
+A non-loopback ``--host`` without ``--token-file`` (or an unreadable / empty token file) prints
+one line and exits with status 2, as ``copc env serve`` does.
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-query-chars", type=int, default=2048)
     s.add_argument("--max-batch-queries", type=int, default=256, help="queries merged into one backend call")
     s.add_argument("--max-wait-ms", type=float, default=0.0)
+    s.add_argument("--max-request-bytes", type=int, default=0,
+                   help="largest request body, larger ones get 413 (default: 12 bytes per query character "
+                        "x max queries x max query chars + 64 KiB)")
+    s.add_argument("--token-file", default=None, metavar="F",
+                   help="file holding the bearer token clients must send (Authorization: Bearer ...); "
+                        "required for a non-loopback --host")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(func=_guard(_serve))
 
@@ -147,11 +157,14 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from retriever.access import check_bind, read_token_file
     from retriever.index import load_index
     from retriever.server import ServerConfig, serve
 
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
+    token = read_token_file(args.token_file) if args.token_file else None
+    check_bind(args.host, token)  # before the (slow) index load
 
     cfg = ServerConfig(
         default_topk=args.default_topk,
@@ -160,6 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_query_chars=args.max_query_chars,
         max_batch_queries=args.max_batch_queries,
         max_wait_ms=args.max_wait_ms,
+        max_request_bytes=args.max_request_bytes,
     )
     loaded = load_index(args.index, args.corpus, device=args.device, torch_threads=args.torch_threads)
     print(
@@ -168,7 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    serve(loaded, args.host, args.port, cfg, log_level=args.log_level)
+    serve(loaded, args.host, args.port, cfg, log_level=args.log_level, token=token)
     return 0
 
 

@@ -46,6 +46,8 @@ class ClientConfig:
         backoff_max_s: largest backoff delay, seconds.
         batch_size: most queries sent in one request.
         topk: default passages per query.
+        token: bearer token sent as ``Authorization: Bearer <token>`` (a server started with
+            ``--token-file``); ``None``: none.
     """
 
     url: str = "http://127.0.0.1:8000"
@@ -55,6 +57,7 @@ class ClientConfig:
     backoff_max_s: float = 8.0
     batch_size: int = 64
     topk: int = 3
+    token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -67,6 +70,12 @@ class ClientConfig:
             raise ValueError("client.backoff_s and client.backoff_max_s must be >= 0")
         if self.batch_size <= 0 or self.topk <= 0:
             raise ValueError("client.batch_size and client.topk must be > 0")
+        if self.token is not None and (not isinstance(self.token, str) or not self.token.strip()):
+            raise ValueError("client.token must be a non-empty str or None")
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of every request (the bearer token, if any)."""
+        return {"Authorization": f"Bearer {self.token.strip()}"} if self.token else {}
 
     def backoff(self, attempt: int) -> float:
         """Delay in seconds before retry number ``attempt`` (0-based)."""
@@ -127,7 +136,7 @@ class RetrieverClient:
         if overrides:
             cfg = ClientConfig(**{**cfg.__dict__, **overrides})
         self.cfg = cfg
-        self._http = httpx.Client(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s)
+        self._http = httpx.Client(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s, headers=cfg.headers())
         self.attempts = 0  # HTTP attempts made (for diagnostics and tests)
 
     def __enter__(self) -> RetrieverClient:
@@ -199,7 +208,8 @@ class AsyncRetrieverClient:
         if overrides:
             cfg = ClientConfig(**{**cfg.__dict__, **overrides})
         self.cfg = cfg
-        self._http = httpx.AsyncClient(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s)
+        self._http = httpx.AsyncClient(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s,
+                                       headers=cfg.headers())
         self.attempts = 0
 
     async def __aenter__(self) -> AsyncRetrieverClient:

@@ -10,6 +10,15 @@ API (same as Search-R1's ``retrieval_server.py``, so its clients work unchanged)
   ``topk`` defaults to ``ServerConfig.default_topk``; ``return_scores`` to false.
 * ``GET /health`` → ``{"status": "ok", ...index facts and counters...}``.
 
+Limits and access. A request body over ``ServerConfig.max_request_bytes`` is refused with 413
+``{"message": "request body larger than N bytes (--max-request-bytes)"}`` while it is read
+(never buffered whole); the default is the longest valid request, 12 bytes per query character
+(a JSON-escaped character outside the BMP) x ``max_queries`` x ``max_query_chars``, plus 64
+KiB. Access control is :mod:`retriever.access`, the same rule as ``copc env serve``: a
+non-loopback host needs a bearer token (``--token-file``; every request but ``GET /health``
+must then carry it), and without a token a request whose ``Origin`` or ``Host`` is not loopback
+is refused with 403.
+
 Invalid requests get HTTP 422 with FastAPI's ``detail`` list plus a one-line ``message``
 naming the field (e.g. ``queries.2: query is empty``). Searching and JSON formatting run in
 a worker thread through :class:`~retriever.batcher.MicroBatcher`, which merges concurrent
@@ -35,6 +44,7 @@ from pydantic import (
     ValidationError,
 )
 
+from retriever.access import protect
 from retriever.batcher import MicroBatcher
 from retriever.index import LoadedIndex
 
@@ -51,6 +61,7 @@ class ServerConfig:
         max_batch_queries: most queries merged into one backend call.
         max_wait_ms: extra wait for more requests before a backend call (milliseconds).
         workers: backend calls that may run at once (threads).
+        max_request_bytes: largest request body (bytes); ``0``: :attr:`request_limit`'s default.
     """
 
     default_topk: int = 3
@@ -60,6 +71,14 @@ class ServerConfig:
     max_batch_queries: int = 256
     max_wait_ms: float = 0.0
     workers: int = 1
+    max_request_bytes: int = 0
+
+    @property
+    def request_limit(self) -> int:
+        """The body limit in bytes: ``max_request_bytes``, or by default the longest valid
+        request (12 bytes per query character x ``max_queries`` x ``max_query_chars``) plus
+        64 KiB (24 MiB + 64 KiB with the default limits)."""
+        return self.max_request_bytes or 12 * self.max_queries * self.max_query_chars + 65536
 
     def __post_init__(self) -> None:
         for name in (
@@ -74,6 +93,9 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
         if self.default_topk > self.max_topk:
             raise ValueError(f"server.default_topk ({self.default_topk}) > server.max_topk ({self.max_topk})")
+        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) \
+                or self.max_request_bytes < 0:
+            raise ValueError(f"server.max_request_bytes must be an int >= 0, got {self.max_request_bytes!r}")
         if self.max_wait_ms < 0:
             raise ValueError(f"server.max_wait_ms must be >= 0, got {self.max_wait_ms}")
 
@@ -112,6 +134,28 @@ def validation_message(errors: list[dict]) -> str:
         got = f" (got {_short(err['input'])})" if "input" in err and err["type"] != "missing" else ""
         parts.append(f"{loc}: {msg}{got}")
     return "; ".join(parts)
+
+
+class BodyTooLargeError(Exception):
+    """A request body over the limit (answered 413)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body of ``request``, read up to ``limit`` bytes.
+
+    Raises:
+        BodyTooLargeError: a ``Content-Length`` over ``limit``, or more bytes than ``limit`` arrive.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLargeError
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Formatter:
@@ -194,6 +238,7 @@ def create_app(loaded: LoadedIndex, cfg: ServerConfig | None = None) -> FastAPI:
             "corpus_sha256": m.corpus_sha256,
             "batches": batcher.batches,
             "queries": batcher.queries,
+            "max_request_bytes": cfg.request_limit,
         }
 
     @app.post("/retrieve")
@@ -203,7 +248,12 @@ def create_app(loaded: LoadedIndex, cfg: ServerConfig | None = None) -> FastAPI:
         The body is parsed as JSON whatever the ``Content-Type`` (curl's default is form).
         """
         try:
-            request = RetrieveRequest.model_validate_json(await raw.body())
+            body = await read_body(raw, cfg.request_limit)
+        except BodyTooLargeError:
+            message = f"request body larger than {cfg.request_limit} bytes (--max-request-bytes)"
+            return JSONResponse(status_code=413, content={"message": message, "detail": message})
+        try:
+            request = RetrieveRequest.model_validate_json(body)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors(include_url=False)) from None
         k = request.topk if request.topk is not None else cfg.default_topk
@@ -221,6 +271,7 @@ def serve(
     port: int,
     cfg: ServerConfig | None = None,
     log_level: str = "warning",
+    token: str | None = None,
 ) -> None:
     """Run the server with uvicorn until interrupted (blocking).
 
@@ -229,7 +280,13 @@ def serve(
         host / port: address to bind (port 0 = any free port).
         cfg: server limits and batching.
         log_level: uvicorn log level; access logs are off (they cost throughput).
+        token: bearer token every request but ``/health`` must carry (``None``: none, then
+            loopback only, with the ``Origin`` / ``Host`` check; :func:`retriever.access.protect`).
+
+    Raises:
+        ValueError: a non-loopback ``host`` without ``token``.
     """
     import uvicorn
 
-    uvicorn.run(create_app(loaded, cfg), host=host, port=port, log_level=log_level, access_log=False)
+    app = protect(create_app(loaded, cfg), host, token)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
