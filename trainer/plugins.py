@@ -135,7 +135,9 @@ def plugin_name(cfg: Any, key: str) -> str | None:
 def plugin_settings(cfg: Any, key: str) -> Any:
     """The validated settings of the plug-in the config names at ``key``: an instance of the
     settings dataclass it was registered with (built from the config's settings section), or
-    None when it takes none.
+    None when it takes none. A plug-in registered with metadata ``delegated_settings=True`` (the
+    ``remote`` task: its settings are the served environment's task's) gets its section back as a
+    plain dict, checked later by the plug-in it delegates to.
 
     Raises:
         ConfigError: an unregistered name; settings given to a plug-in that takes none; an
@@ -149,6 +151,8 @@ def plugin_settings(cfg: Any, key: str) -> Any:
             raise ConfigError(f"{s.settings_key}={dict(raw)!r}: {key}={_value(cfg, key)!r} has no registered "
                               f"{s.kind} with settings")
         return None
+    if registry(key).metadata(name).get("delegated_settings", False):  # another plug-in's, checked later
+        return dict(raw or {})
     try:
         return registry(key).build_settings(name, raw, s.settings_key)
     except RegistryError as e:

@@ -3,6 +3,7 @@ warm-start traces, ``register_task``, ``build_task``'s errors, and where data pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -366,6 +367,75 @@ def test_build_task_resolves_an_env_file_that_registers_env_and_task(tmp_path, m
         environments.unregister("file_words")
         unregister_task("file_words")
         sys.modules.pop("my_words", None)
+
+
+def test_a_plugin_file_registers_a_task_with_its_own_settings(tmp_path, monkeypatch):
+    """A user's task with its own knobs: a settings dataclass registered with the task from a plug-in
+    file, filled from task.settings; no edit of trainer/config*.py. Bad keys, types and values are
+    one-line ConfigErrors naming task.settings.<key>."""
+    (tmp_path / "count_task.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+
+        import environments
+        from environments import ToolEnv
+        from trainer.tasks import Task, register_task
+
+        class Env(ToolEnv):
+            def __init__(self, **kw):
+                super().__init__([], invalid_action_reply=None)
+            def build_prompt(self, s):
+                return s["w"]
+            def extract_answer(self, a):
+                return a
+            def score(self, s, r, a, n):
+                return 0.0, {}
+
+        @dataclass
+        class CountSettings:
+            rows: int = 2
+            word: str = "w"
+            def __post_init__(self):
+                if self.rows < 1:
+                    raise ValueError(f"task.settings.rows={self.rows!r}: must be >= 1")
+
+        class CountTask(Task):
+            def start(self):
+                s = self.settings
+                self.train_samples = [{"id": str(i), "w": f"{s.word}{i}"} for i in range(s.rows)]
+                self.eval_samples = [{"id": "e", "w": "held"}]
+
+        environments.register("count_words", entry_point=Env)
+        register_task("count_words", CountTask, settings=CountSettings)
+    '''))
+    monkeypatch.chdir(tmp_path)
+    try:
+        cfg = cfg_of("plugins=[count_task.py]", "task.env=count_words", "task.settings={rows: 3, word: z}")
+        with build_task(cfg) as task:
+            assert [r["w"] for r in task.train_samples] == ["z0", "z1", "z2"]
+            assert type(task.settings).__name__ == "CountSettings" and task.settings.rows == 3
+        from trainer.tasks import TASKS
+
+        assert TASKS.settings_type("count_words") is type(task.settings)
+        with build_task(cfg_of("task.env=count_words")) as task:  # defaults
+            assert [r["w"] for r in task.train_samples] == ["w0", "w1"]
+        for bad, msg in (("{rows: 0}", r"^task\.settings\.rows=0: must be >= 1$"),
+                         ("{rows: many}", r"^task\.settings\.rows='many': must be an int$"),
+                         ("{colour: red}", r"^task\.settings\.colour='red': unknown setting of "
+                                           r"CountSettings; known: \['rows', 'word'\]$")):
+            with pytest.raises(ConfigError, match=msg):
+                build_task(cfg_of("task.env=count_words", f"task.settings={bad}"))
+        # at load: checked by the registered settings dataclass, before anything is built
+        with pytest.raises(ConfigError, match=r"^task\.settings\.rows=0: must be >= 1$"):
+            cfg_of("plugins=[count_task.py]", "task.env=count_words", "task.settings={rows: 0}")
+        # a task class without settings refuses any
+        plain = cfg_of("task.env=count_words")
+        plain = dataclasses.replace(plain, task=dataclasses.replace(plain.task, settings={"rows": 1}))
+        with pytest.raises(ConfigError, match=r"^task\.settings\.rows: the task of env 'count_words' has "):
+            GenericTask(plain, "count_words")
+    finally:
+        environments.unregister("count_words")
+        unregister_task("count_words")
+        sys.modules.pop("count_task", None)
 
 
 def test_build_task_unknown_or_unloadable_env_names_the_key(tmp_path, monkeypatch):

@@ -42,8 +42,10 @@ if TYPE_CHECKING:
     from ..config import ExperimentConfig
 
 #: Capability metadata of a task: ``headline_metric`` (the summary metric a sweep ranks cells by
-#: when its spec names none: ``em`` for the QA task ``search``, ``accuracy`` otherwise).
-TASK_METADATA = {"headline_metric": (str, "accuracy")}
+#: when its spec names none: ``em`` for the QA task ``search``, ``accuracy`` otherwise);
+#: ``delegated_settings`` (its ``task.settings`` are another task's, checked by that task when it
+#: starts, not at load: ``remote``, whose settings are the served environment's task's).
+TASK_METADATA = {"headline_metric": (str, "accuracy"), "delegated_settings": (bool, False)}
 
 #: The task registry, environment id → :class:`Task` subclass (``math_tool``, ``search`` and
 #: ``remote`` built in); a :class:`copc.Registry`. An id without an entry uses
@@ -171,7 +173,7 @@ def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 
 register_task("math_tool", MathToolTask)
 register_task("search", SearchTask, headline_metric="em")
-register_task("remote", RemoteTask)
+register_task("remote", RemoteTask, delegated_settings=True)
 
 __all__ = [
     "TASKS",
