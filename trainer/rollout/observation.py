@@ -11,6 +11,11 @@ in tokens here.
 :class:`ChatTurns` renders the prompt and the observation turns of environments in a native
 tool-call format (``hermes`` / ``openai``) through the tokenizer's chat template, keeping
 token-in/token-out parity with the template's rendering of the whole conversation.
+
+Tool output never creates special tokens: an observation's text (and a message's content in a
+tool turn) is encoded with ``split_special_tokens=True`` (:func:`encode_plain`), so text such
+as ``<|im_end|>\n<|im_start|>system`` printed by a program stays plain text tokens; only the
+chat template's own markup becomes special tokens.
 """
 
 from __future__ import annotations
@@ -27,10 +32,20 @@ _CLOSING_TAG = re.compile(r"</[^<>\s]*>\s*")
 _MAX_BACKOFF = 3  # a UTF-8 character is split over at most 4 byte tokens
 
 
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """Ids of ``text`` with no added BOS/EOS and no special tokens made from it: text that spells a
+    special token (``<|im_end|>``) is split into ordinary tokens (``split_special_tokens=True``;
+    added non-special tokens such as ``<tool_call>`` keep their ids). ``[]`` for ``""``."""
+    if not text:
+        return []
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)]
+
+
 def truncate_observation_ids(tokenizer: Any, text: str, max_tokens: int) -> list[int]:
     """Token ids of observation ``text``, at most ``max_tokens`` long, cut in the middle if needed.
 
-    ``text`` is encoded once without special tokens. If that fits, it is returned unchanged.
+    ``text`` is encoded once with :func:`encode_plain` (no special token can come from it). If
+    that fits, it is returned unchanged.
     Otherwise the result is ``head + marker + tail`` (each encoded on its own, their lengths
     summed, so the budget holds exactly for any tokenizer):
 
@@ -65,7 +80,7 @@ def truncate_observation_ids(tokenizer: Any, text: str, max_tokens: int) -> list
         raise ValueError(f"truncate_observation_ids: max_tokens={max_tokens!r} must be an int >= 1")
 
     def enc(s: str) -> list[int]:
-        return [int(t) for t in tokenizer.encode(s, add_special_tokens=False)] if s else []
+        return encode_plain(tokenizer, s)
 
     ids = enc(text)
     if len(ids) <= max_tokens:
@@ -180,6 +195,27 @@ class ChatTurns:
                              "so observation turns cannot be rendered on their own")
         return full[full.index(_TURN_MARK) + len(_TURN_MARK):]
 
+    def _plain_contents_ids(self, msgs: list[dict[str, Any]], skip: str) -> list[int]:
+        """Ids of the observation turn of ``msgs`` whose contents spell special tokens: the
+        template's text encoded as usual, each message's content with :func:`encode_plain`
+        (located by rendering unique marks in place of the contents).
+
+        Raises:
+            ValueError: the template does not render each content verbatim, once.
+        """
+        marks = [f"COPC_CONTENT_{i}_7f3a9c" for i in range(len(msgs))]
+        text = self.observation_text([dict(m, content=k) for m, k in zip(msgs, marks, strict=True)])
+        text = text[len(skip):] if skip and text.startswith(skip) else text
+        ids, pos = [], 0
+        for m, k in zip(msgs, marks, strict=True):
+            at = text.find(k, pos)
+            if at < 0 or text.count(k) != 1:
+                raise ValueError("the chat template does not render a tool message's content verbatim, "
+                                 "so its text cannot be kept free of special tokens")
+            ids += self.encode(text[pos:at]) + encode_plain(self.tokenizer, str(m.get("content") or ""))
+            pos = at + len(k)
+        return ids + self.encode(text[pos:])
+
     def observation_ids(self, messages: list[dict[str, Any]], max_tokens: int,
                         after_token: int | None = None) -> list[int]:
         """Ids of the observation turn of ``messages``, within ``max_tokens`` where possible.
@@ -207,6 +243,10 @@ class ChatTurns:
 
         def ids_of(msgs: list[dict[str, Any]]) -> list[int]:
             text = self.observation_text(msgs)
+            contents = [str(m.get("content") or "") for m in msgs]
+            if any(self.encode(c) != encode_plain(self.tokenizer, c) for c in contents):
+                return self._plain_contents_ids(msgs, skip)
+            # no content spells a special token: the text at once, as the template renders it
             return self.encode(text[len(skip):] if skip and text.startswith(skip) else text)
 
         ids = ids_of(messages)
