@@ -62,7 +62,7 @@ class RemoteTask(Task):
         """
         from environments.remote.client import RemoteEnvConfig, fetch_server_info
 
-        from . import task_class
+        from .registry import task_class
 
         kw = self.env_kwargs
         if not kw.get("url"):

@@ -18,7 +18,7 @@ import environments
 from environments.data import data_root
 
 from ..base import Task
-from .arithmetic import arithmetic_splits, retool_arithmetic_samples
+from .arithmetic import KINDS, arithmetic_splits, retool_arithmetic_samples
 from .settings import MathToolSettings
 from .traces import direct_answer_traces, retool_traces
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ...warmstart.traces import Trace
 
 #: Generated-problem kinds when ``task.settings.arithmetic_kinds`` is empty.
-DEFAULT_KINDS = ("mul", "sum_of_products", "mul_minus")
+DEFAULT_KINDS = KINDS  # every kind of the problem generator
 
 
 class MathToolTask(Task):
