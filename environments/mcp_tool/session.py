@@ -33,11 +33,17 @@ from typing import Any
 
 from ..errors import InfrastructureError
 from .servers import HttpServer, McpResult, McpToolInfo, StdioServer, content_text, mcp_field
+from .stdio import RESULT_TOO_LARGE, StreamState, capped_stdio_client
 
 log = logging.getLogger(__name__)
 
 #: JSON-RPC "Invalid params": the server rejected the policy's arguments (not an infra failure).
 INVALID_PARAMS = -32602
+#: Default cap on one result (bytes of its JSON-RPC message; :class:`McpSession`).
+DEFAULT_MAX_RESULT_BYTES = 4 << 20
+#: Seconds a session that timed out or sent an oversized result has to answer a ping on
+#: :meth:`McpSession.check` before it is declared wedged.
+PING_TIMEOUT_S = 5.0
 
 
 def _mcp_error_type() -> type[Exception]:
@@ -48,16 +54,12 @@ def _mcp_error_type() -> type[Exception]:
 
 
 @contextlib.asynccontextmanager
-async def _transport(server: StdioServer | HttpServer):
-    """Yield the ``(read_stream, write_stream)`` pair of ``server``'s transport."""
+async def _transport(server: StdioServer | HttpServer, max_result_bytes: int):
+    """Yield the ``(read_stream, write_stream, state)`` of ``server``'s transport (stdio: the
+    capped reader of :mod:`.stdio`; HTTP: the ``mcp`` package's client, ``state`` idle)."""
     if isinstance(server, StdioServer):
-        from mcp.client.stdio import StdioServerParameters, stdio_client
-
-        params = StdioServerParameters(command=server.command, args=list(server.args),
-                                       env=dict(server.env) if server.env is not None else None,
-                                       cwd=server.cwd)
-        async with stdio_client(params) as (read, write):
-            yield read, write
+        async with capped_stdio_client(server, max_result_bytes) as streams:
+            yield streams
         return
     from mcp.client import streamable_http as sh
 
@@ -66,10 +68,10 @@ async def _transport(server: StdioServer | HttpServer):
 
         async with create_mcp_http_client(headers=dict(server.headers or {})) as client, \
                 sh.streamable_http_client(server.url, http_client=client) as streams:
-            yield streams[0], streams[1]
+            yield streams[0], streams[1], StreamState()
     else:  # older 1.x
         async with sh.streamablehttp_client(server.url, headers=dict(server.headers or {})) as streams:
-            yield streams[0], streams[1]
+            yield streams[0], streams[1], StreamState()
 
 
 async def _list_tools(session: Any) -> list[McpToolInfo]:
@@ -99,6 +101,9 @@ class McpSession:
     Args:
         server: :class:`StdioServer` or :class:`HttpServer`.
         connect_timeout_s: seconds allowed for starting, ``initialize`` and ``tools/list``.
+        max_result_bytes: cap on one result (default 4 MiB): over stdio, the bytes of its
+            JSON-RPC message, never read past the cap (:mod:`.stdio`); over HTTP, the result's
+            text once it arrived. A result over it is a tool error naming the cap.
 
     Raises:
         ValueError: bad ``server`` type or ``connect_timeout_s``; a stdio ``command`` that does
@@ -107,7 +112,11 @@ class McpSession:
         InfrastructureError: the server could not be started or reached in time (or exited).
     """
 
-    def __init__(self, server: StdioServer | HttpServer, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, server: StdioServer | HttpServer, connect_timeout_s: float = 30.0,
+                 max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> None:
+        if isinstance(max_result_bytes, bool) or not isinstance(max_result_bytes, int) \
+                or max_result_bytes < 1:
+            raise ValueError(f"McpSession: max_result_bytes={max_result_bytes!r} must be an int >= 1 (bytes)")
         if not isinstance(server, StdioServer | HttpServer):
             raise ValueError(f"McpSession: server={server!r} must be a StdioServer or HttpServer")
         if not isinstance(connect_timeout_s, int | float) or not connect_timeout_s > 0:
@@ -116,7 +125,9 @@ class McpSession:
             import mcp  # noqa: F401
         except ImportError as e:
             raise ImportError("MCP tools need the 'mcp' package: pip install 'copc[mcp]'") from e
-        self.server = server
+        self.server, self.max_result_bytes = server, max_result_bytes
+        self._stream = StreamState()
+        self._suspect = False  # a call timed out or was over the cap since the last check()
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -153,7 +164,8 @@ class McpSession:
         self._stop, self._dead = asyncio.Event(), asyncio.Event()
         try:
             async with contextlib.AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(_transport(self.server))
+                read, write, self._stream = await stack.enter_async_context(
+                    _transport(self.server, self.max_result_bytes))
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)  # runs before the task group's exit
                 send, watched = anyio.create_memory_object_stream(0)
@@ -215,6 +227,7 @@ class McpSession:
             if not call.done():
                 call.cancel()
         if call not in done:
+            self._suspect = True
             why = (f"the connection was lost ({self._failure})" if dead in done
                    else f"did not answer within {timeout_s} s")
             raise InfrastructureError(f"MCP server {self.server.label!r}: tool {name!r}: {why}")
@@ -224,19 +237,62 @@ class McpSession:
             code = e.error.code
             if code == INVALID_PARAMS:
                 return McpResult(f"Error: {e.error.message}", True)
+            if code == RESULT_TOO_LARGE:
+                self._suspect = True
+                return McpResult(f"Error: tool {name!r}: {e.error.message}", True)
             raise InfrastructureError(f"MCP server {self.server.label!r}: tool {name!r} failed with "
                                       f"JSON-RPC error {code}: {e.error.message}"
                                       + (f" ({self._failure})" if self._failure else "")) from e
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError) as e:
             raise InfrastructureError(f"MCP server {self.server.label!r}: connection lost during tool "
                                       f"{name!r} ({self._failure or type(e).__name__})") from e
-        return content_text(result)
+        out = content_text(result)
+        if len(out.text.encode("utf-8", "surrogatepass")) > self.max_result_bytes:  # HTTP: checked on arrival
+            return McpResult(f"Error: tool {name!r}: the tool's result is larger than the cap of "
+                             f"{self.max_result_bytes} bytes (max_result_bytes)", True)
+        return out
+
+    async def _check(self, timeout_s: float) -> None:
+        if self._stream.discarding:
+            self._fail(f"wedged: still writing a message over the cap of {self.max_result_bytes} bytes "
+                       "(max_result_bytes)")
+            return
+        if not self._suspect:
+            return
+        try:
+            await asyncio.wait_for(self._session.send_ping(), timeout_s)
+        except Exception as e:
+            self._fail(f"wedged: no answer to a ping within {timeout_s} s after a timed-out or oversized "
+                       f"call ({type(e).__name__})")
+            return
+        self._suspect = False
 
     # -- public API ---------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         """Connected and not failed or closed."""
         return self._failure is None and not self._closed
+
+    def check(self, timeout_s: float = PING_TIMEOUT_S) -> bool:
+        """Whether the session is usable, after checking one that may be wedged; thread-safe.
+
+        A session whose reader is inside a message over the cap (a server writing endlessly
+        without a newline), or that does not answer a ``ping`` within ``timeout_s`` after a call
+        timed out or was over the cap, is failed here (:attr:`alive` becomes False), so that
+        :meth:`McpToolset.ensure_connected` reconnects it. A healthy session costs nothing
+        (no ping unless a call timed out or was oversized since the last check).
+
+        Returns:
+            :attr:`alive` afterwards.
+        """
+        if not self.alive:
+            return False
+        if self._stream.discarding or self._suspect:
+            try:
+                asyncio.run_coroutine_threadsafe(self._check(timeout_s), self._loop).result(timeout_s + 5.0)
+            except Exception as e:  # the loop itself does not answer
+                self._fail(f"wedged: the session's loop did not answer a check ({type(e).__name__})")
+        return self.alive
 
     def call(self, name: str, arguments: Mapping[str, Any], timeout_s: float = 30.0) -> McpResult:
         """Call tool ``name`` with ``arguments``, blocking for at most ``timeout_s`` seconds.
@@ -251,7 +307,9 @@ class McpSession:
             RuntimeError: called from the session's own loop thread.
             InfrastructureError: the session is closed or failed, the server died, or no
                 answer came within ``timeout_s`` (the late answer is discarded; the session
-                stays usable).
+                stays usable, and the next :meth:`check` pings it: one that does not answer is
+                reconnected on the next ``reset``). A result over ``max_result_bytes`` is a
+                tool error naming the cap, not an exception.
         """
         if not isinstance(arguments, Mapping):
             raise ValueError(f"McpSession.call({name!r}): arguments={arguments!r} must be a mapping")

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import InfrastructureError
 from ..tool_formats import ToolSchema
 from .servers import HttpServer, McpResult, StdioServer
-from .session import McpSession
+from .session import DEFAULT_MAX_RESULT_BYTES, McpSession
 
 
 class McpTool:
@@ -77,6 +77,7 @@ class McpToolset:
         connect_timeout_s: seconds allowed to start/connect to the server.
         include: only these tools, in this order (``None``: all the server lists, in its
             order).
+        max_result_bytes: cap on one result (:class:`McpSession`; default 4 MiB).
 
     Raises:
         ValueError: a name in ``include`` the server does not have (the message lists the
@@ -85,14 +86,15 @@ class McpToolset:
     """
 
     def __init__(self, server: StdioServer | HttpServer | McpSession, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 30.0, include: Sequence[str] | None = None) -> None:
+                 connect_timeout_s: float = 30.0, include: Sequence[str] | None = None,
+                 max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> None:
         if isinstance(include, str):
             raise ValueError(f"McpToolset: include={include!r} must be a list of tool names")
         self._owns = not isinstance(server, McpSession)
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()
         self._closed = False
-        self.session = McpSession(server, connect_timeout_s) if self._owns else server
+        self.session = McpSession(server, connect_timeout_s, max_result_bytes) if self._owns else server
         try:
             declared = {t.name: t for t in self.session.tools}
             names = list(declared) if include is None else list(include)
@@ -109,7 +111,8 @@ class McpToolset:
             raise
 
     def ensure_connected(self) -> None:
-        """Reconnect (stdio: respawn the server) if the session has failed; thread-safe.
+        """Reconnect (stdio: respawn the server) if the session has failed or is wedged
+        (:meth:`McpSession.check`); thread-safe.
 
         Environments call it on ``reset``, so one dead server costs the episodes in flight,
         not every later episode.
@@ -120,7 +123,7 @@ class McpToolset:
         """
         with self._lock:
             old = self.session
-            if old.alive:
+            if old.check():  # a wedged session (timed out, oversized result) fails here
                 return
             if self._closed:
                 raise InfrastructureError(f"MCP server {old.server.label!r}: the toolset is closed")
@@ -128,7 +131,7 @@ class McpToolset:
                 raise InfrastructureError(f"MCP server {old.server.label!r}: the shared session has "
                                           "failed; reconnect it where it was created")
             old.close()
-            new = McpSession(old.server, self._connect_timeout_s)
+            new = McpSession(old.server, self._connect_timeout_s, old.max_result_bytes)
             declared = {t.name: t for t in new.tools}
             changed = [t.name for t in self._tools if t.name not in declared or
                        _schema(declared[t.name].name, declared[t.name].description,
