@@ -329,6 +329,7 @@ class McpSession:
             return fut.result(timeout_s + 5.0)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
             fut.cancel()
+            self._suspect = True
             raise InfrastructureError(f"MCP server {self.server.label!r}: tool {name!r} did not answer "
                                       f"within {timeout_s} s ({self._failure or 'loop unresponsive'})") from e
 
