@@ -24,6 +24,7 @@ from typing import Any
 
 from .base import EnvLimits, ToolEnv, check_prompt_template, with_overrides
 from .mcp_tool import HttpServer, McpSession, McpToolset, StdioServer, server_from_kwargs
+from .mcp_tool.session import DEFAULT_MAX_RESULT_BYTES
 
 PROMPT = ("Answer the question. You can call the tools you are given. When you know the answer, "
           "write it as <answer>...</answer>.\n\nQuestion: {question}\n")
@@ -45,6 +46,8 @@ class McpEnvConfig:
         tool_format: ``hermes`` | ``openai``.
         call_timeout_s: per-call timeout (seconds); a late answer is an infrastructure failure.
         connect_timeout_s: seconds allowed to start/connect to the server.
+        max_result_bytes: cap on one tool result (bytes, default 4 MiB; a larger one is a tool
+            error naming the cap, see docs/mcp.md).
         limits: :class:`EnvLimits`.
         prompt_template: ``str.format`` template with ``{question}``.
     """
@@ -58,6 +61,7 @@ class McpEnvConfig:
     tool_format: str = "hermes"
     call_timeout_s: float = 30.0
     connect_timeout_s: float = 30.0
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     limits: EnvLimits = field(default_factory=lambda: EnvLimits(max_turns=8, max_tool_calls=8))
     prompt_template: str = PROMPT
 
@@ -70,6 +74,9 @@ class McpEnvConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
                 raise ValueError(f"McpEnvConfig.{name}={v!r}: must be a number > 0 (seconds)")
+        v = self.max_result_bytes
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"McpEnvConfig.max_result_bytes={v!r}: must be an int >= 1 (bytes)")
         if self.tools is not None:
             if isinstance(self.tools, str) or not all(isinstance(t, str) for t in self.tools):
                 raise ValueError(f"McpEnvConfig.tools={self.tools!r}: must be a list of tool names")
@@ -121,7 +128,8 @@ class McpToolEnv(ToolEnv):
         self._owns_toolset = toolset is None
         if toolset is None:
             source = session or server or cfg.server()
-            toolset = McpToolset(source, cfg.call_timeout_s, cfg.connect_timeout_s, cfg.tools)
+            toolset = McpToolset(source, cfg.call_timeout_s, cfg.connect_timeout_s, cfg.tools,
+                                 max_result_bytes=cfg.max_result_bytes)
         self.toolset = toolset
         try:
             super().__init__(toolset.tools(), cfg.limits, samples, invalid_action_reply=None,

@@ -83,6 +83,19 @@ def test_a_blocked_server_is_reconnected_after_a_timeout_a_slow_tool_is_not():
         assert tool(ts, "add").run_arguments({"a": 4, "b": 5}) == "9"
 
 
+def test_env_setting_reaches_the_session():
+    from environments.mcp_env import McpToolEnv
+
+    env = McpToolEnv(server=SERVER, max_result_bytes=4096)
+    try:
+        assert env.toolset.session.max_result_bytes == 4096
+        assert "cap of 4096 bytes" in tool(env.toolset, "big").run_arguments({"n": 5000})
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match=r"McpEnvConfig.max_result_bytes=0: must be an int >= 1"):
+        McpToolEnv(server=SERVER, max_result_bytes=0)
+
+
 def test_line_reader_is_linear_and_bounded():
     state = StreamState()
     r = LineReader(100, state)
