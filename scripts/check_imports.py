@@ -24,22 +24,22 @@ module is placed in the layer of the longest prefix in the list that names it (a
                            launcher use ``retriever`` (client, server launch), so it sits above it
   3  trainer.errors, trainer.logprobs, trainer.plugins
                            leaves: error types, log-prob arithmetic, importing plug-in modules
-  4  trainer.checkpoint, trainer.metrics_log, trainer.plots, trainer.report, trainer.progress
-                           what a run writes: checkpoints, metric logs, plots, reports, progress
+  4  trainer.outputs       what a run writes: checkpoints, metric logs, plots, reports, progress
   5  trainer.models        tiny / Hugging Face models, tokenizers, export
   6  trainer.engines       generation engines (embedded, SGLang) and their registry
   7  trainer.rollout       trajectories, the agent loop over an engine and an environment
   8  trainer.learner       learners (torch / FSDP / Megatron) and the algorithm step
-  9  trainer.config, trainer.config_sections
-                           the typed config schema; it checks names against the engine and learner
+  9  trainer.config        the typed config schema; it checks names against the engine and learner
                            registries below it, and nothing below it reads a config object
   10 trainer.warmstart     task-agnostic warm start (SFT, trace cache, trace playing)
   11 trainer.tasks         tasks: data, environment, reward, held-out set, services
   12 trainer.evaluate      the evaluation core and benchmark runs
   13 trainer.orchestration the training loop, staleness, the Ray launcher
-  14 trainer.context, trainer.run, trainer.cli_train, trainer.analyze, trainer.sweep
-                           assembling and running a job from a config; analysis; sweeps
-  15 trainer.cli, trainer  the command line (``trainer/__init__`` imports nothing)
+  14 trainer.app, trainer.sweep
+                           assembling and running a job from a config (context, run phases, the
+                           train / eval / analyze commands); sweeps of runs
+  15 trainer.cli, trainer  the ``copc`` command line, a registry of lazily imported groups
+                           (``trainer/__init__`` imports nothing)
 
 Usage: ``python scripts/check_imports.py [--root DIR] [--packages a,b,...] [--quiet]``.
 Exit status 0 when the graph is clean, 1 when it has a cycle, a back-edge or an unplaced module.
@@ -63,17 +63,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("retriever",),
     ("environments",),
     ("trainer.errors", "trainer.logprobs", "trainer.plugins"),
-    ("trainer.checkpoint", "trainer.metrics_log", "trainer.plots", "trainer.report", "trainer.progress"),
+    ("trainer.outputs",),
     ("trainer.models",),
     ("trainer.engines",),
     ("trainer.rollout",),
     ("trainer.learner",),
-    ("trainer.config", "trainer.config_sections"),
+    ("trainer.config",),
     ("trainer.warmstart",),
     ("trainer.tasks",),
     ("trainer.evaluate",),
     ("trainer.orchestration",),
-    ("trainer.context", "trainer.run", "trainer.cli_train", "trainer.analyze", "trainer.sweep"),
+    ("trainer.app", "trainer.sweep"),
     ("trainer.cli", "=trainer"),
 )
 

@@ -22,7 +22,7 @@ mkdir -p "$DEST"
 #  omegaconf + antlr4: trainer.config. gymnasium + cloudpickle + farama-notifications: environments.
 #  jsonschema + attrs + referencing + jsonschema-specifications (+ rpds-py, compiled): the tool
 #  schemas checked when environments.math_tool is imported. rich + markdown-it-py + mdurl + pygments:
-#  trainer.run (console report). httpx + httpcore + h11 + anyio + idna + certifi: trainer.engines
+#  trainer.app.run (console report). httpx + httpcore + h11 + anyio + idna + certifi: trainer.engines
 #  .sglang, and fastapi + starlette + uvicorn + click + pydantic (+ pydantic-core, compiled) +
 #  annotated-types + typing-inspection + annotated-doc + opentelemetry-api + typing-extensions: the SGLang
 #  protocol stand-in that the gpu-marked test module (tests/trainer/test_sglang.py) imports. pytest + pluggy + iniconfig + pytest-timeout

@@ -40,11 +40,12 @@ class Group:
 GROUPS: tuple[Group, ...] = (
     Group("retriever", "build retrieval indexes and serve them (Search-R1 API)", "retriever.cli"),
     Group("train", "train an agent: copc train --config PATH [key=value ...] [--resume]",
-          "trainer.cli_train"),
+          "trainer.app.cli_train"),
     Group("eval", "evaluate: copc eval --model DIR|--checkpoint DIR|--endpoint URL --benchmarks nq,aime2025 "
           "[--k N] [--out DIR] [--resume], or a run: copc eval --config PATH [--checkpoint DIR]",
-          "trainer.cli_train"),
-    Group("analyze", "exact Prop. 2-3 bias/variance/MSE grid on a token tree (--out DIR)", "trainer.analyze"),
+          "trainer.app.cli_train"),
+    Group("analyze", "exact Prop. 2-3 bias/variance/MSE grid on a token tree (--out DIR)",
+          "trainer.app.analyze"),
     Group("sweep", "grid of runs + heatmaps: copc sweep --config C --grid k=v1,v2", "trainer.sweep.command"),
     Group("env", "serve an env over OpenEnv: copc env serve --env NAME --port N", "environments.remote.cli"),
 )

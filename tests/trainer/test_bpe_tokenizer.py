@@ -4,7 +4,7 @@ that applies the LM head only at loss positions.
 The tokenizer is trained once per module through the path ``copc train`` takes: the
 ``configs/search/cpu_tiny.yaml`` config, a real :class:`~trainer.tasks.SearchTask` (given a
 retriever URL, so no server is started: nothing here queries it until the episode test, which
-uses an in-process BM25 over real corpus passages), :func:`trainer.context.initial_model_dir`,
+uses an in-process BM25 over real corpus passages), :func:`trainer.app.context.initial_model_dir`,
 then :func:`trainer.models.loading.load_tokenizer` on the written ``init_model`` (what engines
 and the learner load).
 """
@@ -31,8 +31,8 @@ from environments.search.env import (
     information_block,
     load_qa,
 )
+from trainer.app.context import initial_model_dir
 from trainer.config import ConfigError, ExperimentConfig, load_config
-from trainer.context import initial_model_dir
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.errors import TrainingError

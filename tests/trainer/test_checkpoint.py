@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import MARKER, CheckpointManager, rng_state, set_rng_state
+from trainer.outputs.checkpoint import MARKER, CheckpointManager, rng_state, set_rng_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -241,7 +241,7 @@ def test_crash_before_rename_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
 _KILL_SCRIPT = r"""
 import sys, torch
-from trainer.checkpoint import CheckpointManager
+from trainer.outputs.checkpoint import CheckpointManager
 mgr = CheckpointManager(sys.argv[1], keep_last=3)
 mgr.save(1, {"model": {"w": torch.ones(4)}, "cursor": 10})
 print("saved 1", flush=True)

@@ -15,9 +15,9 @@ from copc.presets import PRESET_NAMES
 from environments.math_tool.data import load_math
 from environments.math_tool.env import MathToolConfig, MathToolEnv
 from environments.search.env import SearchConfig, load_qa
+from trainer.app.cli_train import eval_command, train_command
 from trainer.cli import build_parser
 from trainer.cli import main as cli_main
-from trainer.cli_train import eval_command, train_command
 from trainer.config import ConfigError, ExperimentConfig, load_config, to_yaml
 from trainer.engines import SGLangSettings
 from trainer.plugins import plugin_settings

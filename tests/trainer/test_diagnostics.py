@@ -40,10 +40,10 @@ from copc.metrics import (
 )
 from trainer.learner.algorithm import ActorCriticAlgorithm, ValueBiasTracker
 from trainer.learner.backends.torch import LearnerConfig, TorchLearner, mb_values, response_logprobs
-from trainer.metrics_log import MetricsLogger
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.plots import diagnostics_figure, make_plots
+from trainer.outputs.metrics_log import MetricsLogger
+from trainer.outputs.plots import diagnostics_figure, make_plots
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 

@@ -17,11 +17,11 @@ import psutil
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointManager, DirectoryState
 from trainer.config import ConfigError, load_config
 from trainer.learner import make_learner, restore_learner
 from trainer.learner.distributed.launch import RankError
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.outputs.checkpoint import CheckpointManager, DirectoryState
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -267,7 +267,7 @@ def test_copc_train_fsdp_world_size_2_runs_end_to_end(tmp_path):
 KILL_SCRIPT = """
 import sys
 from trainer.config import load_config
-from trainer.run import run_experiment
+from trainer.app.run import run_experiment
 run_experiment(load_config("configs/math_tool/cpu_tiny.yaml", sys.argv[2:]), resume=sys.argv[1] == "resume")
 """
 

@@ -16,7 +16,7 @@ from trainer.config import load_config
 from trainer.evaluate.heldout import episode_records, eval_delta, paired_difference, summarize
 from trainer.evaluate.records import read_records, write_records
 from trainer.evaluate.stats import Z95, normal_mean_interval, wilson_interval
-from trainer.report import format_delta, format_with_ci, print_report
+from trainer.outputs.report import format_delta, format_with_ci, print_report
 from trainer.rollout.trajectory import Trajectory
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -222,7 +222,7 @@ def test_report_shows_intervals_and_delta():
 # --- copc train end to end --------------------------------------------------------------------
 
 def test_train_writes_records_and_paired_delta(tmp_path):
-    from trainer.run import run_experiment
+    from trainer.app.run import run_experiment
 
     out = tmp_path / "run"
     over = {"preset": "copc", "output_dir": str(out), "model.tiny.hidden_size": "32",

@@ -109,7 +109,7 @@ def test_train_evaluation_and_copc_eval_write_identical_records(tmp_path):
     """Before RL, ``copc train`` evaluates its held-out rows with the initial model; ``copc eval``
     of the same model on the same rows (a JSONL file) at the same seed gives the same records,
     episode for episode (sampled at temperature 1, two episodes per row: the seeds matter)."""
-    from trainer.run import run_experiment
+    from trainer.app.run import run_experiment
     from trainer.tasks import build_task
 
     out = tmp_path / "run"

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import copc
+from trainer.app.run import run_experiment
 from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
@@ -28,7 +29,6 @@ from trainer.orchestration.lag import WeightHistory, generating_version
 from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig
 from trainer.orchestration.prompts import PromptStream
 from trainer.rollout.agent_loop import AgentLoopConfig
-from trainer.run import run_experiment
 
 from .test_loop_failures import FlakyEnv
 from .test_loop_learner import SAMPLES, EchoEnv

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointManager
 from trainer.config import ConfigError, LearnerSection, load_config
 from trainer.evaluate.policy import checkpoint_policy_weights
 from trainer.learner import learner_checkpoint_state, make_learner, restore_learner
 from trainer.learner.distributed.runtime import DistributedLearner, check_model_parallel
 from trainer.learner.distributed.shard import dp_rows, micro_plan
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.outputs.checkpoint import CheckpointManager
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 

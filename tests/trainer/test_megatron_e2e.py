@@ -16,9 +16,9 @@ import psutil
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointManager
 from trainer.config import load_config
 from trainer.learner import make_learner, restore_learner
+from trainer.outputs.checkpoint import CheckpointManager
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 KILL_SCRIPT = """
 import sys
 from trainer.config import load_config
-from trainer.run import run_experiment
+from trainer.app.run import run_experiment
 run_experiment(load_config("configs/math_tool/cpu_tiny.yaml", sys.argv[2:]), resume=sys.argv[1] == "resume")
 """
 

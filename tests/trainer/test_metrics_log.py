@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.metrics_log import MetricsLogger, read_metrics, write_summary
-from trainer.plots import make_plots
+from trainer.outputs.metrics_log import MetricsLogger, read_metrics, write_summary
+from trainer.outputs.plots import make_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

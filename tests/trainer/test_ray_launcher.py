@@ -132,9 +132,9 @@ def test_bad_worker_count_is_rejected(tiny32):
 @pytest.mark.slow
 def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
     """``run_experiment`` with ``launcher.kind=ray``: real math_tool env + sandbox in each worker."""
-    from trainer.checkpoint import CheckpointManager
+    from trainer.app.run import run_experiment
     from trainer.config import load_config
-    from trainer.run import run_experiment
+    from trainer.outputs.checkpoint import CheckpointManager
 
     out = tmp_path / "ray_run"
     plugin = tmp_path / "ray_plugin.py"  # registers a learner backend: the Ray actors must import it too

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import CheckpointManager
+from trainer.app.run import run_experiment
 from trainer.config import load_config
-from trainer.run import run_experiment
+from trainer.outputs.checkpoint import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def test_few_step_run_per_preset(tmp_path, preset, bound):
 KILL_SCRIPT = """
 import sys
 from trainer.config import load_config
-from trainer.run import run_experiment
+from trainer.app.run import run_experiment
 run_experiment(load_config(None, sys.argv[2:]), resume=sys.argv[1] == "resume")
 """
 
@@ -111,8 +111,8 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
 
 
 def test_start_up_errors_name_the_key(tmp_path):
+    from trainer.app.run import run_evaluation
     from trainer.config import ConfigError
-    from trainer.run import run_evaluation
 
     with pytest.raises(ConfigError, match=r"output_dir=.*no checkpoint, warm-start or initial model"):
         run_evaluation(load_config(None, overrides(tmp_path / "typo", "copc")))

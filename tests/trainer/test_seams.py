@@ -111,7 +111,7 @@ class CountingLearner(TorchLearner):
 
 
 def test_a_registered_learner_backend_trains_through_copc_train(tmp_path):
-    from trainer.run import run_experiment
+    from trainer.app.run import run_experiment
 
     def factory(exp, model_dir):
         base = TorchLearner.from_config(exp, model_dir)
@@ -130,7 +130,7 @@ def test_a_registered_learner_backend_trains_through_copc_train(tmp_path):
 
 def test_a_registered_engine_is_used_by_copc_train(tmp_path):
     """An engine is one factory + one registration; rollouts and evaluation go through it."""
-    from trainer.run import run_experiment
+    from trainer.app.run import run_experiment
 
     calls = {"make": 0, "generate": 0, "sync": []}
 
@@ -186,7 +186,7 @@ def plugin_mc(inputs, cfg):
 
 def test_plugins_register_before_validation_and_train(tmp_path, monkeypatch):
     """``plugins: [file.py]``: imported before the config is validated (the CLI has no other hook)."""
-    from trainer.run import run_experiment
+    from trainer.app.run import run_experiment
 
     (tmp_path / "my_algos.py").write_text(PLUGIN)
     monkeypatch.setenv("COPC_DATA_DIR", str(Path("../shared/data").resolve()))  # before leaving the repo
@@ -209,7 +209,7 @@ def test_plugins_register_before_validation_and_train(tmp_path, monkeypatch):
 
 
 def test_missing_data_and_bad_eval_checkpoint_are_config_errors(tmp_path, monkeypatch):
-    from trainer.run import run_evaluation, run_experiment
+    from trainer.app.run import run_evaluation, run_experiment
 
     data = str(Path("../shared/data").resolve())
     monkeypatch.chdir(tmp_path)  # no ../shared/data from here

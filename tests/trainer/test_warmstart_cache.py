@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer.app.run import run_experiment
 from trainer.config import load_config
-from trainer.run import run_experiment
 from trainer.warmstart.cache import cache_key, lookup, restore, store
 
 from .test_run_e2e import overrides

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..checkpoint import CheckpointManager
 from ..errors import ConfigError
 from ..learner import make_learner, restore_learner
+from ..outputs.checkpoint import CheckpointManager
 
 if TYPE_CHECKING:
     import torch

@@ -24,8 +24,8 @@ import torch
 
 from copc.registries import Registry
 
-from ..checkpoint import DirectoryState
 from ..errors import ConfigError
+from ..outputs.checkpoint import DirectoryState
 from ..rollout.batch import RolloutBatch
 
 #: Checkpoint key of a :class:`ShardedCheckpoint` learner's directory (next to ``learner``).
@@ -69,7 +69,7 @@ LearnerFactory = Callable[[Any, Path], Learner]
 
 
 #: Capability metadata of a learner backend (checked against the config's ``learner`` section by
-#: :meth:`~trainer.config_sections.LearnerSection.check_plugin`): ``distributed`` (it runs on
+#: :meth:`~trainer.config.sections.LearnerSection.check_plugin`): ``distributed`` (it runs on
 #: ``learner.world_size`` rank processes; set by
 #: :func:`~trainer.learner.distributed.registry.register_rank_learner`), ``tensor_parallel`` and
 #: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
@@ -131,7 +131,7 @@ class ShardedCheckpoint(Protocol):
 def learner_checkpoint_state(learner: Learner) -> dict[str, Any]:
     """The learner's top-level checkpoint entries: ``{"learner": state_dict()}`` plus, for a
     :class:`ShardedCheckpoint` learner, ``{"learner_shards": DirectoryState(save_dir)}``
-    (written inside the atomic checkpoint by :meth:`~trainer.checkpoint.CheckpointManager.save`)."""
+    (written inside the atomic checkpoint by :meth:`~trainer.outputs.checkpoint.CheckpointManager.save`)."""
     out: dict[str, Any] = {"learner": learner.state_dict()}
     if isinstance(learner, ShardedCheckpoint):
         out[SHARDED_STATE_KEY] = DirectoryState(learner.save_dir)

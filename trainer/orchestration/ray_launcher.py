@@ -306,7 +306,7 @@ async def run_ray_rl(cfg: Any, learner: Learner, model_dir: str | Path, task: An
                      on_checkpoint: Callable[[int, dict], None] | None = None,
                      counters: Mapping[str, int] | None = None,
                      weight_history: Mapping[int, Any] | None = None) -> AsyncTrainingLoop:
-    """The RL phase of ``copc train`` with ``launcher.kind=ray`` (used by :mod:`trainer.run`).
+    """The RL phase of ``copc train`` with ``launcher.kind=ray`` (used by :mod:`trainer.app.run`).
 
     Connects to ``launcher.ray_address`` (or starts a local cluster with ``launcher.ray_num_cpus``
     CPUs), runs :class:`RayTrainer` with ``launcher.num_rollout_workers`` workers that build

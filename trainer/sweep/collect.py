@@ -23,9 +23,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.checkpoint import CheckpointManager
 from trainer.errors import ConfigError
-from trainer.metrics_log import read_metrics
+from trainer.outputs.checkpoint import CheckpointManager
+from trainer.outputs.metrics_log import read_metrics
 
 from .grid import Cell
 from .plan import RunPlan, SweepPlan

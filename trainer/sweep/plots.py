@@ -25,9 +25,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from trainer.checkpoint import CheckpointManager
 from trainer.errors import ConfigError
-from trainer.metrics_log import read_metrics
+from trainer.outputs.checkpoint import CheckpointManager
+from trainer.outputs.metrics_log import read_metrics
 
 from .collect import CellAgg
 from .grid import Grid, format_value, short_names

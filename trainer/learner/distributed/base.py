@@ -20,7 +20,7 @@ and then calls the SAME method on EVERY rank, in the same order (each call is co
 * ``save(directory)`` / ``load(directory)``: the complete resumable state (sharded model and
   optimizer state, schedulers, counters, diagnostics) in ``directory`` (DCP for FSDP,
   Megatron ``dist_checkpointing`` for Megatron). ``directory`` is inside the atomic checkpoint
-  being built (:mod:`trainer.checkpoint`); every rank sees the same path.
+  being built (:mod:`trainer.outputs.checkpoint`); every rank sees the same path.
 * ``policy_version``: updates done (resumes included), identical on every rank.
 
 Optional (tests, diagnostics, benchmarks): ``named_gradients()`` → ``{"actor.<HF name>": grad,

@@ -7,7 +7,7 @@ ranks and looks like any other backend to the loop, the Ray launcher and ``run.p
   sends them here (shared memory with ``spawn``, the object store with ``ray``).
 * Checkpoints: :meth:`state_dict` is small (backend, layout, policy version); the sharded state
   is written by the ranks into a directory of the checkpoint being built (:meth:`save_dir`,
-  called by :class:`~trainer.checkpoint.CheckpointManager` through
+  called by :class:`~trainer.outputs.checkpoint.CheckpointManager` through
   :func:`~trainer.learner.base.learner_checkpoint_state`) and read back by :meth:`load_dir`.
 * Failures: a rank that raises, dies or hangs longer than ``learner.timeout_s`` raises
   :class:`~.launch.RankError` here; the ranks are then stopped.

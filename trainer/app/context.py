@@ -4,7 +4,7 @@
 context: output directory, checkpoints (and the resume state), the task (data, services,
 environment factory), the policy's model directory and tokenizer (after the optional
 warm-start), the learner (``learner.backend``), the prompt stream and the cumulative
-counters. The phases in :mod:`trainer.run` take the context instead of a dozen parameters;
+counters. The phases in :mod:`trainer.app.run` take the context instead of a dozen parameters;
 each seam is chosen by name from the config: ``task.env`` → :mod:`trainer.tasks`,
 ``learner.backend`` → :mod:`trainer.learner`, ``rollout.engine`` → :mod:`trainer.engines`.
 """
@@ -26,16 +26,16 @@ import torch
 
 from environments.errors import InfrastructureError
 
-from .checkpoint import CheckpointManager, set_rng_state
-from .config import ExperimentConfig
-from .errors import TrainingError
-from .learner import Learner, make_learner, restore_learner
-from .metrics_log import MetricsLogger
-from .models.loading import load_model_and_tokenizer, load_tokenizer
-from .models.tiny import TinyModelConfig, save_tiny_checkpoint
-from .orchestration.prompts import PromptStream
-from .rollout.agent_loop import AgentLoopConfig
-from .warmstart.cache import cache_key, restore, store
+from ..config import ExperimentConfig
+from ..errors import TrainingError
+from ..learner import Learner, make_learner, restore_learner
+from ..models.loading import load_model_and_tokenizer, load_tokenizer
+from ..models.tiny import TinyModelConfig, save_tiny_checkpoint
+from ..orchestration.prompts import PromptStream
+from ..outputs.checkpoint import CheckpointManager, set_rng_state
+from ..outputs.metrics_log import MetricsLogger
+from ..rollout.agent_loop import AgentLoopConfig
+from ..warmstart.cache import cache_key, restore, store
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def initial_model_dir(cfg: ExperimentConfig, out: Path, task: Any = None) -> Pat
     kind, vocab = spec.pop("tokenizer"), spec.pop("vocab_size")
     tok = None
     if kind == "bpe":
-        from .models.bpe import train_bpe_tokenizer
+        from ..models.bpe import train_bpe_tokenizer
 
         if task is None:
             raise TrainingError("model.tiny.tokenizer='bpe' needs the task's text to train on")
@@ -161,7 +161,7 @@ def saved_counters(loop_state: dict) -> dict[str, int]:
 def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) -> tuple[Path, dict | None]:
     """Supervised warm-start into ``<output_dir>/warm_start_model`` (reused when it exists: a
     crash after it, or a resume); returns the policy directory and the SFT metrics."""
-    from .warmstart import sft_warm_start
+    from ..warmstart import sft_warm_start
 
     ws_dir = out / "warm_start_model"
     if (ws_dir / "config.json").exists():
@@ -225,8 +225,8 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
     Raises:
         ConfigError: settings only checkable at start-up (the message names the key).
     """
-    from .config import to_yaml
-    from .tasks import build_task
+    from ..config import to_yaml
+    from ..tasks import build_task
 
     t_start = time.time()  # wall time counts set-up and warm-start too
     out = Path(cfg.output_dir)

@@ -1,6 +1,6 @@
 """The main job: ``copc train`` — warm-start, evaluate, asynchronous RL, evaluate, report.
 
-``run_experiment(cfg, resume)`` builds a :class:`~trainer.context.RunContext` (task, optional
+``run_experiment(cfg, resume)`` builds a :class:`~trainer.app.context.RunContext` (task, optional
 supervised warm-start, learner of ``learner.backend``, checkpoints, resume state), starts the
 engine of ``rollout.engine`` through the engine registry, then runs a held-out evaluation,
 asynchronous RL with the configured preset (checkpointed, resumable), a second evaluation,
@@ -23,18 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CheckpointManager, rng_state
-from .config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig
+from ..engines import EngineHandle, EngineSpec, make_engine, preflight_engine
+from ..engines.base import SamplingParams
+from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
+from ..evaluate.policy import checkpoint_policy_weights
+from ..learner import learner_checkpoint_state
+from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
+from ..outputs.checkpoint import CheckpointManager, rng_state
+from ..outputs.metrics_log import write_summary
+from ..outputs.progress import TrainProgress
+from ..outputs.report import print_report
 from .context import RunContext, build_context, initial_model_dir
-from .engines import EngineHandle, EngineSpec, make_engine, preflight_engine
-from .engines.base import SamplingParams
-from .evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
-from .evaluate.policy import checkpoint_policy_weights
-from .learner import learner_checkpoint_state
-from .metrics_log import write_summary
-from .orchestration.loop import AsyncTrainingLoop, LoopConfig
-from .progress import TrainProgress
-from .report import print_report
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ async def _evaluate(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any, nam
 def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     """Run (or resume) the experiment described by ``cfg``; return the summary dict.
 
-    Resume: see :func:`trainer.context.build_context` (models, optimizers, schedulers, RNG
+    Resume: see :func:`trainer.app.context.build_context` (models, optimizers, schedulers, RNG
     states, prompt cursor, counters and step restored; metrics after the checkpoint re-done).
 
     Under ``torchrun`` with ``learner.launch=torchrun`` a process with ``RANK > 0`` only serves as a
@@ -78,7 +78,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         TrainingError: the run stopped on a failure (the last good state is checkpointed).
     """
     if cfg.learner.launch == "torchrun" and int(os.environ.get("RANK", "0")) > 0:
-        from .learner.distributed.worker import serve_torchrun_worker
+        from ..learner.distributed.worker import serve_torchrun_worker
 
         serve_torchrun_worker(cfg)  # a learner rank serving rank 0 (the driver) until it is done
         return {}
@@ -101,7 +101,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         summary = ctx.summary
         summary["wall_s"] = ctx.wall_s()
         if cfg.logging.plots:
-            from .plots import make_plots
+            from ..outputs.plots import make_plots
             summary["plots"] = [str(p) for p in make_plots(ctx.logger.read(), ctx.out)]
         write_summary(ctx.out, summary)
         print_report(summary)
@@ -164,7 +164,7 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
     loop_cfg, sampling, agent_cfg = LoopConfig.from_config(cfg), rollout_sampling(cfg), ctx.agent_config()
     history = (ctx.resume_state or {}).get("loop", {}).get("weight_history")  # fixed lag's kept versions
     if cfg.launcher.kind == "ray":  # rollout workers + learner as Ray actors (same loop semantics)
-        from .orchestration.ray_launcher import run_ray_rl
+        from ..orchestration.ray_launcher import run_ray_rl
         with progress:
             loop = await run_ray_rl(cfg, learner, ctx.model_dir, ctx.task, ctx.tokenizer, ctx.prompts,
                                     sampling, agent_cfg, loop_cfg, start_step=ctx.start_step,
@@ -192,8 +192,8 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     Raises:
         ConfigError: no model to evaluate, or a bad ``--checkpoint``.
     """
-    from .models.loading import load_tokenizer
-    from .tasks import build_task
+    from ..models.loading import load_tokenizer
+    from ..tasks import build_task
 
     try:
         preflight_engine(cfg.rollout.engine, cfg)

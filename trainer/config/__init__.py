@@ -22,7 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 import copc
 
-from .config_sections import (  # noqa: F401 - re-exported: import sections from here
+from ..errors import ConfigError
+from ..plugins import check_plugins, import_plugins
+from .sections import (  # noqa: F401 - re-exported: import sections from here
     CheckpointConfig,
     EvalConfig,
     LauncherConfig,
@@ -37,8 +39,6 @@ from .config_sections import (  # noqa: F401 - re-exported: import sections from
     _require,
     moved_key_hint,
 )
-from .errors import ConfigError
-from .plugins import check_plugins, import_plugins
 
 _ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
 

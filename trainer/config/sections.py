@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: Keys that moved into a plug-in's own settings: old dotted key → its new spelling. A config
 #: (YAML or override) that still sets one is refused with one line naming both (:func:`moved_key_hint`).

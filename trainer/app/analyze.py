@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         ValueError: for another ``name``.
     """
     if name != "analyze":
-        raise ValueError(f"trainer.analyze serves the 'analyze' group, not {name!r}")
+        raise ValueError(f"trainer.app.analyze serves the 'analyze' group, not {name!r}")
     a = parser.add_argument
     a("--vocab", type=int, default=3, help="vocabulary size V >= 2 (default 3)")
     a("--horizon", type=int, default=4, help="tokens per trajectory H >= 1, V**H <= 65536 (default 4)")

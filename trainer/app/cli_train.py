@@ -9,7 +9,7 @@ Usage::
 (``train.total_steps=3 preset=ppo``). A bad config (missing file, unknown key,
 wrong type, value out of range) prints one line naming the key to stderr and
 exits with status 2, before anything heavy is imported. The training and
-evaluation code (:mod:`trainer.run`) is imported only once the config is valid.
+evaluation code (:mod:`trainer.app.run`) is imported only once the config is valid.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         ValueError: for another ``name``.
     """
     if name not in ("train", "eval"):
-        raise ValueError(f"trainer.cli_train serves the 'train' and 'eval' groups, not {name!r}")
+        raise ValueError(f"trainer.app.cli_train serves the 'train' and 'eval' groups, not {name!r}")
     parser.add_argument("--config", required=(name == "train"), default=None, metavar="PATH",
                         help="YAML config (e.g. configs/math_tool/cpu_tiny.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -74,7 +74,7 @@ def _report(cfg: ExperimentConfig) -> None:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """``copc train``: load the config and call :func:`trainer.run.run_experiment`.
+    """``copc train``: load the config and call :func:`trainer.app.run.run_experiment`.
 
     Args:
         args: ``config`` (path), ``overrides`` (list of ``key=value``), ``resume`` (bool).
@@ -86,8 +86,8 @@ def train_command(args: argparse.Namespace) -> int:
     cfg = _load(args, "train")
     if cfg is None:
         return EXIT_CONFIG_ERROR
+    from trainer.app.run import run_experiment  # heavy (torch, engines): only once the config is valid
     from trainer.errors import TrainingError
-    from trainer.run import run_experiment  # heavy (torch, engines): only once the config is valid
 
     try:
         run_experiment(cfg, resume=args.resume)
@@ -106,7 +106,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    """``copc eval``: load the config and call :func:`trainer.run.run_evaluation`.
+    """``copc eval``: load the config and call :func:`trainer.app.run.run_evaluation`.
 
     Args:
         args: ``config`` (path), ``overrides`` (list of ``key=value``), ``checkpoint`` (dir or None).
@@ -125,7 +125,7 @@ def eval_command(args: argparse.Namespace) -> int:
     cfg = _load(args, "eval")
     if cfg is None:
         return EXIT_CONFIG_ERROR
-    from trainer.run import run_evaluation  # heavy: only once the config is valid
+    from trainer.app.run import run_evaluation  # heavy: only once the config is valid
 
     rc = _eval_guarded(lambda: run_evaluation(cfg, checkpoint=args.checkpoint), "interrupted")
     if rc == 0:
