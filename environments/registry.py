@@ -181,7 +181,8 @@ def import_env_module(module: str) -> Any:
 
 
 DEFAULT_REGISTRY = Registry()
-DEFAULT_REGISTRY.register("mcp", "environments.mcp_env:McpToolEnv")  # MCP server tools (needs the mcp extra)
+# MCP server tools (needs the mcp extra).
+DEFAULT_REGISTRY.register("mcp", "environments.mcp_tool.env:McpToolEnv")
 
 # ``remote``: an environment served by an OpenEnv server (``task.env: remote``, ``task.env_kwargs.url``).
 DEFAULT_REGISTRY.register("remote", "environments.remote.client:RemoteEnv")

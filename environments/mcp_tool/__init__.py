@@ -3,7 +3,7 @@
 ``McpToolset(StdioServer("python", ("server.py",))).tools()`` → one :class:`McpTool` per MCP
 tool (a ``SchemaTool``: ``name``, ``schema``, ``run_arguments``), for any ``ToolEnv`` in the
 ``hermes`` / ``openai`` tool-call format; see ``docs/mcp.md`` and
-:class:`environments.mcp_env.McpToolEnv`.
+:class:`environments.mcp_tool.env.McpToolEnv`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_a_blocked_server_is_reconnected_after_a_timeout_a_slow_tool_is_not():
 
 
 def test_env_setting_reaches_the_session():
-    from environments.mcp_env import McpToolEnv
+    from environments.mcp_tool.env import McpToolEnv
 
     env = McpToolEnv(server=SERVER, max_result_bytes=4096)
     try:

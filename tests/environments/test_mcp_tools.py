@@ -21,7 +21,6 @@ pytest.importorskip("mcp")
 
 import environments
 from environments.errors import InfrastructureError
-from environments.mcp_env import McpEnvConfig, McpToolEnv
 from environments.mcp_tool import (
     HttpServer,
     McpSession,
@@ -29,6 +28,7 @@ from environments.mcp_tool import (
     StdioServer,
     server_from_kwargs,
 )
+from environments.mcp_tool.env import McpEnvConfig, McpToolEnv
 
 SERVER_FILE = Path(__file__).with_name("mcp_calc_server.py")
 SERVER = StdioServer(sys.executable, (str(SERVER_FILE),))

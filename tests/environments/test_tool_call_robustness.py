@@ -83,8 +83,8 @@ def test_error_replies_are_cut_to_max_error_chars(sandbox):
 
 def test_lone_surrogate_does_not_break_an_mcp_session():
     pytest.importorskip("mcp")
-    from environments.mcp_env import McpToolEnv
     from environments.mcp_tool import StdioServer
+    from environments.mcp_tool.env import McpToolEnv
 
     server = StdioServer(sys.executable, (str(Path(__file__).with_name("mcp_calc_server.py")),))
     env = McpToolEnv(server=server, tool_format="hermes")

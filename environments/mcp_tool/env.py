@@ -22,9 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import EnvLimits, ToolEnv, check_prompt_template, with_overrides
-from .mcp_tool import HttpServer, McpSession, McpToolset, StdioServer, server_from_kwargs
-from .mcp_tool.session import DEFAULT_MAX_RESULT_BYTES
+from ..base import EnvLimits, ToolEnv, check_prompt_template, with_overrides
+from .servers import HttpServer, StdioServer, server_from_kwargs
+from .session import DEFAULT_MAX_RESULT_BYTES, McpSession
+from .tools import McpToolset
 
 PROMPT = ("Answer the question. You can call the tools you are given. When you know the answer, "
           "write it as <answer>...</answer>.\n\nQuestion: {question}\n")
