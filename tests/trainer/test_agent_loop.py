@@ -20,6 +20,7 @@ from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
 from trainer.rollout.batch import to_batch
 from trainer.rollout.groups import EnvPool, episode_seed, run_groups
+from trainer.rollout.trajectory import FinishReason
 
 SAMPLE = {"id": "m1", "problem": "What is 12345 * 6789?", "answer": "83810205"}
 ACTIONS = [
@@ -169,6 +170,8 @@ def test_env_error_ends_episode_with_reason(model_tok, sandbox):
 
     tr = asyncio.run(main())
     assert tr.finish_reason == "env_error: RuntimeError: tool exploded"
+    assert tr.finish_kind is FinishReason.ENV_ERROR and tr.finish_detail == "RuntimeError: tool exploded"
+    assert tr.env_failed and not tr.infra_failed
     assert tr.num_model_tokens > 0 and tr.reward == 0.0
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import InferenceEngine
 from ..rollout.agent_loop import AgentLoopConfig
-from ..rollout.trajectory import Trajectory
+from ..rollout.trajectory import Trajectory, split_finish
 from .kinds import BenchmarkKind, kind_of_row, make_kind
 from .records import is_failed, read_records, record_of, score_value, write_records
 from .runner import BenchmarkJob, EvalSettings, play_benchmark, run_benchmark
@@ -121,7 +121,7 @@ def summarize_records(records: Sequence[Mapping[str, Any]], k: int) -> dict[str,
         out["em"] = _mean([float(score_value(r, "em") or 0.0) for r in scored], m)
         em_per_problem = [sum(float(score_value(r, "em") or 0.0) for r in g) / len(g) for g in groups]
         out["em_ci95_low"], out["em_ci95_high"] = proportion_or_mean_interval(em_per_problem, k)
-    reasons = Counter(str(r["finish_reason"]).split(":")[0] for r in records)
+    reasons = Counter(split_finish(str(r["finish_reason"]))[0] for r in records)
     out.update({f"finish/{r}": c / len(records) for r, c in sorted(reasons.items())})  # failed included
     return {key: float(v) for key, v in out.items()}
 

@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..rollout.trajectory import split_finish
 from .kinds import QA_COMPONENTS, BenchmarkKind, kind_names, make_kind
 from .stats import bootstrap_ci, check_int, default_ks, maj_at_k, majority_answer, pass_at_k
 
@@ -64,10 +65,10 @@ def episode_statistics(scored: Sequence[Record], failed: Sequence[Record]) -> di
     out: dict[str, Any] = {}
     for key in ("turns", "tool_calls", "response_tokens"):
         out[f"mean_{key}"] = _mean([float(r[key]) for r in scored if _number(r.get(key))])
-    reasons = Counter(str(r.get("finish_reason") or "unknown").split(":")[0] for r in scored)
+    reasons = Counter(split_finish(str(r.get("finish_reason") or "unknown"))[0] for r in scored)
     for reason in sorted(reasons):
         out[f"finish/{reason}"] = reasons[reason] / len(scored)
-    failed_reasons = Counter(str(r.get("finish_reason") or "unknown").split(":")[0] for r in failed)
+    failed_reasons = Counter(split_finish(str(r.get("finish_reason") or "unknown"))[0] for r in failed)
     for reason in sorted(failed_reasons):
         out[f"failed/{reason}"] = failed_reasons[reason]
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rollout.trajectory import Trajectory
+from ..rollout.trajectory import Trajectory, split_finish
 
 
 def dropped_metrics(dropped: list[Trajectory]) -> dict[str, float]:
@@ -38,7 +38,7 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
     rewards = [t.reward for t in trajs]
     reasons: dict[str, int] = {}
     for t in trajs:
-        key = t.finish_reason.split(":")[0]
+        key = split_finish(t.finish_reason)[0]
         reasons[key] = reasons.get(key, 0) + 1
     vers = [v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
     out = {"rollout/reward_mean": sum(rewards) / n,

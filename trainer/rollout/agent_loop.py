@@ -22,7 +22,7 @@ from environments.errors import InfrastructureError
 
 from ..engines.base import EngineError, InferenceEngine, SamplingParams
 from .observation import ChatTurns, truncate_observation_ids
-from .trajectory import Trajectory
+from .trajectory import FinishReason, Trajectory, finish_text
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         prompt_text, reset_info = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
     except InfrastructureError as e:  # e.g. a remote env / service that cannot start the episode
         return Trajectory(prompt_ids=[], sample_id=sid, group_id=sid if group_id is None else group_id,
-                          finish_reason=f"infra_error: {e}")
+                          finish_reason=finish_text(FinishReason.INFRA_ERROR, str(e)))
     tools = reset_info.get("tools") if isinstance(reset_info, Mapping) else None
     chat = ChatTurns(tokenizer, tools) if cfg.use_chat_template else None
     prompt_ids = chat.prompt_ids(prompt_text) if chat else encode_prompt(tokenizer, prompt_text, False)
@@ -151,29 +151,29 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
     for _ in range(cfg.max_turns):
         budget = cfg.max_total_tokens - len(traj.prompt_ids) - len(traj.response_ids)
         if budget < 1:
-            traj.finish_reason = "max_total_tokens"
+            traj.finish(FinishReason.MAX_TOTAL_TOKENS)
             break
         params = replace(sampling, stop=stop, max_new_tokens=min(sampling.max_new_tokens, budget))
         try:
             res = await _generate_with_retries(engine, traj.prompt_ids + traj.response_ids, params, cfg)
         except EngineError as e:
-            traj.finish_reason = f"engine_error: {e}"
+            traj.finish(FinishReason.ENGINE_ERROR, str(e))
             break
         traj.append_model_tokens(res.token_ids, res.logprobs, res.versions)
         if res.finish_reason == "length" and len(res.token_ids) >= budget:
             # cut by the episode's token budget mid-turn: the action is incomplete, so the
             # environment is not stepped; reward stays 0 (an overlong response)
-            traj.finish_reason = "max_total_tokens"
+            traj.finish(FinishReason.MAX_TOTAL_TOKENS)
             break
         action = tokenizer.decode(res.token_ids, skip_special_tokens=True)
         try:
             obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, action)
         except InfrastructureError as e:  # the env's machinery failed, not the policy
-            traj.finish_reason = f"infra_error: {e}"
+            traj.finish(FinishReason.INFRA_ERROR, str(e))
             traj.clear_rewards()
             break
         except Exception as e:  # recorded on the trajectory, never dropped
-            traj.finish_reason = f"env_error: {type(e).__name__}: {e}"
+            traj.finish(FinishReason.ENV_ERROR, f"{type(e).__name__}: {e}")
             traj.clear_rewards()
             break
         invalid = int(traj.info.get("invalid_actions", 0)) + int(bool(info.get("invalid")))
@@ -182,11 +182,11 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         try:  # on this turn's last model token, before the observation (spec: fold)
             traj.add_reward(reward)
         except (TypeError, ValueError) as e:  # NaN / non-number reward: an env bug
-            traj.finish_reason = f"env_error: bad reward: {e}"
+            traj.finish(FinishReason.ENV_ERROR, f"bad reward: {e}")
             traj.clear_rewards()
             break
         if terminated or truncated:
-            traj.finish_reason = "terminated" if terminated else "truncated"
+            traj.finish(FinishReason.TERMINATED if terminated else FinishReason.TRUNCATED)
             break
         messages = info.get("observation_messages") if chat is not None else None
         if messages:  # a native tool-call format: the observation is a chat turn
@@ -194,12 +194,13 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
                 obs_ids = chat.observation_ids(list(messages), cfg.max_observation_tokens,
                                                after_token=res.token_ids[-1] if res.token_ids else None)
             except Exception as e:  # a template that cannot render tool turns: a setup bug
-                traj.finish_reason = f"env_error: chat template: {type(e).__name__}: {e}"
+                traj.finish(FinishReason.ENV_ERROR, f"chat template: {type(e).__name__}: {e}")
                 traj.clear_rewards()
                 break
         else:
             obs_ids = truncate_observation_ids(tokenizer, obs, cfg.max_observation_tokens)
         traj.append_observation_tokens(obs_ids)
     else:
-        traj.finish_reason = traj.finish_reason or "max_turns"
+        if not traj.finish_reason:
+            traj.finish(FinishReason.MAX_TURNS)
     return traj

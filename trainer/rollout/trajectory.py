@@ -22,17 +22,58 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 #: Version stored for observation tokens (no policy produced them).
 NO_VERSION = -1
 
-#: ``finish_reason`` prefixes of episodes ended by a failure of the infrastructure (sandbox,
-#: retriever, reward checker, inference engine), not by the policy. Such episodes are never
-#: trained on or scored (see :attr:`Trajectory.infra_failed`). An ``env_error`` (the
-#: environment raised anything else: a bug) is not one of them: it stops training and
-#: evaluation (:attr:`Trajectory.env_failed`), so a bug never silently biases the data.
-INFRA_FAILURE_REASONS = ("infra_error", "engine_error")
+class FinishReason(str, Enum):
+    """Why an episode ended: the part of :attr:`Trajectory.finish_reason` before ``':'``.
+
+    The values are the strings records and logs carry (``finish_reason`` in evaluation records,
+    ``rollout/finish_<reason>`` metrics); a reason with a detail is written
+    ``"<value>: <detail>"`` (:func:`finish_text`), e.g. ``"env_error: RuntimeError: boom"``.
+    ``INFRA_ERROR`` / ``ENGINE_ERROR`` are failures of the infrastructure (sandbox, retriever,
+    reward checker, inference engine), not of the policy: such episodes are never trained on or
+    scored (:attr:`Trajectory.infra_failed`). ``ENV_ERROR`` (the environment raised anything
+    else: a bug) is not one of them: it stops training and evaluation
+    (:attr:`Trajectory.env_failed`), so a bug never silently biases the data.
+    """
+
+    TERMINATED = "terminated"
+    TRUNCATED = "truncated"
+    MAX_TURNS = "max_turns"
+    MAX_TOTAL_TOKENS = "max_total_tokens"
+    INFRA_ERROR = "infra_error"
+    ENGINE_ERROR = "engine_error"
+    ENV_ERROR = "env_error"
+
+    @property
+    def infra(self) -> bool:
+        """True for a failure of the infrastructure (``infra_error``, ``engine_error``)."""
+        return self in (FinishReason.INFRA_ERROR, FinishReason.ENGINE_ERROR)
+
+
+#: ``finish_reason`` prefixes of episodes ended by a failure of the infrastructure (see
+#: :class:`FinishReason`).
+INFRA_FAILURE_REASONS = tuple(r.value for r in FinishReason if r.infra)
+
+
+def finish_text(reason: FinishReason, detail: str | None = None) -> str:
+    """The ``finish_reason`` string of ``reason``: its value, then ``": <detail>"`` when a detail is given."""
+    return reason.value if detail is None else f"{reason.value}: {detail}"
+
+
+def split_finish(text: str) -> tuple[str, str]:
+    """``(prefix, detail)`` of a ``finish_reason`` string: the part before the first ``':'``
+    (stripped) and the rest (one leading space dropped); ``("", "")`` for ``""``.
+
+    Works on any record's string, also a reason this module does not define (the prefix is
+    returned as written); :meth:`FinishReason` of the prefix gives the enum member.
+    """
+    prefix, _, detail = text.partition(":")
+    return prefix.strip(), detail[1:] if detail.startswith(" ") else detail
 
 
 @dataclass
@@ -58,10 +99,12 @@ class Trajectory:
             environment step).
         sample_id: id of the data row; group_id: prompt group (GRPO), defaults to sample_id.
         turns: number of model turns.
-        finish_reason: why the episode ended (``"terminated"``, ``"truncated"``,
-            ``"max_total_tokens"``, ``"max_turns"``; an infrastructure failure:
-            ``"infra_error: ..."`` (the env raised ``InfrastructureError``) or
-            ``"engine_error: ..."``; or ``"env_error: ..."`` (any other env exception: a bug).
+        finish_reason: why the episode ended, as records write it: a :class:`FinishReason`
+            value (``"terminated"``, ``"truncated"``, ``"max_total_tokens"``, ``"max_turns"``;
+            an infrastructure failure: ``"infra_error: ..."`` (the env raised
+            ``InfrastructureError``) or ``"engine_error: ..."``; or ``"env_error: ..."`` (any
+            other env exception: a bug)), with its detail after ``': '``. Set it with
+            :meth:`finish`; read it with :attr:`finish_kind` / :attr:`finish_detail`.
         info: the environment's last ``info`` and anything else worth logging.
     """
 
@@ -192,6 +235,22 @@ class Trajectory:
                 return i
         return None
 
+    def finish(self, reason: FinishReason, detail: str | None = None) -> None:
+        """End the episode with ``reason`` (and a detail): :attr:`finish_reason` = :func:`finish_text`."""
+        self.finish_reason = finish_text(FinishReason(reason), detail)
+
+    @property
+    def finish_kind(self) -> FinishReason | None:
+        """The :class:`FinishReason` of :attr:`finish_reason` (``None``: not finished, or a reason
+        this module does not define)."""
+        prefix = split_finish(self.finish_reason)[0]
+        return FinishReason(prefix) if prefix in FinishReason._value2member_map_ else None
+
+    @property
+    def finish_detail(self) -> str:
+        """The detail of :attr:`finish_reason` after ``': '`` (``""`` when none)."""
+        return split_finish(self.finish_reason)[1]
+
     @property
     def infra_failed(self) -> bool:
         """True when the episode was ended by an infrastructure failure, not by the policy.
@@ -199,12 +258,13 @@ class Trajectory:
         Such an episode has no meaningful reward: the trainer excludes it from the batch and
         re-queues its prompt; evaluation excludes it from the metrics and counts it.
         """
-        return self.finish_reason.split(":")[0] in INFRA_FAILURE_REASONS
+        kind = self.finish_kind
+        return kind is not None and kind.infra
 
     @property
     def env_failed(self) -> bool:
         """True when the environment raised an exception other than ``InfrastructureError`` (a bug)."""
-        return self.finish_reason.startswith("env_error")
+        return self.finish_kind is FinishReason.ENV_ERROR
 
     @property
     def num_model_tokens(self) -> int:
