@@ -31,8 +31,9 @@ from trainer.engines.embedded import EmbeddedEngine
 from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig
+from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, LoopConfig
 from trainer.orchestration.prompts import PromptStream
+from trainer.orchestration.rollouts import LocalRollouts, LoopHooks, engine_handle
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.batch import to_batch
 from trainer.rollout.groups import EnvPool, run_groups
@@ -117,12 +118,19 @@ def main() -> None:
 
         async def go():
             eng = EmbeddedEngine(copy.deepcopy(base), tok)
-            loop = AsyncTrainingLoop(learner, eng, make_env, tok, PromptStream(samples(400), 0), sp, agent,
-                                     LoopConfig(total_steps=args.loop_steps, prompts_per_step=args.batch_size,
-                                                n_samples_per_prompt=1, max_staleness=s, concurrency=32))
+            rollouts = LocalRollouts(engine_handle(eng), make_env, tok, sp, agent, 32)
             stamps: list[float] = []
-            loop.on_step = lambda *_: stamps.append(time.perf_counter())
+
+            class Stamps(LoopHooks):
+                def on_step(self, step: int, metrics: dict, uids: list[int]) -> None:
+                    stamps.append(time.perf_counter())
+
+            loop = AsyncTrainingLoop(learner, rollouts, PromptStream(samples(400), 0),
+                                     LoopConfig(total_steps=args.loop_steps, prompts_per_step=args.batch_size,
+                                                n_samples_per_prompt=1, pad_token_id=tok.pad_token_id,
+                                                staleness=BoundedAdmission(s)), Stamps())
             await loop.run()
+            await rollouts.close()
             await eng.close()
             warm = 2  # steady state: skip the first steps (pipeline fill)
             return (stamps[-1] - stamps[warm - 1]) / (len(stamps) - warm)

@@ -62,7 +62,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("copc",),
     ("retriever",),
     ("environments",),
-    ("trainer.errors", "trainer.logprobs", "trainer.plugins"),
+    ("trainer.errors", "trainer.logprobs", "trainer.plugins", "trainer.ray_util"),
     ("trainer.outputs",),
     ("trainer.models",),
     ("trainer.engines",),

@@ -38,11 +38,6 @@ REGISTRIES = (
 #: Branches still to be replaced by the seam that owns them, ``(file, name) -> why``. Shrink it;
 #: never add to it (a new branch reads the plug-in's metadata instead).
 PENDING: dict[tuple[str, str], str] = {
-    ("trainer/config/sections.py", "ray"): "launcher.kind: the launcher registry (issue 20, 'loop')",
-    ("trainer/config/sections.py", "local"): "launcher.kind: the launcher registry (issue 20, 'loop')",
-    ("trainer/app/run.py", "ray"): "launcher.kind: the launcher registry (issue 20, 'loop')",
-    ("trainer/sweep/execute.py", "ray"): "launcher.kind: the launcher registry (issue 20, 'loop')",
-    ("trainer/learner/distributed/runtime.py", "ray"): "launcher.kind: a launcher capability ('loop')",
     ("trainer/evaluate/report.py", "qa"): "summary kind: the benchmark-kind registry (issue 20, 'eval')",
 }
 

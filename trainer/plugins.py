@@ -78,6 +78,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("learner backend", "learner.backend", "trainer.learner.base:LEARNERS", "learner.backend_settings"),
     Seam("task", "task.env", "trainer.tasks:TASKS", "task.settings", resolve="environments:resolve",
          optional=True),
+    Seam("launcher", "launcher.kind", "trainer.orchestration.launchers:LAUNCHERS", "launcher.settings"),
 )
 
 

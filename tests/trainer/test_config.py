@@ -127,7 +127,7 @@ def test_cpu_tiny_math_is_the_main_job():
     cfg = load_config(CONFIGS / "math_tool" / "cpu_tiny.yaml")
     # asynchronous with exact staleness 2, whatever the machine's speed
     assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 2, "math_tool")
-    assert (cfg.train.staleness_mode, cfg.train.fixed_lag) == ("fixed", 2)
+    assert cfg.train.staleness == {"mode": "fixed", "lag": 2}
     assert cfg.model.path == "" and cfg.rollout.engine == "embedded"
     assert cfg.warm_start.enabled and cfg.warm_start.kind == "retool_arithmetic"
     assert (cfg.train.prompts_per_step, cfg.train.total_steps, cfg.train.micro_batch_size) == (16, 30, 16)
@@ -169,7 +169,8 @@ def test_composition_of_the_repo_configs(tmp_path):
     tiny = load_config(CONFIGS / "math_tool" / "cpu_tiny.yaml")
     paper = _load("math_tool/copc.yaml", tmp_path)
     assert tiny.checkpoint.every_steps == 10 and paper.checkpoint.every_steps == 20  # scale overrides base
-    assert tiny.train.max_staleness == paper.train.max_staleness == 8  # from tasks/math_tool.yaml
+    assert paper.train.staleness == {"mode": "bounded", "max": 8}  # from tasks/math_tool.yaml
+    assert tiny.train.staleness == {"mode": "fixed", "lag": 2}  # its own mode replaces the section
     assert tiny.train.actor_lr == 1e-4 and paper.train.actor_lr == 1e-6  # scale / task files
     assert tiny.train.critic_lr == 1e-3 and tiny.warm_start.batch_size == 16  # from scale/cpu_tiny.yaml
     dapo = _load("math_tool/dapo.yaml", tmp_path)
@@ -184,7 +185,8 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_composition_order(tmp_path):
-    _write(tmp_path / "shared/base.yaml", "train:\n  total_steps: 7\n  seed: 3\n  max_staleness: 2\n")
+    _write(tmp_path / "shared/base.yaml",
+           "train:\n  total_steps: 7\n  seed: 3\n  staleness: {mode: bounded, max: 2}\n")
     _write(tmp_path / "shared/more.yaml", "train:\n  total_steps: 11\n  warmup_steps: 5\n")
     child = _write(tmp_path / "exp/child.yaml",
                    "defaults: [../shared/base.yaml, ../shared/more.yaml]\ntrain:\n  warmup_steps: 6\n")
@@ -192,7 +194,7 @@ def test_composition_order(tmp_path):
     assert cfg.train.seed == 3  # only in the first default
     assert cfg.train.total_steps == 11  # second default overrides the first
     assert cfg.train.warmup_steps == 6  # the file's own keys override its defaults
-    assert cfg.train.max_staleness == 2
+    assert cfg.train.staleness == {"mode": "bounded", "max": 2}
     assert cfg.train.micro_batch_size == ExperimentConfig().train.micro_batch_size  # schema default
     cfg = load_config(child, ["train.total_steps=4"])
     assert cfg.train.total_steps == 4  # overrides come last
@@ -215,7 +217,7 @@ def test_dotted_overrides():
     assert cfg.task.train_data == ["nq", "hotpotqa"]
     assert cfg.output_dir == "runs/smoke"  # base.yaml's interpolation follows the name
     cfg = load_config(path, ["preset=ppo"])
-    assert cfg.max_staleness == 0 and cfg.train.max_staleness == 8  # the preset's own bound wins
+    assert cfg.max_staleness == 0 and cfg.train.staleness["lag"] == 2  # the preset's own staleness wins
     cfg = load_config(path, ["preset=dapo", "rollout.n_samples_per_prompt=4"])
     assert cfg.algorithm_config().loss_agg_mode == "token-mean"
 
@@ -227,7 +229,7 @@ def test_dotted_overrides():
     (["rollout.temperature=hot"], "rollout.temperature"),  # wrong type
     (["preset=nope"], "preset"),                           # unknown preset
     (["train.total_steps=0"], "train.total_steps=0"),      # bad range
-    (["train.max_staleness=-1"], "train.max_staleness=-1"),
+    (["train.staleness.max=-1"], "train.staleness.max=-1"),
     (["rollout.engine=vllm"], "rollout.engine='vllm'"),
     (["eval.temperature=-0.5"], "eval.temperature"),
     (["algorithm.eta_a=2"], "eta_a"),
@@ -381,6 +383,6 @@ def test_sao_single_rollout():
 
 def test_max_staleness_is_resolved_once():
     """ExperimentConfig.max_staleness: the algorithm's own bound if it has one, else train's."""
-    assert load_config(None, ["train.max_staleness=5"]).max_staleness == 5
-    assert load_config(None, ["train.max_staleness=5", "algorithm.max_staleness=2"]).max_staleness == 2
-    assert load_config(None, ["train.max_staleness=5", "preset=ppo"]).max_staleness == 0
+    assert load_config(None, ["train.staleness.max=5"]).max_staleness == 5
+    assert load_config(None, ["train.staleness.max=5", "algorithm.max_staleness=2"]).max_staleness == 2
+    assert load_config(None, ["train.staleness.max=5", "preset=ppo"]).max_staleness == 0

@@ -1,4 +1,4 @@
-"""Controlled staleness (``train.staleness_mode: fixed``): exact lag k on every token, k = 0 is
+"""Controlled staleness (``train.staleness: {mode: fixed, lag: k}``): exact lag k on every token, k = 0 is
 synchronous training bit for bit, infrastructure failures refilled with the same lagged version,
 kept versions survive a resume.
 
@@ -26,12 +26,13 @@ from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.lag import WeightHistory, generating_version
-from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig
+from trainer.orchestration.loop import AsyncTrainingLoop, FixedLag, LoopConfig, LoopState
 from trainer.orchestration.prompts import PromptStream
+from trainer.orchestration.rollouts import LocalRollouts, engine_handle
 from trainer.rollout.agent_loop import AgentLoopConfig
 
 from .test_loop_failures import FlakyEnv
-from .test_loop_learner import SAMPLES, EchoEnv
+from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 from .test_run_e2e import overrides
 
 
@@ -55,35 +56,40 @@ def _run_fixed(path, k, *, steps=6, per_step=2, make_env=EchoEnv, learner_delay=
         return real_step(batch)
 
     learner.step = slow_step
-    seen: list[dict] = []
+    real_export = learner.export_policy_weights
+
+    def slow_export():  # as a remote learner's: rollouts finish meanwhile
+        time.sleep(0.05)
+        return real_export()
+
+    learner.export_policy_weights = slow_export
+    hooks = Recorder()
     synced: list[int] = []
+
+    class RecordingRollouts(LocalRollouts):
+        async def sync(self, source, version):
+            synced.append(version)
+            await super().sync(source, version)
 
     async def main():
         eng = EmbeddedEngine(copy.deepcopy(actor), tok, version=start_step)
-
-        async def sync(source, version):
-            synced.append(version)
-            await eng.update_weights(dict(source.export_policy_weights()), version)
-
-        async def slow_snapshot(version):  # as a remote learner's: rollouts finish meanwhile
-            await asyncio.sleep(0.05)
-            return learner.export_policy_weights()
-
+        sampling = SamplingParams(max_new_tokens=5, seed=0)
+        agent = AgentLoopConfig(max_turns=1)
+        rollouts = RecordingRollouts(engine_handle(eng), make_env, tok, sampling, agent, 4)
         loop = AsyncTrainingLoop(
-            learner, eng, make_env, tok, PromptStream(SAMPLES, 0), SamplingParams(max_new_tokens=5, seed=0),
-            AgentLoopConfig(max_turns=1),
-            LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=1, max_staleness=k,
-                       concurrency=4, staleness_mode="fixed", fixed_lag=k),
-            on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}), sync_weights=sync,
-            start_step=start_step, weight_history=history, snapshot_weights=slow_snapshot)
+            learner, rollouts, PromptStream(SAMPLES, 0),
+            LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=1,
+                       pad_token_id=tok.pad_token_id, staleness=FixedLag(k)),
+            hooks, LoopState.resume({"step": start_step, "weight_history": history}))
         try:
             await asyncio.wait_for(loop.run(), 180)
         finally:
+            await rollouts.close()
             await eng.close()
         return loop, eng
 
     loop, eng = asyncio.run(main())
-    return loop, eng, seen, synced
+    return loop, eng, hooks.seen, synced
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
@@ -103,7 +109,7 @@ def test_fixed_lag_gives_staleness_exactly_k_on_every_token(tiny, k):
     # the engine was synced to each generating version once, in order, and to the newest at the end
     assert synced == [*range(1, 6 - k), 6]
     assert eng.version == 6 and loop.version == 6
-    assert loop.history.versions() == list(range(6 - k, 7))
+    assert loop.state.history.versions() == list(range(6 - k, 7))
 
 
 def test_fixed_lag_refills_infrastructure_failures_with_the_same_version(tiny):
@@ -152,17 +158,18 @@ def test_weight_history_keeps_copies_not_views():
 
 
 def test_config_validation_names_the_key():
-    with pytest.raises(ConfigError, match=r"train\.staleness_mode='exact'"):
-        load_config(None, ["train.staleness_mode=exact"])
-    with pytest.raises(ConfigError, match=r"train\.fixed_lag=-1"):
-        load_config(None, ["train.fixed_lag=-1"])
+    with pytest.raises(ConfigError, match=r"train\.staleness\.mode='exact'"):
+        load_config(None, ["train.staleness.mode=exact"])
+    with pytest.raises(ConfigError, match=r"train\.staleness\.lag=-1"):
+        load_config(None, ["train.staleness={mode: fixed, lag: -1}"])
     # a preset that fixes its staleness wins in either mode (ppo is synchronous: lag 0)
-    cfg = load_config(None, ["preset=ppo", "train.staleness_mode=fixed", "train.fixed_lag=2"])
-    assert cfg.max_staleness == 0 and LoopConfig.from_config(cfg).fixed_lag == 0
-    cfg = load_config(None, ["train.staleness_mode=fixed", "train.fixed_lag=5", "train.max_staleness=1"])
+    cfg = load_config(None, ["preset=ppo", "train.staleness.mode=fixed", "train.staleness.lag=2"])
+    assert cfg.max_staleness == 0 and LoopConfig.from_config(cfg, pad_token_id=0).staleness == FixedLag(0)
+    cfg = load_config(None, ["train.staleness={mode: fixed, lag: 5}"])
     assert cfg.max_staleness == 5
-    with pytest.raises(ConfigError, match=r"train\.fixed_lag=3: has no effect with train\.staleness_mode="):
-        load_config(None, ["train.fixed_lag=3"])  # silently ignored before
+    with pytest.raises(ConfigError, match=r"train\.staleness\.lag=3: not a setting of train\.staleness\.mode="
+                                          r"'bounded'"):
+        load_config(None, ["train.staleness.lag=3"])  # silently ignored before
 
 
 def _step_rows(path):
@@ -173,11 +180,11 @@ def _step_rows(path):
 
 @pytest.mark.slow
 def test_fixed_lag_zero_equals_synchronous_training_bit_for_bit(tmp_path):
-    """``fixed_lag: 0`` reproduces ``ppo_async`` with ``max_staleness: 0`` (same seeds → identical
+    """Fixed lag 0 reproduces ``ppo_async`` with bound 0 (same seeds → identical
     metrics.jsonl apart from timings), through the whole ``copc train`` path and the real sandbox."""
     runs = {}
-    for name, extra in (("bounded", {"train.max_staleness": "0"}),
-                        ("fixed", {"train.staleness_mode": "fixed", "train.fixed_lag": "0"})):
+    for name, extra in (("bounded", {"train.staleness.max": "0"}),
+                        ("fixed", {"train.staleness.mode": "fixed", "train.staleness.lag": "0"})):
         # one sequence per engine forward: batched generation varies µ's log-probs by ~1e-8
         # between any two runs (either mode), so bit-for-bit needs deterministic generation
         extra["rollout.engine_max_batch_size"] = "1"
@@ -192,7 +199,7 @@ def test_copc_train_fixed_lag_resume_through_checkpoints(tmp_path):
     """``copc train`` path: the kept versions go into the checkpoint, so a resumed run (here: the
     same run continued to more steps) trains with exactly lag k again, with no step lost."""
     out = tmp_path / "lag"
-    extra = {"train.staleness_mode": "fixed", "train.fixed_lag": "2", "logging.plots": "false"}
+    extra = {"train.staleness.mode": "fixed", "train.staleness.lag": "2", "logging.plots": "false"}
     run_experiment(load_config(None, overrides(out, "copc", steps=3, **extra)))
     summary = run_experiment(load_config(None, overrides(out, "copc", steps=5, **extra)), resume=True)
     assert summary["steps"] == 5 and summary["duplicate_trained_uids"] == 0

@@ -19,11 +19,19 @@ from trainer.engines.embedded import EmbeddedEngine
 from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.orchestration.loop import COUNTERS, AsyncTrainingLoop, LoopConfig, TrainingError
+from trainer.orchestration.loop import (
+    COUNTERS,
+    AsyncTrainingLoop,
+    BoundedAdmission,
+    LoopConfig,
+    LoopState,
+    TrainingError,
+)
 from trainer.orchestration.prompts import PromptStream
+from trainer.orchestration.rollouts import LocalRollouts, engine_handle
 from trainer.rollout.agent_loop import AgentLoopConfig
 
-from .test_loop_learner import SAMPLES, EchoEnv
+from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 
 
 @pytest.fixture(scope="module")
@@ -53,45 +61,49 @@ class FlakyEnv(EchoEnv):
         return super().step(action)
 
 
-def _loop(path, make_env, *, steps=3, per_step=2, n=1, s=1, run_group=None, learner_step=None,
+class RowFailsAfter(LocalRollouts):
+    """Local rollouts whose prompt draws from ``4`` on raise (a bug in a rollout task)."""
+
+    async def run_group(self, uid, sample, n):
+        if uid >= 4:  # the first two steps train, then every rollout task raises
+            raise KeyError("bad row")
+        return await super().run_group(uid, sample, n)
+
+
+def _loop(path, make_env, *, steps=3, per_step=2, n=1, s=1, rollouts_cls=LocalRollouts, learner_step=None,
           counters=None, frac=0.5, start_step=0, checkpoints=None, engine_version=None):
     actor, tok = load_model_and_tokenizer(path)
     learner = TorchLearner(actor, copc.get_preset("copc"),
                            LearnerConfig(actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=4))
     learner.steps_done = start_step  # as if restored from a checkpoint of that step
+    if learner_step is not None:
+        learner.step = learner_step
     eng = EmbeddedEngine(copy.deepcopy(actor), tok,
                          version=start_step if engine_version is None else engine_version)
-    seen: list[dict] = []
+    hooks = Recorder(checkpoints)
+    rollouts = rollouts_cls(engine_handle(eng), make_env, tok, SamplingParams(max_new_tokens=4, seed=0),
+                            AgentLoopConfig(max_turns=1), 4)
     loop = AsyncTrainingLoop(
-        learner, eng, make_env, tok, PromptStream(SAMPLES, 0), SamplingParams(max_new_tokens=4, seed=0),
-        AgentLoopConfig(max_turns=1),
-        LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n, max_staleness=s,
-                   concurrency=4, checkpoint_every=100, max_infra_failure_fraction=frac),
-        on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}),
-        on_checkpoint=None if checkpoints is None else (lambda st, ls: checkpoints.append((st, ls))),
-        run_group=run_group, learner_step=learner_step, counters=counters, start_step=start_step)
-    return loop, eng, seen
+        learner, rollouts, PromptStream(SAMPLES, 0),
+        LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
+                   pad_token_id=tok.pad_token_id, staleness=BoundedAdmission(s), checkpoint_every=100,
+                   max_infra_failure_fraction=frac),
+        hooks, LoopState(step=start_step, counters=counters or {}))
+    return loop, eng, hooks.seen
 
 
 async def _run(loop, eng, timeout_s=120.0):
     try:
         await asyncio.wait_for(loop.run(), timeout_s)
     finally:
+        await loop.rollouts.close()
         await eng.close()
 
 
 def test_exception_in_a_rollout_task_stops_the_run_and_checkpoints_first(tiny):
     """Issue 9 fault 1: an exception escaping a rollout task used to hang training forever."""
     checkpoints: list = []
-    holder: dict = {}
-
-    async def run_group(uid, sample, n):
-        if uid >= 4:  # the first two steps train, then every rollout task raises
-            raise KeyError("bad row")
-        return await holder["loop"]._local_group(uid, sample, n)
-
-    loop, eng, seen = _loop(tiny, EchoEnv, steps=10, s=0, run_group=run_group, checkpoints=checkpoints)
-    holder["loop"] = loop
+    loop, eng, seen = _loop(tiny, EchoEnv, steps=10, s=0, rollouts_cls=RowFailsAfter, checkpoints=checkpoints)
     with pytest.raises(TrainingError, match=r"rollout of prompt draw \d+ failed: KeyError: 'bad row'.*"
                                             r"state after step 2 is checkpointed") as ei:
         asyncio.run(_run(loop, eng))
@@ -106,7 +118,7 @@ def test_exception_in_a_rollout_task_stops_the_run_and_checkpoints_first(tiny):
 
 
 def test_exception_in_the_learner_propagates_without_hanging(tiny):
-    async def bad_step(batch, version):
+    def bad_step(batch):
         raise RuntimeError("CUDA error: an illegal memory access")
 
     loop, eng, _ = _loop(tiny, EchoEnv, learner_step=bad_step)
@@ -216,5 +228,5 @@ def test_an_engine_that_never_gets_weights_fails_instead_of_spinning(tiny):
 
 def test_bad_failure_fraction_is_rejected():
     with pytest.raises(ValueError, match=r"max_infra_failure_fraction=1.5"):
-        LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1, max_staleness=0,
-                   concurrency=1, max_infra_failure_fraction=1.5)
+        LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1, pad_token_id=0,
+                   staleness=BoundedAdmission(0), max_infra_failure_fraction=1.5)

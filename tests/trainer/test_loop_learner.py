@@ -16,8 +16,10 @@ from trainer.engines.embedded import EmbeddedEngine
 from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.orchestration.loop import AsyncTrainingLoop, LoopConfig
+from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, LoopConfig, LoopState
 from trainer.orchestration.prompts import PromptStream
+from trainer.orchestration.rollouts import LocalRollouts, LoopHooks, engine_handle
+from trainer.orchestration.state import Group
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
@@ -59,6 +61,23 @@ def tiny_small(tmp_path_factory):
 SAMPLES = [{"id": f"s{i}"} for i in range(100)]
 
 
+class Recorder(LoopHooks):
+    """Hooks that record every step's metrics (``seen``) and, given a list, the checkpoints."""
+
+    def __init__(self, checkpoints: list | None = None) -> None:
+        self.seen: list[dict] = []
+        self.checkpoints = checkpoints
+
+    def on_step(self, step, metrics, uids):
+        self.seen.append({"step": step, "uids": uids, **metrics})
+
+    def save_checkpoint(self, step, loop_state):
+        if self.checkpoints is None:
+            return False
+        self.checkpoints.append((step, loop_state))
+        return True
+
+
 def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_step=2, n=1):
     actor, tok = load_model_and_tokenizer(path)
     engine_model = copy.deepcopy(actor)
@@ -71,22 +90,23 @@ def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_
         return real_step(batch)
 
     learner.step = slow_step
-    seen: list[dict] = []
+    hooks = Recorder()
 
     async def main():
         eng = EmbeddedEngine(engine_model, tok)
+        rollouts = LocalRollouts(engine_handle(eng), lambda: EchoEnv(env_delay), tok,
+                                 SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1), 8)
         loop = AsyncTrainingLoop(
-            learner, eng, lambda: EchoEnv(env_delay), tok, PromptStream(SAMPLES, 0),
-            SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1),
+            learner, rollouts, PromptStream(SAMPLES, 0),
             LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
-                       max_staleness=s, concurrency=8),
-            on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}))
+                       pad_token_id=tok.pad_token_id, staleness=BoundedAdmission(s)), hooks)
         await loop.run()
+        await rollouts.close()
         await eng.close()
         return loop
 
     loop = asyncio.run(main())
-    return loop, seen
+    return loop, hooks.seen
 
 
 @pytest.mark.parametrize("s", [0, 1, 8])
@@ -113,25 +133,27 @@ def test_stale_groups_are_dropped_counted_and_requeued(tiny_small):
     learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig())
     learner.steps_done = 5  # as if resumed at step 5
     prompts = PromptStream(SAMPLES, 0)
-    loop = AsyncTrainingLoop(learner, None, EchoEnv, tok, prompts, SamplingParams(), AgentLoopConfig(),
+    rollouts = LocalRollouts(engine_handle(EmbeddedEngine(actor, tok)), EchoEnv, tok, SamplingParams(),
+                             AgentLoopConfig(), 1)
+    loop = AsyncTrainingLoop(learner, rollouts, prompts,
                              LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1,
-                                        max_staleness=1, concurrency=1), start_step=5)
+                                        pad_token_id=tok.pad_token_id, staleness=BoundedAdmission(1)),
+                             state=LoopState(step=5))
 
     def group(uid, version):
-        from trainer.orchestration.loop import _Group
         tr = Trajectory(prompt_ids=[1])
         tr.append_model_tokens([2, 3], [-0.1, -0.2], [version, version + 1])
-        return _Group(uid, [tr])
+        return Group(uid, [tr])
 
-    loop.in_flight = {10, 11}
-    loop.ready = [group(10, 3), group(11, 4)]  # oldest tokens 2 and 1 versions behind version 5
+    loop.state.in_flight = {10, 11}
+    loop.state.ready = [group(10, 3), group(11, 4)]  # oldest tokens 2 and 1 versions behind version 5
 
     async def take():
-        return await loop._take_batch()
+        return await loop.take_batch()
 
     batch = asyncio.run(take())
     assert [g.uid for g in batch] == [11]
-    assert loop.dropped_stale == 1 and list(prompts.requeued) == [10] and 10 not in loop.in_flight
+    assert loop.state.dropped_stale == 1 and list(prompts.requeued) == [10] and 10 not in loop.state.in_flight
     assert prompts.next() == 10  # the dropped prompt is generated again, not lost
 
 

@@ -16,9 +16,10 @@ from trainer.engines.base import SamplingParams
 from trainer.learner.backends.torch import LearnerConfig, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.orchestration.loop import LoopConfig
+from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, FixedLag, LoopConfig
 from trainer.orchestration.prompts import PromptStream
-from trainer.orchestration.ray_launcher import RayTrainer
+from trainer.orchestration.ray_launcher import RayLearner, RayRollouts, RayRolloutSpec
+from trainer.orchestration.rollouts import LoopHooks
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.groups import episode_sampling
 
@@ -56,6 +57,44 @@ def _flat(state):
     return torch.cat([v.detach().float().flatten() for _, v in sorted(state.items())])
 
 
+class _Hooks(LoopHooks):
+    """Records every step; at a checkpoint, the learner state a checkpoint would hold."""
+
+    def __init__(self):
+        self.seen: list[dict] = []
+        self.ckpts: list[tuple[int, int, int]] = []
+        self.learner = None  # the Ray-hosted learner, set once started
+
+    def on_step(self, step, metrics, uids):
+        self.seen.append({"step": step, "uids": uids, **metrics})
+
+    def save_checkpoint(self, step, loop_state):  # what copc train saves: the learner actor's state
+        self.ckpts.append((step, self.learner.state_dict()["steps_done"], loop_state["step"]))
+        return True
+
+
+async def _ray_run(exp, learner, tok, cfg, env_factory, hooks, max_new_tokens=6):
+    """Start a Ray-hosted learner from ``learner`` and 2 rollout workers, run the loop, copy the final
+    state into ``learner`` (as the ray launcher does); return the loop, the workers' versions and
+    engine weights and the learner actor's weights."""
+    ray_learner = RayLearner.start(exp, exp.model.path, learner.state_dict())
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, seed=0)
+    rollouts = RayRollouts(RayRolloutSpec(exp, exp.model.path, sampling, AgentLoopConfig(max_turns=1),
+                                          env_factory=env_factory, num_workers=2, concurrency=4), learner, 0)
+    hooks.learner = ray_learner
+    try:
+        loop = AsyncTrainingLoop(ray_learner, rollouts, PromptStream(SAMPLES, 0), cfg, hooks)
+        await loop.run()
+        learner.load_state_dict(ray_learner.state_dict())
+        versions = await asyncio.gather(*(w.version.remote() for w in rollouts.workers))
+        engines = await asyncio.gather(*(w.engine_state_dict.remote() for w in rollouts.workers))
+        learned = await ray_learner.actor.policy_weights.remote()
+        return loop, versions, engines, learned
+    finally:
+        await rollouts.close()
+        ray_learner.close()
+
+
 @pytest.mark.slow
 def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32):
     s, steps, per_step, n = 1, 4, 2, 2
@@ -63,32 +102,13 @@ def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32
     initial = _flat(actor.state_dict())
     learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(actor_lr=1e-3, critic_lr=1e-3,
                                                                          micro_batch_size=4))
-    seen: list[dict] = []
-    ckpts: list[tuple[int, int, int]] = []
-
-    def on_checkpoint(step, loop_state):  # the driver learner must hold the actor's state by now
-        ckpts.append((step, learner.steps_done, loop_state["step"]))
-
-    trainer = RayTrainer(_exp(tiny32), learner, tiny32, tok, PromptStream(SAMPLES, 0),
-                         SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1),
-                         LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
-                                    max_staleness=s, concurrency=4, checkpoint_every=2),
-                         env_factory=ray_cluster.EchoEnvFactory(0.02, dense=True), num_workers=2,
-                         on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}),
-                         on_checkpoint=on_checkpoint)
-
-    async def main():
-        try:
-            loop = await trainer.run()
-            versions = await asyncio.gather(*(w.version.remote() for w in trainer.workers))
-            engines = await asyncio.gather(*(w.engine_state_dict.remote() for w in trainer.workers))
-            learned = await trainer.learner_actor.policy_weights.remote()
-            return loop, versions, engines, learned
-        finally:
-            await trainer.close()
-
+    hooks = _Hooks()
+    cfg = LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
+                     pad_token_id=tok.pad_token_id, staleness=BoundedAdmission(s), checkpoint_every=2)
     t0 = time.perf_counter()
-    loop, versions, engines, learned = asyncio.run(main())
+    loop, versions, engines, learned = asyncio.run(
+        _ray_run(_exp(tiny32), learner, tok, cfg, ray_cluster.EchoEnvFactory(0.02, dense=True), hooks))
+    seen, ckpts = hooks.seen, hooks.ckpts
     print(f"ray few-step run: {time.perf_counter() - t0:.1f} s")
     assert [m["step"] for m in seen] == list(range(1, steps + 1)) and loop.version == steps
     for m in seen:  # per-token staleness of the trained batch, and finite metrics
@@ -106,7 +126,7 @@ def test_ray_few_step_run_staleness_versions_and_weight_sync(ray_cluster, tiny32
     for eng in engines:
         assert torch.equal(_flat(eng), _flat(learned))
     assert (_flat(learned) - initial).abs().max() > 1e-4
-    # driver learner: filled before each checkpoint and at the end
+    # checkpoints hold the learner actor's state of that step; the driver learner gets it at the end
     assert ckpts == [(2, 2, 2), (4, 4, 4)]
     assert learner.steps_done == steps and torch.equal(_flat(learner.actor.state_dict()), _flat(learned))
 
@@ -120,13 +140,9 @@ def test_episode_sampling_matches_local_seed_derivation():
 
 
 def test_bad_worker_count_is_rejected(tiny32):
-    actor, tok = load_model_and_tokenizer(tiny32)
-    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig())
-    args = (_exp(tiny32), learner, tiny32, tok, PromptStream(SAMPLES, 0), SamplingParams(), AgentLoopConfig(),
-            LoopConfig(total_steps=1, prompts_per_step=1, n_samples_per_prompt=1, max_staleness=0,
-                       concurrency=1))
     with pytest.raises(ValueError, match="num_rollout_workers=0"):
-        RayTrainer(*args, env_factory=lambda: None, num_workers=0)
+        RayRolloutSpec(_exp(tiny32), tiny32, SamplingParams(), AgentLoopConfig(), env_factory=lambda: None,
+                       num_workers=0)
 
 
 @pytest.mark.slow
@@ -147,7 +163,7 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
         "task.env": "math_tool", "task.train_data": "[math_train]", "task.max_train_samples": "40",
         "task.env_kwargs": "{prompt_template: 'Q: {problem}\n'}",
         "train.total_steps": "3", "train.prompts_per_step": "2", "train.micro_batch_size": "4",
-        "train.actor_lr": "1e-4", "train.critic_lr": "1e-3", "train.max_staleness": "2",
+        "train.actor_lr": "1e-4", "train.critic_lr": "1e-3", "train.staleness.max": "2",
         "rollout.max_new_tokens": "12", "rollout.max_turns": "2", "rollout.max_total_tokens": "1024",
         "rollout.concurrency": "4", "rollout.n_samples_per_prompt": "1",
         "eval.enabled": "false", "warm_start.enabled": "false", "logging.progress": "false",
@@ -167,31 +183,18 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
 
 
 def test_ray_fixed_lag_staleness_is_exact_and_workers_end_on_the_newest(ray_cluster, tiny32):
-    """``staleness_mode=fixed`` with Ray workers: snapshots come from the learner actor, each batch
+    """``train.staleness.mode=fixed`` with Ray workers: snapshots come from the learner actor, each batch
     is generated by version ``max(n − k, 0)`` on every worker, workers end with the final weights."""
     k, steps, per_step = 2, 5, 2
     actor, tok = load_model_and_tokenizer(tiny32)
     learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(actor_lr=1e-2, critic_lr=1e-3,
                                                                          micro_batch_size=4))
-    seen: list[dict] = []
-    trainer = RayTrainer(_exp(tiny32), learner, tiny32, tok, PromptStream(SAMPLES, 0),
-                         SamplingParams(max_new_tokens=6, seed=0), AgentLoopConfig(max_turns=1),
-                         LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=1,
-                                    max_staleness=k, concurrency=4, staleness_mode="fixed", fixed_lag=k),
-                         env_factory=ray_cluster.EchoEnvFactory(0.0, dense=True), num_workers=2,
-                         on_step=lambda st, m, u: seen.append({"step": st, "uids": u, **m}))
-
-    async def main():
-        try:
-            loop = await trainer.run()
-            versions = await asyncio.gather(*(w.version.remote() for w in trainer.workers))
-            engines = await asyncio.gather(*(w.engine_state_dict.remote() for w in trainer.workers))
-            learned = await trainer.learner_actor.policy_weights.remote()
-            return loop, versions, engines, learned
-        finally:
-            await trainer.close()
-
-    loop, versions, engines, learned = asyncio.run(main())
+    hooks = _Hooks()
+    cfg = LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=1,
+                     pad_token_id=tok.pad_token_id, staleness=FixedLag(k))
+    loop, versions, engines, learned = asyncio.run(
+        _ray_run(_exp(tiny32), learner, tok, cfg, ray_cluster.EchoEnvFactory(0.0, dense=True), hooks))
+    seen = hooks.seen
     assert [m["step"] for m in seen] == list(range(1, steps + 1))
     for m in seen:
         assert set(m["staleness/per_token"]) == {min(m["step"] - 1, k)}
@@ -199,4 +202,4 @@ def test_ray_fixed_lag_staleness_is_exact_and_workers_end_on_the_newest(ray_clus
     for eng in engines:
         assert torch.equal(_flat(eng), _flat(learned))
     # the kept snapshot of version 3 is not the final weights (the lag is real, not a re-label)
-    assert not torch.equal(_flat(loop.history.get(3).weights), _flat(learned))
+    assert not torch.equal(_flat(loop.state.history.get(3).weights), _flat(learned))

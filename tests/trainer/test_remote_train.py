@@ -36,7 +36,7 @@ def overrides(out: Path, url: str) -> list[str]:
         "task.max_train_samples": "40", "task.max_eval_samples": "4",
         "task.settings.arithmetic_kinds": "[mul]",
         "train.total_steps": "2", "train.prompts_per_step": "2", "train.micro_batch_size": "4",
-        "train.max_staleness": "1", "train.torch_threads": "1",
+        "train.staleness.max": "1", "train.torch_threads": "1",
         "rollout.max_new_tokens": "12", "rollout.max_turns": "2", "rollout.max_total_tokens": "1024",
         "rollout.concurrency": "4", "rollout.n_samples_per_prompt": "1",
         "warm_start.enabled": "true", "warm_start.kind": "retool_arithmetic", "warm_start.num_examples": "8",

@@ -27,7 +27,7 @@ def overrides(out: Path, preset: str, steps: int = 3, **extra: str) -> list[str]
         "task.env": "math_tool", "task.train_data": "[math_train]", "task.max_train_samples": "40",
         "task.env_kwargs": "{prompt_template: 'Q: {problem}\n'}",
         "train.total_steps": str(steps), "train.prompts_per_step": "2", "train.micro_batch_size": "4",
-        "train.actor_lr": "1e-4", "train.critic_lr": "1e-3", "train.max_staleness": "2",
+        "train.actor_lr": "1e-4", "train.critic_lr": "1e-3", "train.staleness.max": "2",
         "rollout.max_new_tokens": "12", "rollout.max_turns": "2", "rollout.max_total_tokens": "1024",
         "rollout.concurrency": "4", "rollout.n_samples_per_prompt": "2" if preset == "dapo" else "1",
         "eval.enabled": "false", "warm_start.enabled": "false", "logging.progress": "false",

@@ -143,16 +143,16 @@ def test_shipped_sweep_specs_validate(tmp_path):
     assert all(r.total_steps == tiny.runs[0].total_steps for r in tiny.runs)
     paper = load_spec(REPO / "configs/sweeps/figure1_paper.yaml")
     assert paper.grid.axes == {"algorithm.eta_p": [0.25, 0.5, 0.75], "algorithm.eta_a": [0.25, 0.5, 0.75],
-                               "train.fixed_lag": [8, 12, 16]}
+                               "train.staleness.lag": [8, 12, 16]}
     with pytest.raises(ConfigError, match=r"model\.path"):  # the paper's model must be filled in
         build_plan(paper)
     (tmp_path / "model").mkdir()
     paper.overrides.append(f"model.path={tmp_path / 'model'}")
     plan = build_plan(paper)
     assert len(plan.runs) == 27 and plan.metric == "avg@32"
-    run = next(r for r in plan.runs if r.cell.id == "eta_p0.25_eta_a0.75_fixed_lag16")
-    assert {"train.staleness_mode=fixed", "algorithm.eta_p=0.25", "algorithm.eta_a=0.75",
-            "train.fixed_lag=16"} <= set(run.overrides)
+    run = next(r for r in plan.runs if r.cell.id == "eta_p0.25_eta_a0.75_lag16")
+    assert {"train.staleness.mode=fixed", "algorithm.eta_p=0.25", "algorithm.eta_a=0.75",
+            "train.staleness.lag=16"} <= set(run.overrides)
 
 
 # ----------------------------------------------------------------------- validation up front
@@ -184,22 +184,22 @@ def test_other_up_front_errors_exit_2(tmp_path, capsys):
 
 
 def test_fixed_lag_axis_without_fixed_mode_exits_2(tmp_path, capsys):
-    """Regression: ``--grid train.fixed_lag=0,2`` without ``train.staleness_mode=fixed`` used to run
+    """Regression: ``--grid train.staleness.lag=0,2`` without ``train.staleness.mode=fixed`` used to run
     identical bounded cells (the lag is ignored when bounded) and draw a meaningless heatmap."""
     out = tmp_path / "s"
     bounded = tmp_path / "bounded.yaml"  # the main job's config switched back to a staleness bound
-    bounded.write_text(f"defaults: [{TINY}]\ntrain: {{staleness_mode: bounded, fixed_lag: 0}}\n")
-    rc = main(["sweep", "--config", str(bounded), "--out", str(out), "--grid", "train.fixed_lag=0,2",
+    bounded.write_text(f"defaults: [{TINY}]\ntrain: {{staleness: {{mode: bounded, max: 8}}}}\n")
+    rc = main(["sweep", "--config", str(bounded), "--out", str(out), "--grid", "train.staleness.lag=0,2",
                "--dry-run"])
     err = capsys.readouterr().err
-    assert rc == 2 and "cell fixed_lag0 (seed 0): grid key train.fixed_lag has no effect with " \
-        "train.staleness_mode='bounded' (the bound train.max_staleness=8 applies)" in err, err
-    rc = main(["sweep", "--config", TINY, "--out", str(out), "--grid", "train.fixed_lag=0,2", "--dry-run",
-               "train.staleness_mode=fixed"])
+    assert rc == 2 and "cell lag0 (seed 0): train.staleness.lag=0: not a setting of " \
+        "train.staleness.mode='bounded' (its settings: max)" in err, err
+    rc = main(["sweep", "--config", TINY, "--out", str(out), "--grid", "train.staleness.lag=0,2", "--dry-run",
+               "train.staleness.mode=fixed"])
     assert rc == 0
     plan = build_plan(spec_from_args(build_parser(["sweep"]).parse_args(
-        ["sweep", "--config", TINY, "--out", str(out), "--grid", "train.fixed_lag=0,2",
-         "train.staleness_mode=fixed"])))
+        ["sweep", "--config", TINY, "--out", str(out), "--grid", "train.staleness.lag=0,2",
+         "train.staleness.mode=fixed"])))
     assert [load_lag(r) for r in plan.runs] == [0, 2]
 
 
@@ -207,7 +207,7 @@ def load_lag(run) -> int:
     """The fixed lag a planned run trains with (its config loaded as ``copc train`` would)."""
     from trainer.config import load_config
     cfg = load_config(run.config, list(run.overrides))
-    assert cfg.train.staleness_mode == "fixed"
+    assert cfg.staleness.mode == "fixed"
     return cfg.max_staleness
 
 
@@ -231,14 +231,14 @@ def test_heatmap_annotations_equal_the_csv_aggregates(tmp_path):
     args = build_parser(["sweep"]).parse_args(
         ["sweep", "--config", TINY, "--out", str(tmp_path), "--seeds", "0,1",
          "--grid", "algorithm.eta_p=0.25,0.75", "--grid", "algorithm.eta_a=0.25,0.75",
-         "--grid", "train.fixed_lag=0,2", "train.staleness_mode=fixed", "train.total_steps=3"])
+         "--grid", "train.staleness.lag=0,2", "train.staleness.mode=fixed", "train.total_steps=3"])
     plan = build_plan(spec_from_args(args))
     assert len(plan.runs) == 16
     finals = {}
     for i, run in enumerate(plan.runs):
-        if run.cell.id == "eta_p0.75_eta_a0.75_fixed_lag2":
+        if run.cell.id == "eta_p0.75_eta_a0.75_lag2":
             continue  # a cell that never ran: drawn as n/a
-        if run.cell.id == "eta_p0.25_eta_a0.75_fixed_lag2" and run.seed == 1:
+        if run.cell.id == "eta_p0.25_eta_a0.75_lag2" and run.seed == 1:
             run.status_file.parent.mkdir(parents=True, exist_ok=True)
             run.status_file.write_text(json.dumps({"status": "failed", "returncode": 1}))
             continue  # one failed seed: that cell's mean is its one finished seed, sd blank
@@ -249,17 +249,17 @@ def test_heatmap_annotations_equal_the_csv_aggregates(tmp_path):
     write_csv(aggs, tmp_path / "sweep_cells.csv")
     table = {r["cell"]: r for r in _csv(tmp_path / "sweep_cells.csv")}
     # hand-computed: cell 0 has finals 0.00 and 0.05: mean 0.025, sd = 0.05 / sqrt(2)
-    c0 = table["eta_p0.25_eta_a0.25_fixed_lag0"]
+    c0 = table["eta_p0.25_eta_a0.25_lag0"]
     assert float(c0["final_mean"]) == pytest.approx(0.025)
     assert float(c0["final_sd"]) == pytest.approx(0.05 / math.sqrt(2))
     # run 4 (cell 2, seed 0) logged 0.9 during RL: best of that cell = mean(0.9, 0.25), final
     # mean(0.2, 0.25); the evaluation before RL (0.99) never counts
-    c2 = table["eta_p0.25_eta_a0.75_fixed_lag0"]
+    c2 = table["eta_p0.25_eta_a0.75_lag0"]
     assert float(c2["best_mean"]) == pytest.approx(0.575) and float(c2["final_mean"]) == pytest.approx(0.225)
-    c3 = table["eta_p0.25_eta_a0.75_fixed_lag2"]  # seed 1 failed: seed 0 (run 6) alone
+    c3 = table["eta_p0.25_eta_a0.75_lag2"]  # seed 1 failed: seed 0 (run 6) alone
     assert (c3["n_ok"], c3["n_failed"], c3["final_sd"]) == ("1", "1", "nan")
     assert float(c3["final_mean"]) == 0.05 * 6
-    assert table["eta_p0.75_eta_a0.75_fixed_lag2"]["n_ok"] == "0"
+    assert table["eta_p0.75_eta_a0.75_lag2"]["n_ok"] == "0"
     for value in ("final", "best"):
         notes = plot_heatmaps(aggs, plan.spec.grid, tmp_path, "accuracy", value)
         assert len(notes) == 8 and Path(notes[0].figure).name == f"heatmap_{value}.png"
@@ -267,7 +267,7 @@ def test_heatmap_annotations_equal_the_csv_aggregates(tmp_path):
         for a in notes:
             row = table[a.cell]
             assert row["algorithm.eta_a"] == a.x and row["algorithm.eta_p"] == a.y
-            assert row["train.fixed_lag"] == a.panel
+            assert row["train.staleness.lag"] == a.panel
             mean, sd = float(row[f"{value}_mean"]), float(row[f"{value}_sd"])
             assert a.text == cell_text(mean, sd)  # the text read back from the figure
             if math.isnan(mean):

@@ -21,8 +21,8 @@ from .test_run_e2e import overrides
 def test_cache_key_ignores_rl_settings_and_follows_warm_start_ones():
     base = load_config(None, [])
     key = cache_key(base)
-    for rl in ("preset=ppo_async", "algorithm.eta_a=0.25", "train.staleness_mode=fixed",
-               "train.max_staleness=3",
+    for rl in ("preset=ppo_async", "algorithm.eta_a=0.25", "train.staleness.mode=fixed",
+               "train.staleness.max=3",
                "train.actor_lr=1e-3", "train.total_steps=7", "eval.k=4", "output_dir=/tmp/elsewhere",
                "warm_start.cache_dir=/tmp/other_cache", "rollout.engine_max_batch_size=1",
                "rollout.concurrency=3", "rollout.temperature=0.5"):

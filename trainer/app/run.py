@@ -29,7 +29,10 @@ from ..engines.base import SamplingParams
 from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
 from ..evaluate.policy import checkpoint_policy_weights
 from ..learner import learner_checkpoint_state
+from ..orchestration.launchers import LaunchSpec, launch
 from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
+from ..orchestration.rollouts import LoopHooks
+from ..orchestration.state import LoopState
 from ..outputs.checkpoint import CheckpointManager, rng_state
 from ..outputs.metrics_log import write_summary
 from ..outputs.progress import TrainProgress
@@ -136,49 +139,58 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
         await handle.close()
 
 
-async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
-    """The asynchronous RL phase; returns RL summary fields (counters cumulative over resumes)."""
-    cfg, learner = ctx.cfg, ctx.learner
-    progress = TrainProgress(cfg.train.total_steps, ctx.start_step, enabled=cfg.logging.progress)
-    t0 = time.time()
+class RunHooks(LoopHooks):
+    """``copc train``'s :class:`~trainer.orchestration.rollouts.LoopHooks`: metrics (with the
+    staleness histogram) to the run's logger and progress bar, checkpoints of the trained learner.
 
-    def on_step(step: int, metrics: dict, uids: list[int]) -> None:
-        ctx.trained_uids.extend(uids)
+    Args:
+        ctx: the run's :class:`~trainer.app.context.RunContext`.
+        learner: the learner being trained (the launcher's: the driver's, or a Ray-hosted one).
+        progress: the live progress bar.
+    """
+
+    def __init__(self, ctx: RunContext, learner: Any, progress: TrainProgress) -> None:
+        self.ctx, self.learner, self.progress = ctx, learner, progress
+        self.t0 = time.time()
+
+    def on_step(self, step: int, metrics: dict, uids: list[int]) -> None:
+        """Log the step's scalars; ``staleness/token_mean`` and ``staleness/hist`` (counts per
+        staleness level, index = policy versions behind) from ``staleness/per_token``."""
+        self.ctx.trained_uids.extend(uids)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
         per_token = metrics.get("staleness/per_token")  # staleness of every trained model token
         if per_token:
             scalars["staleness/token_mean"] = float(np.mean(per_token))
-            # logged as counts per staleness level (index = policy versions behind)
             scalars["staleness/hist"] = np.bincount(np.asarray(per_token, dtype=np.int64)).tolist()
-        ctx.logger.log(step, scalars)
-        progress.update(step, scalars, time.time() - t0)
+        self.ctx.logger.log(step, scalars)
+        self.progress.update(step, scalars, time.time() - self.t0)
 
-    def on_checkpoint(step: int, loop_state: dict) -> None:
-        ctx.checkpoints.save(step, {**learner_checkpoint_state(learner), "loop": loop_state,
+    def save_checkpoint(self, step: int, loop_state: dict) -> bool:
+        """Write checkpoint ``step``: learner, loop state, RNG states, trained draws, summary."""
+        ctx = self.ctx
+        ctx.checkpoints.save(step, {**learner_checkpoint_state(self.learner), "loop": loop_state,
                                     "rng": rng_state(), "trained_uids": list(ctx.trained_uids),
                                     "summary": ctx.resumable_summary()})
+        return True
 
-    async def sync(lrn: Any, version: int) -> None:
-        await handle.sync(lrn.export_policy_weights(), version)
 
-    loop_cfg, sampling, agent_cfg = LoopConfig.from_config(cfg), rollout_sampling(cfg), ctx.agent_config()
-    history = (ctx.resume_state or {}).get("loop", {}).get("weight_history")  # fixed lag's kept versions
-    if cfg.launcher.kind == "ray":  # rollout workers + learner as Ray actors (same loop semantics)
-        from ..orchestration.ray_launcher import run_ray_rl
-        with progress:
-            loop = await run_ray_rl(cfg, learner, ctx.model_dir, ctx.task, ctx.tokenizer, ctx.prompts,
-                                    sampling, agent_cfg, loop_cfg, start_step=ctx.start_step,
-                                    on_step=on_step, on_checkpoint=on_checkpoint, counters=ctx.counters,
-                                    weight_history=history)
-        await sync(learner, loop.version)  # the driver's engine (evaluation) gets the final weights
-    else:
-        loop = AsyncTrainingLoop(learner, handle.engine, ctx.task.make_env, ctx.tokenizer, ctx.prompts,
-                                 sampling, agent_cfg, loop_cfg, on_step=on_step, on_checkpoint=on_checkpoint,
-                                 start_step=ctx.start_step, sync_weights=sync, counters=ctx.counters,
-                                 weight_history=history)
+async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
+    """The asynchronous RL phase on the launcher of ``launcher.kind``; returns RL summary fields
+    (counters cumulative over resumes)."""
+    cfg = ctx.cfg
+    progress = TrainProgress(cfg.train.total_steps, ctx.start_step, enabled=cfg.logging.progress)
+    saved = (ctx.resume_state or {}).get("loop")  # step, counters, fixed lag's kept versions
+    state = LoopState.resume(saved) if saved else LoopState(step=ctx.start_step, counters=ctx.counters)
+    loop_cfg = LoopConfig.from_config(cfg, pad_token_id=ctx.tokenizer.pad_token_id)
+    spec = LaunchSpec(cfg, ctx.learner, handle, ctx.task, ctx.tokenizer, ctx.model_dir, rollout_sampling(cfg),
+                      ctx.agent_config())
+    t0 = time.time()
+    async with launch(spec) as (learner, rollouts):
+        hooks = RunHooks(ctx, learner, progress)
+        loop = AsyncTrainingLoop(learner, rollouts, ctx.prompts, loop_cfg, hooks, state)
         with progress:
             await loop.run()
-    return {"rl_wall_s": time.time() - t0, "steps": loop.step, **loop.counters,  # cumulative (COUNTERS)
+    return {"rl_wall_s": time.time() - t0, "steps": state.step, **state.counters,  # cumulative (COUNTERS)
             "trained_uids": len(ctx.trained_uids),
             "duplicate_trained_uids": len(ctx.trained_uids) - len(set(ctx.trained_uids))}
 

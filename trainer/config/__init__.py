@@ -10,6 +10,7 @@ overrides (``train.total_steps=3``). After the merge every section's
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -23,10 +24,13 @@ from omegaconf.errors import OmegaConfBaseException
 import copc
 
 from ..errors import ConfigError
-from ..plugins import check_plugins, import_plugins
+from ..plugins import check_plugins, import_plugins, plugin_metadata
 from .sections import (  # noqa: F401 - re-exported: import sections from here
+    OLD_STALENESS_KEYS,
+    BoundedStaleness,
     CheckpointConfig,
     EvalConfig,
+    FixedStaleness,
     LauncherConfig,
     LearnerSection,
     LoggingConfig,
@@ -38,6 +42,7 @@ from .sections import (  # noqa: F401 - re-exported: import sections from here
     WarmStartConfig,
     _require,
     moved_key_hint,
+    parse_staleness,
 )
 
 _ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
@@ -100,21 +105,30 @@ class ExperimentConfig:
             raise ConfigError(f"{key}: {msg}") from None
 
     @property
-    def max_staleness(self) -> int:
-        """The effective staleness bound, resolved here and only here (read this, not ``train``'s).
+    def staleness(self) -> BoundedStaleness | FixedStaleness:
+        """The effective staleness settings, resolved here and only here (read this, not ``train``'s).
 
         Returns:
-            The preset's own staleness when it fixes one (``algorithm_config().max_staleness``,
-            ``ppo``: 0; in ``fixed`` mode that is then the exact lag), else ``train.fixed_lag`` in
-            ``fixed`` staleness mode, else ``train.max_staleness``.
+            ``train.staleness`` parsed (:func:`~trainer.config.sections.parse_staleness`), its
+            number replaced by the preset's own staleness when it fixes one
+            (``algorithm_config().max_staleness``, ``ppo``: 0): in ``bounded`` mode that is the
+            bound, in ``fixed`` mode the exact lag.
 
         Raises:
-            ConfigError: as :meth:`algorithm_config`.
+            ConfigError: as :meth:`algorithm_config` and :func:`parse_staleness`.
         """
         own = self.algorithm_config().max_staleness
-        if own is not None:  # the preset's own staleness wins in either mode (``ppo``: 0)
-            return own
-        return self.train.fixed_lag if self.train.staleness_mode == "fixed" else self.train.max_staleness
+        settings = parse_staleness(self.train.staleness)
+        if own is None:
+            return settings
+        # the preset's own staleness wins in either mode (``ppo``: 0)
+        return BoundedStaleness(max=own) if settings.mode == "bounded" else FixedStaleness(lag=own)
+
+    @property
+    def max_staleness(self) -> int:
+        """The effective staleness number: the bound (``bounded``) or the exact lag (``fixed``) of
+        :attr:`staleness`."""
+        return self.staleness.versions
 
     def validate(self) -> ExperimentConfig:
         """Validate every section; return ``self``.
@@ -127,8 +141,15 @@ class ExperimentConfig:
             if hasattr(v, "validate"):
                 v.validate()
         check_plugins(self)  # the named engine / backend / task: registered, settings, capabilities
+        # a launcher that cannot host a distributed learner backend (capability metadata)
+        kind, backend = self.launcher.kind, self.learner.backend
+        if plugin_metadata(self, "learner.backend").get("distributed", False) \
+                and not plugin_metadata(self, "launcher.kind")["distributed_learner"]:
+            raise ConfigError(f"launcher.kind={kind!r} with learner.backend={backend!r}: not supported (the "
+                              f"{kind} launcher hosts the learner in one process); use launcher.kind=local "
+                              "with learner.launch=ray to run the learner ranks as Ray actors")
         algo = self.algorithm_config()
-        _ = self.max_staleness  # a preset's own staleness vs train.fixed_lag
+        _ = self.staleness  # a preset's own staleness vs train.staleness
         n = self.rollout.n_samples_per_prompt
         if copc.ADVANTAGE_ESTIMATORS.metadata(algo.advantage_estimator)["needs_groups"]:
             _require(n >= 2, "rollout.n_samples_per_prompt", n,
@@ -154,8 +175,35 @@ def _compose(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     defaults = raw.pop("defaults", [])
     merged = OmegaConf.create({})
     for d in defaults:
-        merged = OmegaConf.merge(merged, _compose(path.parent / str(d), (*seen, path)))
-    return OmegaConf.merge(merged, raw)
+        merged = _merge(merged, _compose(path.parent / str(d), (*seen, path)))
+    return _merge(merged, raw, where=f"{path}: ")
+
+
+def _merge(base: DictConfig, layer: DictConfig, where: str = "") -> DictConfig:
+    """``OmegaConf.merge(base, layer)``, except that ``train.staleness`` is one discriminated section.
+
+    A layer that sets ``train.staleness.mode`` to another mode than ``base``'s replaces the whole
+    section (the keys of the old mode do not carry over: ``{mode: fixed, lag: 2}`` over
+    ``{mode: bounded, max: 8}`` is ``{mode: fixed, lag: 2}``); the same mode merges key by key.
+
+    Raises:
+        ConfigError: ``layer`` uses a staleness key of before the section (``train.max_staleness``,
+            ``train.staleness_mode``, ``train.fixed_lag``), naming it and the new spelling.
+    """
+    train = layer.get("train") if isinstance(layer, DictConfig) else None
+    if isinstance(train, DictConfig):
+        for key, spelling in OLD_STALENESS_KEYS.items():
+            if key in train:
+                value = OmegaConf.select(train, key)
+                raise ConfigError(f"{where}train.{key}={value!r}: replaced by the train.staleness section; "
+                                  f"write {spelling.format(v=value)}")
+        new = train.get("staleness")
+        old = OmegaConf.select(base, "train.staleness", default=None)
+        if isinstance(new, DictConfig) and isinstance(old, DictConfig) and "mode" in new \
+                and new.get("mode") != old.get("mode"):
+            base = copy.deepcopy(base)
+            base.train.staleness = {}
+    return OmegaConf.merge(base, layer)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -176,7 +224,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         cfg = schema
         if path is not None:
-            cfg = OmegaConf.merge(cfg, _compose(Path(path)))
+            cfg = _merge(cfg, _compose(Path(path)))
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
@@ -188,7 +236,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                     key, _, value = o.partition("=")
                     raise ConfigError(f"{key}={value!r}: not a valid YAML value "
                                       f"({str(e).splitlines()[0]}); quote it") from None
-                cfg = OmegaConf.merge(cfg, dot)
+                cfg = _merge(cfg, dot)
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

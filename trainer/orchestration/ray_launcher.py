@@ -1,22 +1,23 @@
-"""The Ray launcher: rollout workers and the learner as Ray actors, same loop as the local launcher.
+"""The Ray launcher's parts: rollout workers and the learner as Ray actors, same loop as local.
 
-The driver runs the very same :class:`~trainer.orchestration.loop.AsyncTrainingLoop`
-as the local launcher (admission control, per-token staleness check, drop + re-queue,
-checkpoint hooks); only three callables are swapped in:
+The driver runs the very same :class:`~trainer.orchestration.loop.AsyncTrainingLoop` as the
+local launcher (admission control, per-token staleness check, drop + re-queue, checkpoints);
+only the objects it is given differ:
 
-* ``run_group`` — prompt groups are sent round-robin to :class:`RolloutWorker` actors
-  (``await worker.run_group.remote(...)``); each worker builds its engine through the engine
-  registry (``rollout.engine``), its environments from the task (or a given factory), and
-  plays a group with the shared runner :func:`trainer.rollout.groups.run_group`;
-* ``learner_step`` — ``await learner.step.remote(batch)`` on one :class:`LearnerActor`, which
-  hosts any learner backend (``learner.backend``, built by
-  :func:`~trainer.learner.base.make_learner`);
-* ``sync_weights`` — the learner's exported policy weights are produced once in Ray's object
-  store and their reference is passed to every worker (each pulls them from the store; nothing
-  goes through the driver), awaited before the step is counted done.
+* :class:`RayRollouts` (a :class:`~trainer.orchestration.rollouts.Rollouts`) — prompt groups
+  are sent round-robin to :class:`RolloutWorker` actors; each worker builds its engine through
+  the engine registry (``rollout.engine``), its environments from the task (or a given
+  factory), and plays a group with the shared runner :func:`trainer.rollout.groups.run_group`.
+  A weight sync from the :class:`RayLearner` produces its weights once in Ray's object store and
+  passes the reference to every worker (each pulls them from the store; nothing goes through the
+  driver); a kept fixed-lag snapshot is put there by the driver;
+* :class:`RayLearner` (a :class:`~trainer.learner.base.Learner`) — a proxy whose methods call one
+  :class:`LearnerActor`, which hosts any learner backend (``learner.backend``, built by
+  :func:`~trainer.learner.base.make_learner`). Checkpoints read its state from the actor.
 
-The driver keeps its own :class:`~trainer.learner.base.Learner` as the checkpoint/eval copy:
-it is filled from the learner actor before every checkpoint and at the end of RL.
+:func:`launch_ray` (registered as launcher ``ray`` in :mod:`trainer.orchestration.launchers`)
+starts them for ``copc train`` and, after a successful run, copies the learner actor's final
+state into the driver's learner and its weights into the driver's engine (evaluation).
 
 Beyond one machine: start a Ray cluster (``ray start --head`` on one node, ``ray start
 --address=HEAD:6379`` on the others, or any Ray cluster launcher / KubeRay), then set
@@ -25,8 +26,8 @@ Workers load the architecture and tokenizer from the model directory, so it must
 visible at the same path on every node (shared filesystem); the weights themselves
 travel through the object store. For the search task set ``task.retriever_url`` to an
 address every node can reach (an auto-started retriever listens on 127.0.0.1 of the
-driver). GPU placement is chosen with Ray's actor options (``worker_options`` /
-``learner_options``, e.g. ``{"num_gpus": 1}``).
+driver). GPU placement is chosen with Ray's actor options (``RayRolloutSpec.options`` /
+:meth:`RayLearner.start`'s ``options``, e.g. ``{"num_gpus": 1}``).
 """
 
 from __future__ import annotations
@@ -35,19 +36,19 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..engines.base import SamplingParams
-from ..learner.base import Learner
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
-from .loop import AsyncTrainingLoop, LoopConfig
-from .prompts import PromptStream
+from .rollouts import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -151,139 +152,154 @@ class LearnerActor:
         """:meth:`Learner.load_state_dict`."""
         self.learner.load_state_dict(state)
 
-
-def init_ray(address: str = "", num_cpus: int | None = None) -> bool:
-    """Connect to a Ray cluster (``address``) or start a local one with ``num_cpus`` CPUs.
-
-    Returns:
-        ``True`` if this call started/connected Ray (the caller should shut it down),
-        ``False`` if Ray was already initialised in this process (e.g. by a test).
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address=address or None, num_cpus=None if address else num_cpus,
-             include_dashboard=False, ignore_reinit_error=True, log_to_driver=True)
-    return True
+    def policy_version(self) -> int:
+        """:attr:`Learner.policy_version`."""
+        return self.learner.policy_version
 
 
-class RayTrainer:
-    """Asynchronous RL with Ray actors, driven by :class:`AsyncTrainingLoop` (same semantics as local).
+class RayLearner:
+    """A :class:`~trainer.learner.base.Learner` hosted in a Ray actor: every method calls it.
 
     Args:
-        exp_cfg: the :class:`~trainer.config.ExperimentConfig` (engine, learner backend, task).
-        learner: the driver's :class:`~trainer.learner.base.Learner`; the learner actor starts
-            from its state and it receives the learner actor's state before each checkpoint and
-            after the run.
-        model_dir: ``save_pretrained`` directory of the actor's architecture + tokenizer.
-        tokenizer: the policy tokenizer (the driver pads batches with it).
-        prompts: the :class:`PromptStream`.
-        sampling: rollout sampling parameters.
-        agent_cfg: episode budgets.
-        loop_cfg: :class:`LoopConfig` (``concurrency`` applies per worker).
-        env_factory: how each worker builds environments (default: the task of ``exp_cfg``).
-        num_workers: rollout worker actors.
-        start_step: steps already done (resume); also the workers' initial policy version.
-        on_step / on_checkpoint / counters / weight_history: as for :class:`AsyncTrainingLoop`
-            (fixed lag: snapshots of the learner actor's weights are kept by the driver).
-        worker_options / learner_options: Ray actor options (``num_cpus``, ``num_gpus``, ...).
-
-    Raises:
-        ValueError: bad ``num_workers``. Ray must be initialised before :meth:`run`.
+        actor: a :class:`LearnerActor` handle (:meth:`start` makes one).
     """
 
-    def __init__(self, exp_cfg: Any, learner: Learner, model_dir: str | Path, tokenizer: Any,
-                 prompts: PromptStream, sampling: SamplingParams, agent_cfg: AgentLoopConfig,
-                 loop_cfg: LoopConfig, *, env_factory: Callable[[], Any] | None = None, num_workers: int = 1,
-                 start_step: int = 0, on_step: Callable[[int, dict, list[int]], None] | None = None,
-                 on_checkpoint: Callable[[int, dict], None] | None = None, worker_options: dict | None = None,
-                 learner_options: dict | None = None, counters: Mapping[str, int] | None = None,
-                 weight_history: Mapping[int, Any] | None = None) -> None:
-        if num_workers < 1:
-            raise ValueError(f"launcher.num_rollout_workers={num_workers!r}: must be >= 1")
-        self.exp_cfg, self.learner, self.model_dir, self.tok = exp_cfg, learner, str(model_dir), tokenizer
-        self.prompts, self.sampling, self.agent_cfg, self.loop_cfg = prompts, sampling, agent_cfg, loop_cfg
-        self.env_factory, self.num_workers = env_factory, num_workers
-        self.start_step, self.on_step, self.on_checkpoint = start_step, on_step, on_checkpoint
-        self.worker_options, self.learner_options = dict(worker_options or {}), dict(learner_options or {})
-        self.counters = dict(counters or {})
-        self.weight_history = weight_history
-        self.workers: list[Any] = []
-        self.learner_actor: Any = None
-        self.loop: AsyncTrainingLoop | None = None
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    @classmethod
+    def start(cls, exp_cfg: Any, model_dir: str | Path, state: dict,
+              options: dict | None = None) -> RayLearner:
+        """Start a :class:`LearnerActor` of ``exp_cfg``'s backend from ``state`` (``Learner.state_dict``
+        output); ``options``: Ray actor options (``num_gpus``, ...). Ray must be initialised."""
+        import ray
+
+        actor_cls = ray.remote(LearnerActor).options(**dict(options or {}))
+        return cls(actor_cls.remote(exp_cfg, str(model_dir), state))
+
+    @property
+    def policy_version(self) -> int:
+        """The actor's policy version."""
+        import ray
+
+        return int(ray.get(self.actor.policy_version.remote()))
+
+    def step(self, batch: Any) -> dict[str, float]:
+        """:meth:`Learner.step` on the actor (blocks until it is done; the loop calls it in a thread)."""
+        import ray
+
+        return ray.get(self.actor.step.remote(batch))
+
+    def policy_weights_ref(self) -> Any:
+        """An object reference to the actor's policy weights (produced once, pulled by each worker)."""
+        return self.actor.policy_weights.remote()
+
+    def export_policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's policy weights, fetched to this process."""
+        import ray
+
+        yield from ray.get(self.policy_weights_ref()).items()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The actor's :meth:`Learner.state_dict` (everything needed to resume)."""
+        import ray
+
+        return ray.get(self.actor.state_dict.remote())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`Learner.load_state_dict` on the actor."""
+        import ray
+
+        ray.get(self.actor.load_state_dict.remote(state))
+
+    def close(self) -> None:
+        """Kill the actor (idempotent)."""
+        import ray
+
+        if self.actor is not None:
+            ray.kill(self.actor)
+            self.actor = None
+
+
+@dataclass
+class RayRolloutSpec:
+    """How :class:`RayRollouts` starts its workers.
+
+    Attributes:
+        exp_cfg: the :class:`~trainer.config.ExperimentConfig` (engine, model settings, task);
+            :func:`worker_experiment_config` makes the driver's usable by workers.
+        model_dir: ``save_pretrained`` directory of the architecture + tokenizer.
+        sampling: rollout sampling parameters. agent_cfg: episode budgets.
+        env_factory: how each worker builds environments (None: the task of ``exp_cfg``).
+        num_workers: rollout worker actors (``launcher.num_rollout_workers``).
+        concurrency: episodes in flight at once per worker.
+        options: Ray actor options of the workers (``num_cpus``, ``num_gpus``, ...).
+
+    Raises:
+        ValueError: ``num_workers < 1``.
+    """
+
+    exp_cfg: Any
+    model_dir: str | Path
+    sampling: SamplingParams
+    agent_cfg: AgentLoopConfig
+    env_factory: Callable[[], Any] | None = None
+    num_workers: int = 1
+    concurrency: int = 8
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Validate the worker count."""
+        if self.num_workers < 1:
+            raise ValueError(f"launcher.num_rollout_workers={self.num_workers!r}: must be >= 1")
+
+
+class RayRollouts:
+    """:class:`~trainer.orchestration.rollouts.Rollouts` played by :class:`RolloutWorker` actors.
+
+    Args:
+        spec: the workers' :class:`RayRolloutSpec`.
+        weights: the initial policy weights (e.g. the driver's learner).
+        version: their policy version.
+
+    Ray must be initialised.
+    """
+
+    def __init__(self, spec: RayRolloutSpec, weights: WeightSource, version: int) -> None:
+        import ray
+
+        self.spec = spec
+        ref = ray.put(dict(weights.export_policy_weights()))
+        worker_cls = ray.remote(RolloutWorker).options(**spec.options)
+        self.workers = [worker_cls.remote(spec.exp_cfg, str(spec.model_dir), ref, version, spec.env_factory,
+                                          concurrency=spec.concurrency) for _ in range(spec.num_workers)]
         self._rr = itertools.count()
 
-    def _start_actors(self) -> None:
-        import ray
-
-        learner_cls = ray.remote(LearnerActor).options(**self.learner_options)
-        self.learner_actor = learner_cls.remote(self.exp_cfg, self.model_dir, self.learner.state_dict())
-        weights_ref = ray.put(dict(self.learner.export_policy_weights()))
-        worker_cls = ray.remote(RolloutWorker).options(**self.worker_options)
-        self.workers = [worker_cls.remote(self.exp_cfg, self.model_dir, weights_ref, self.start_step,
-                                          self.env_factory, concurrency=self.loop_cfg.concurrency)
-                        for _ in range(self.num_workers)]
-
-    async def _run_group(self, uid: int, sample: Mapping[str, Any], n: int) -> list[Trajectory]:
+    async def run_group(self, uid: int, sample: Mapping[str, Any], n: int) -> list[Trajectory]:
+        """Play prompt draw ``uid`` on the next worker (round-robin)."""
         worker = self.workers[next(self._rr) % len(self.workers)]
-        return await worker.run_group.remote(uid, dict(sample), n, self.sampling, self.agent_cfg)
+        return await worker.run_group.remote(uid, dict(sample), n, self.spec.sampling, self.spec.agent_cfg)
 
-    async def _learner_step(self, batch: Any, version: int) -> dict:
-        return await self.learner_actor.step.remote(batch)
-
-    async def _sync_weights(self, source: Any, version: int) -> None:
-        """Push ``version`` to every worker: the learner actor's current weights when ``source``
-        is the driver's learner (bounded staleness), else ``source``'s (a fixed-lag snapshot)."""
+    async def sync(self, source: WeightSource, version: int) -> None:
+        """Push ``version`` to every worker: a :class:`RayLearner`'s weights go from its actor to the
+        workers through the object store; any other source's are put there by the driver."""
         import ray
 
-        if source is self.learner:
-            ref = self.learner_actor.policy_weights.remote()  # produced once, pulled by each worker
+        if isinstance(source, RayLearner):
+            ref = source.policy_weights_ref()  # produced once, pulled by each worker
         else:
             ref = ray.put(dict(source.export_policy_weights()))
         await asyncio.gather(*(w.update_weights.remote(ref, version) for w in self.workers))
 
-    async def _snapshot_weights(self, version: int) -> Any:
-        return (await self.learner_actor.policy_weights.remote()).items()
-
-    async def pull_learner_state(self) -> None:
-        """Copy the learner actor's full state into the driver's learner."""
-        self.learner.load_state_dict(await self.learner_actor.state_dict.remote())
-
-    def _checkpoint(self, step: int, loop_state: dict) -> None:
-        import ray
-
-        self.learner.load_state_dict(ray.get(self.learner_actor.state_dict.remote()))
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(step, loop_state)
-
-    async def run(self) -> AsyncTrainingLoop:
-        """Start the actors (first call), train to ``loop_cfg.total_steps``; return the finished loop.
-
-        Afterwards the driver's learner holds the final state (actor, critic, optimizers).
-        """
-        if not self.workers:
-            self._start_actors()
-        self.loop = AsyncTrainingLoop(
-            self.learner, None, None, self.tok, self.prompts, self.sampling, self.agent_cfg, self.loop_cfg,
-            on_step=self.on_step, on_checkpoint=self._checkpoint, start_step=self.start_step,
-            sync_weights=self._sync_weights, run_group=self._run_group, learner_step=self._learner_step,
-            counters=self.counters, snapshot_weights=self._snapshot_weights,
-            weight_history=self.weight_history)
-        await self.loop.run()
-        await self.pull_learner_state()
-        return self.loop
-
     async def close(self) -> None:
-        """Close the workers (engines, task services) and kill all actors (idempotent)."""
+        """Close the workers (engines, task services) and kill them (idempotent)."""
         import ray
 
-        if self.workers:
-            await asyncio.gather(*(w.close.remote() for w in self.workers), return_exceptions=True)
-        for a in [*self.workers, self.learner_actor]:
-            if a is not None:
-                ray.kill(a)
-        self.workers, self.learner_actor = [], None
+        workers, self.workers = self.workers, []
+        if workers:
+            await asyncio.gather(*(w.close.remote() for w in workers), return_exceptions=True)
+        for w in workers:
+            ray.kill(w)
 
 
 def worker_experiment_config(cfg: Any, task: Any) -> Any:
@@ -299,31 +315,43 @@ def worker_experiment_config(cfg: Any, task: Any) -> Any:
     return absolute_task_paths(cfg)  # workers may run in another working directory
 
 
-async def run_ray_rl(cfg: Any, learner: Learner, model_dir: str | Path, task: Any, tokenizer: Any,
-                     prompts: PromptStream, sampling: SamplingParams, agent_cfg: AgentLoopConfig,
-                     loop_cfg: LoopConfig, *, start_step: int = 0,
-                     on_step: Callable[[int, dict, list[int]], None] | None = None,
-                     on_checkpoint: Callable[[int, dict], None] | None = None,
-                     counters: Mapping[str, int] | None = None,
-                     weight_history: Mapping[int, Any] | None = None) -> AsyncTrainingLoop:
-    """The RL phase of ``copc train`` with ``launcher.kind=ray`` (used by :mod:`trainer.app.run`).
+@asynccontextmanager
+async def launch_ray(spec: Any) -> AsyncIterator[tuple[RayLearner, RayRollouts]]:
+    """The ``ray`` launcher: a :class:`RayLearner` and :class:`RayRollouts` for ``copc train``.
 
     Connects to ``launcher.ray_address`` (or starts a local cluster with ``launcher.ray_num_cpus``
-    CPUs), runs :class:`RayTrainer` with ``launcher.num_rollout_workers`` workers that build
-    their environments from ``cfg`` (reusing the driver's retriever) and their engines through
-    the registry, then stops the actors (and Ray, if this call started it). The driver's
-    ``learner`` ends with the final state.
+    CPUs), starts the learner actor from the driver's learner state and
+    ``launcher.num_rollout_workers`` workers that build their environments from the config
+    (reusing the driver's retriever) and their engines through the registry. After a successful
+    run the driver's learner gets the actor's final state and the driver's engine its weights;
+    the actors are stopped in any case (and Ray, if this call started it).
+
+    Args:
+        spec: the :class:`~trainer.orchestration.launchers.LaunchSpec`.
     """
     import ray
 
+    from ..ray_util import init_ray
+
+    cfg = spec.cfg
     started = init_ray(cfg.launcher.ray_address, cfg.launcher.ray_num_cpus)
-    trainer = RayTrainer(worker_experiment_config(cfg, task), learner, model_dir, tokenizer, prompts,
-                         sampling, agent_cfg, loop_cfg, num_workers=cfg.launcher.num_rollout_workers,
-                         start_step=start_step, on_step=on_step, on_checkpoint=on_checkpoint,
-                         counters=counters, weight_history=weight_history)
+    learner: RayLearner | None = None
+    rollouts: RayRollouts | None = None
     try:
-        return await trainer.run()
+        learner = RayLearner.start(cfg, spec.model_dir, spec.learner.state_dict())
+        rollouts = RayRollouts(RayRolloutSpec(worker_experiment_config(cfg, spec.task), spec.model_dir,
+                                              spec.sampling, spec.agent_cfg,
+                                              num_workers=cfg.launcher.num_rollout_workers,
+                                              concurrency=cfg.rollout.concurrency),
+                               spec.learner, spec.learner.policy_version)
+        yield learner, rollouts
+        spec.learner.load_state_dict(await asyncio.to_thread(learner.state_dict))
+        # the driver's engine (evaluation) gets the final weights
+        await spec.engine.sync(spec.learner.export_policy_weights(), spec.learner.policy_version)
     finally:
-        await trainer.close()
+        if rollouts is not None:
+            await rollouts.close()
+        if learner is not None:
+            learner.close()
         if started:
             ray.shutdown()

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from trainer.errors import ConfigError
+from trainer.plugins import plugin_metadata
 
 from .collect import CellAgg, RunRow, aggregate, collect, write_csv
 from .plan import RunPlan, SweepPlan
@@ -35,8 +36,8 @@ def run_plan(plan: SweepPlan, console: Console) -> dict[str, dict]:
     if not todo:
         return {}
     launcher = plan.base.launcher
-    pool = RayPool(launcher.ray_address, launcher.ray_num_cpus) if launcher.kind == "ray" \
-        else LocalPool(plan.spec.parallel)
+    on_ray = plugin_metadata(plan.base, "launcher.kind")["ray_cluster"]  # the runs' launcher uses Ray
+    pool = RayPool(launcher.ray_address, launcher.ray_num_cpus) if on_ray else LocalPool(plan.spec.parallel)
 
     def describe() -> str:
         return (f"sweep: {counts['ok'] + skipped} done, {counts['running']} running, "

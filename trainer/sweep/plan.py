@@ -179,7 +179,8 @@ def build_plan(spec: SweepSpec) -> SweepPlan:
         ConfigError: no base config; an override that sets a grid key or a key the sweep sets
             (``output_dir``, ``train.seed``); a run whose config does not load (the message names
             the cell, the seed and the key); a run with ``eval.enabled=false``; an unknown metric;
-            a grid over ``train.fixed_lag`` without ``train.staleness_mode=fixed``; a run directory
+            a grid over ``train.staleness.lag`` without ``train.staleness.mode=fixed`` (refused by the
+            config: ``lag`` is no setting of the bounded mode); a run directory
             holding a run of other settings (:func:`_check_same_settings`).
     """
     if not spec.config:
@@ -218,25 +219,11 @@ def build_plan(spec: SweepSpec) -> SweepPlan:
                 raise ConfigError(f"{where}: {e}") from None
             if not cfg.eval.enabled:
                 raise ConfigError(f"{where}: eval.enabled=False: a sweep compares evaluation metrics")
-            _check_lag_axis(spec, cfg, where)
             _check_same_settings(cfg, run_dir, where)
             _check_metric(metric, cfg, where)
             plan.runs.append(RunPlan(cell, seed, config, (*common, *cell.overrides(), *keep, *tail), run_dir,
                                      cfg.train.total_steps, spec.eval_checkpoints))
     return plan
-
-
-def _check_lag_axis(spec: SweepSpec, cfg: ExperimentConfig, where: str) -> None:
-    """Refuse a grid over ``train.fixed_lag`` in bounded staleness mode, where the lag is ignored
-    (every cell would be the same run at ``train.max_staleness``).
-
-    Raises:
-        ConfigError: naming the cell, the key and the missing ``train.staleness_mode=fixed``.
-    """
-    if "train.fixed_lag" in spec.grid.axes and cfg.train.staleness_mode != "fixed":
-        raise ConfigError(f"{where}: grid key train.fixed_lag has no effect with train.staleness_mode="
-                          f"{cfg.train.staleness_mode!r} (the bound train.max_staleness="
-                          f"{cfg.train.max_staleness} applies); add the override train.staleness_mode=fixed")
 
 
 def _flatten(d: object, prefix: str = "") -> dict[str, object]:

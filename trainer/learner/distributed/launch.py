@@ -253,7 +253,7 @@ class RayGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ...orchestration.ray_launcher import init_ray
+        from ...ray_util import init_ray
         from .worker import resolve_dist_backend
 
         sec = exp_cfg.learner

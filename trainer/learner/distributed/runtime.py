@@ -88,9 +88,9 @@ class DistributedLearner:
 
     Raises:
         ConfigError: model-dependent sizes (:func:`check_model_parallel`); spawn / ray ranks
-            under a multi-process torchrun (:func:`check_launch`); ``launcher.kind=ray``
-            (its learner actor copies learner state through ``state_dict``, which for a
-            distributed learner holds no weights).
+            under a multi-process torchrun (:func:`check_launch`). (A launcher that cannot host
+            a distributed learner, ``launcher.kind=ray``, is refused at config load by its
+            ``distributed_learner`` capability, in :meth:`trainer.config.ExperimentConfig.validate`.)
         RankError: a rank failed to start.
     """
 
@@ -99,10 +99,6 @@ class DistributedLearner:
 
         sec = exp_cfg.learner
         RANK_LEARNERS.get(sec.backend)  # RegistryError naming learner.backend
-        if getattr(exp_cfg.launcher, "kind", "local") == "ray":
-            raise ConfigError(f"launcher.kind='ray' with learner.backend={sec.backend!r}: not supported (the "
-                              "Ray rollout launcher hosts the learner in one actor); use launcher.kind=local "
-                              "with learner.launch=ray to run the learner ranks as Ray actors")
         check_launch(sec)
         check_model_parallel(sec, model_dir)
         self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), sec.backend

@@ -1,0 +1,107 @@
+"""The launcher seam: ``launcher.kind`` names a registered launcher; nothing else branches on it.
+
+A launcher turns a :class:`LaunchSpec` (the config, the driver's restored learner, its started
+engine, the task, ...) into the two objects the training loop needs — the
+:class:`~trainer.learner.base.Learner` to train and the :class:`~.rollouts.Rollouts` to play
+episodes through — as an async context manager: ``async with launcher(spec) as (learner,
+rollouts): ...``. On a clean exit the driver's learner must hold the final state and the driver's
+engine its weights (``copc train`` evaluates with them); on any exit what it started is released.
+
+Built in: ``local`` (:func:`launch_local`: the driver's learner, the driver's engine and a pool of
+the task's environments in this process) and ``ray`` (:func:`~.ray_launcher.launch_ray`: a
+Ray-hosted learner and rollout worker actors). Adding one = a function like these + one
+``LAUNCHERS.register(name, settings=MySettings)(fn)`` call in a plugin file (``plugins:``); its
+settings dataclass is filled from ``launcher.settings`` (validated at load through
+:data:`trainer.plugins.SEAMS`) and handed over as ``spec.settings`` (None without settings).
+
+Capability metadata: ``distributed_learner`` (default True) — whether the launcher can train a
+distributed learner backend (``fsdp``, ``megatron``); ``ray`` cannot (its learner actor copies
+learner state through ``state_dict``, which for a distributed learner holds no weights);
+``ray_cluster`` (default False) — whether it runs on the Ray cluster of ``launcher.ray_address``
+(``copc sweep`` then runs its cells as Ray tasks on that cluster); ``ray`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from copc.registries import Registry
+
+
+@dataclass
+class LaunchSpec:
+    """What a launcher gets.
+
+    Attributes:
+        cfg: the :class:`~trainer.config.ExperimentConfig`.
+        learner: the driver's :class:`~trainer.learner.base.Learner` (restored on resume).
+        engine: the driver's started :class:`~trainer.engines.registry.EngineHandle`.
+        task: the started task (``make_env``, ``info``).
+        tokenizer: the policy tokenizer.
+        model_dir: ``save_pretrained`` directory of the policy's architecture.
+        sampling: rollout sampling parameters. agent_cfg: episode budgets.
+        settings: the launcher's settings (its registered dataclass, from ``launcher.settings``).
+    """
+
+    cfg: Any
+    learner: Any
+    engine: Any
+    task: Any
+    tokenizer: Any
+    model_dir: Path
+    sampling: Any
+    agent_cfg: Any
+    settings: Any = None
+
+
+#: ``launcher(spec) -> async context manager of (learner, rollouts)``.
+Launcher = Callable[[LaunchSpec], AbstractAsyncContextManager[tuple[Any, Any]]]
+
+#: The launchers (``launcher.kind``; a seam of :data:`trainer.plugins.SEAMS`, settings from
+#: ``launcher.settings``); capability metadata ``distributed_learner`` (bool, default True) and
+#: ``ray_cluster`` (bool, default False: it runs on the Ray cluster of ``launcher.ray_address``,
+#: so ``copc sweep`` runs its cells as Ray tasks on one cluster).
+LAUNCHERS: Registry[Launcher] = Registry("launcher", {"distributed_learner": (bool, True),
+                                                      "ray_cluster": (bool, False)}, key="launcher.kind")
+
+
+@LAUNCHERS.register("local")
+@asynccontextmanager
+async def launch_local(spec: LaunchSpec) -> AsyncIterator[tuple[Any, Any]]:
+    """The ``local`` launcher: the driver's learner and :class:`~.rollouts.LocalRollouts` on the
+    driver's engine with ``rollout.concurrency`` pooled environments of the task."""
+    from .rollouts import LocalRollouts
+
+    rollouts = LocalRollouts(spec.engine, spec.task.make_env, spec.tokenizer, spec.sampling, spec.agent_cfg,
+                             spec.cfg.rollout.concurrency)
+    try:
+        yield spec.learner, rollouts
+    finally:
+        await rollouts.close()
+
+
+@LAUNCHERS.register("ray", distributed_learner=False, ray_cluster=True)
+def launch_ray(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]:
+    """The ``ray`` launcher (:func:`trainer.orchestration.ray_launcher.launch_ray`; Ray is imported
+    only when it is used)."""
+    from .ray_launcher import launch_ray as launch
+
+    return launch(spec)
+
+
+def launch(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]:
+    """Start the launcher of ``spec.cfg.launcher.kind`` with its settings (see the module docstring).
+
+    Raises:
+        ConfigError: an unregistered launcher or bad ``launcher.settings``
+            (:func:`trainer.plugins.plugin_settings`).
+    """
+    from ..plugins import plugin_settings
+
+    spec = dataclasses.replace(spec, settings=plugin_settings(spec.cfg, "launcher.kind"))
+    return LAUNCHERS.get(spec.cfg.launcher.kind)(spec)
