@@ -14,7 +14,9 @@ from pathlib import Path
 from .config import SandboxConfig, SandboxUnavailableError
 
 WORKER_SRC = Path(__file__).with_name("_worker.py")
-WORKER_IN_SANDBOX = "/opt/copc-sandbox/worker.py"
+WORKER_IN_SANDBOX = "/opt/copc-sandbox/_worker.py"
+CONFINE_SRC = Path(__file__).with_name("_confine.py")
+CONFINE_IN_SANDBOX = "/opt/copc-sandbox/_confine.py"
 BWRAP_HINT = (
     "install bubblewrap ('apt-get install bubblewrap' on Debian/Ubuntu, or run "
     "scripts/setup.sh as root), or set SandboxConfig(isolation='process') to accept weaker "
@@ -52,20 +54,34 @@ def python_prefixes(python: str) -> tuple[str, ...]:
     return tuple(sorted(real))
 
 
+def sandbox_python(python: str) -> str:
+    """``python`` with its directory's symlinks resolved (the name itself kept, so a virtualenv's
+    ``bin/python`` link still finds its ``pyvenv.cfg``): only real directories are bound into the
+    sandbox, so a path through a symlinked directory would not exist there."""
+    return os.path.join(os.path.realpath(os.path.dirname(python)), os.path.basename(python))
+
+
 def _ancestors(path: str) -> list[str]:
     parts = Path(path).parts[1:-1]
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def bwrap_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
+def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
+               cgroups: dict[str, str] | None = None) -> LaunchSpec:
     """Build the ``bwrap`` command for worker ``slot``.
 
-    Enforced: new PID/network/IPC/UTS (and cgroup, where possible) namespaces; a root made of
-    read-only binds of /usr and the interpreter's prefixes only; a private size-limited tmpfs
-    /tmp; a scrubbed environment; ``--die-with-parent``; ``--new-session``. As root, all
-    capabilities are dropped except SETUID/SETGID/KILL in the fork server, which runs code
-    as ``uid_base + slot`` (no capabilities, ``no_new_privs``); as a normal user, a user
-    namespace maps the code to uid 65534.
+    Enforced per worker: new PID/network/IPC/UTS (and cgroup, where possible) namespaces; a
+    root made of read-only binds of /usr and the interpreter's prefixes only; a scrubbed
+    environment; ``--die-with-parent``; ``--new-session``. Per call (``_worker.py``): a fresh
+    mount + IPC namespace with fresh tmpfs ``/tmp`` and ``/dev/shm``, the slot's cgroups,
+    no capabilities, uid ``uid``, ``no_new_privs`` and a seccomp filter (no namespaces, no
+    keyrings). As root, bwrap keeps SETUID/SETGID/KILL/SYS_ADMIN/SETPCAP for the fork server
+    only (it needs them to make the per-call namespaces and to drop the call's privileges); as
+    a normal user, a user namespace maps the code to uid 65534 (not exercised here).
+
+    Args:
+        uid: the uid the code runs as (root host; default ``uid_base + slot``).
+        cgroups: ``{"memory": dir, "pids": dir}`` host cgroup directories of this slot.
 
     Raises:
         SandboxUnavailableError: ``bwrap`` is not installed.
@@ -76,14 +92,17 @@ def bwrap_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
     argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "sandbox"]
-    worker_args = ["--pid-ns"]
+    worker_args = ["--pid-ns", "--namespaces", "--tmp-bytes", str(cfg.tmp_size_mb << 20),
+                   "--proc-scratch", "/run/copc-proc"]
+    caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL",
+            "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     if os.geteuid() == 0:
-        uid = cfg.uid_base + slot
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-                 "--cap-add", "CAP_KILL"]
+        uid = cfg.uid_base + slot if uid is None else uid
+        argv += ["--cap-drop", "ALL", *caps]
         worker_args += ["--drop-uid", str(uid), str(uid)]
     else:
-        argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL"]
+        argv += ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-drop", "ALL", *caps]
+        worker_args += ["--drop-uid", "65534", "65534"]
     argv += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):
         if os.path.islink(top):
@@ -92,10 +111,10 @@ def bwrap_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
             argv += ["--ro-bind", top, top]
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime", "/etc/nsswitch.conf"):
         argv += ["--ro-bind-try", f, f]
-    # The private /tmp first: an interpreter prefix under /tmp (e.g. a virtualenv in a
-    # checkout under /tmp) is then bound on top of it instead of being hidden by it.
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(cfg.tmp_size_mb * 1024 * 1024), "--perms", "1777", "--tmpfs", "/tmp"]
+    # The worker's /tmp first: an interpreter prefix under /tmp (e.g. a virtualenv in a
+    # checkout under /tmp) is then bound on top of it, and bound again in each call's /tmp.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(1 << 20), "--perms", "0755",
+             "--tmpfs", "/tmp", "--dir", "/run/copc-proc"]
     made: set[str] = {"/", "/usr", "/etc", "/tmp", "/proc", "/dev"}
     binds = [p for p in (*python_prefixes(cfg.python), *cfg.extra_ro_paths)
              if not p.startswith("/usr/")]
@@ -106,10 +125,17 @@ def bwrap_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
                 made.add(anc)
         argv += ["--ro-bind", path, path]
         made.add(path)
-    argv += ["--ro-bind", str(WORKER_SRC), WORKER_IN_SANDBOX, "--chdir", "/tmp", "--clearenv"]
+    keep = [p for p in sorted(set(binds)) if p.startswith("/tmp/")]
+    if keep:
+        worker_args += ["--keep", ",".join(keep)]
+    for ctl, path in sorted((cgroups or {}).items()):
+        argv += ["--bind", path, f"/run/copc-cgroup/{ctl}"]
+        worker_args += [f"--cgroup-{ctl}", f"/run/copc-cgroup/{ctl}"]
+    argv += ["--ro-bind", str(WORKER_SRC), WORKER_IN_SANDBOX,
+             "--ro-bind", str(CONFINE_SRC), CONFINE_IN_SANDBOX, "--chdir", "/tmp", "--clearenv"]
     for k, v in cfg.env.items():
         argv += ["--setenv", k, v]
-    argv += [cfg.python, "-I", "-B", WORKER_IN_SANDBOX, *worker_args]
+    argv += [sandbox_python(cfg.python), "-I", "-B", WORKER_IN_SANDBOX, *worker_args]
     if cfg.preload_modules:
         argv += ["--preload", ",".join(cfg.preload_modules)]
     return LaunchSpec(argv=argv, env={"PATH": "/usr/bin:/bin"}, tmp_root="/tmp", host_tmp=None)
@@ -129,14 +155,15 @@ def _unshare_net_prefix() -> tuple[str, ...]:
     return ()
 
 
-def process_argv(cfg: SandboxConfig, slot: int) -> LaunchSpec:
+def process_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
+                 cgroups: dict[str, str] | None = None) -> LaunchSpec:
     """Build the weaker ``process`` isolation command: rlimits, a scrubbed environment, a
     private temp dir and a network namespace where ``unshare`` is permitted. No read-only file
     system view, no PID namespace and no uid change (as root, RLIMIT_NPROC is then ignored, so
     fork bombs are only stopped by the wall-clock timeout)."""
     host_tmp = tempfile.mkdtemp(prefix="copc-sandbox-")
     os.chmod(host_tmp, 0o1777)
-    del slot  # every process worker runs as the caller's uid
+    del slot, uid, cgroups  # every process worker runs as the caller's uid, no cgroups
     argv = [*_unshare_net_prefix(), cfg.python, "-I", "-B", str(WORKER_SRC),
             "--tmp-root", host_tmp]
     if cfg.preload_modules:

@@ -32,7 +32,9 @@ from .config import (
     SandboxResult,
     SandboxUnavailableError,
 )
+from .host import PoolCgroups, UidClaim
 from .launch import BWRAP_HINT, LaunchSpec, bwrap_argv, process_argv
+from .selfcheck import PROBE, check_probe
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
@@ -108,6 +110,9 @@ def _classify(reply: dict, cfg_timeout: float, memory_mb: int) -> tuple[str, str
     code = reply["exit_code"]
     if reply.get("reason") == "timeout":
         return STATUS_TIMEOUT, f"wall-clock timeout after {cfg_timeout:g} s; process tree killed"
+    if reply.get("reason") == "memory":
+        return STATUS_MEMORY, (f"memory limit of {memory_mb} MiB for the whole call reached "
+                               "(cgroup: all its processes, files and shared memory); call killed")
     if reply.get("reason") == "output_limit":
         return STATUS_OUTPUT, "output exceeded max_output_bytes; process killed, output truncated"
     if code == 0:
@@ -163,26 +168,44 @@ class Sandbox:
             )
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: dict[int, _Worker] = {}
-        started = [self._spawn(slot) for slot in range(self.config.workers)]
+        self._uids: UidClaim | None = None
+        self._cgroups = PoolCgroups(self.config.max_processes)
+        started: list[_Worker] = []
         try:
+            if self.config.isolation == "bwrap" and os.geteuid() == 0:
+                self._uids = UidClaim(self.config.uid_base, self.config.workers)
+            started += [self._spawn(slot) for slot in range(self.config.workers)]
             for w in started:
                 self._handshake(w)
                 self._idle.put(w)
         except BaseException:
             for w in started:
                 w.kill()
+            self._release_host()
             raise
 
     # -- worker lifecycle ------------------------------------------------------------------
     def _spawn(self, slot: int) -> _Worker:
-        spec = (bwrap_argv if self.config.isolation == "bwrap" else process_argv)(
-            self.config, slot)
+        bwrap = self.config.isolation == "bwrap"
+        try:
+            cgroups = self._cgroups.slot(slot) if bwrap else {}
+        except OSError as e:
+            raise SandboxUnavailableError(f"cannot set up the cgroups of sandbox worker {slot}: "
+                                          f"{e}") from e
+        uid = self._uids.uids[slot] if self._uids is not None else None
+        spec = (bwrap_argv if bwrap else process_argv)(self.config, slot, uid, cgroups)
         w = _Worker(spec, slot)
         with self._lock:
             self._all[slot] = w
         return w
 
     def _handshake(self, w: _Worker) -> None:
+        """Read the worker's hello, then run the self-check probe as an ordinary call.
+
+        Raises:
+            SandboxUnavailableError: the worker did not start, or the probe found weaker
+                confinement than documented (it never runs weaker silently).
+        """
         try:
             hello = w.recv(60.0)
         except (TimeoutError, _WorkerDiedError) as e:
@@ -190,22 +213,32 @@ class Sandbox:
             raise SandboxUnavailableError(
                 f"sandbox worker ({self.config.isolation}) failed to start: {e!s}; "
                 f"stderr: {w.stderr_tail()!r}; {hint}") from None
-        problems = []
-        if self.config.isolation == "bwrap":
-            if hello.get("net_interfaces") != ["lo"]:
-                problems.append(f"network not isolated (interfaces {hello.get('net_interfaces')})")
-            if not hello.get("child_uid"):
-                problems.append(f"code would run as uid {hello.get('child_uid')!r} (root)")
-            if hello.get("child_cap_eff") != "0000000000000000":
-                problems.append(f"code keeps capabilities {hello.get('child_cap_eff')}")
-            if not hello.get("pid_ns_init_visible"):
-                problems.append(f"no own PID namespace (worker pid {hello.get('pid')})")
+        problems = [f"worker set-up failed: {hello['setup_error']}"] if hello.get(
+            "setup_error") else []
         if hello.get("preload_errors"):
             problems.append(f"preload failed: {hello['preload_errors']}")
+        probe: dict = {}
+        if not problems:
+            res = self._call(w, PROBE, 30.0, max(self.config.memory_mb, 256))
+            try:
+                probe = json.loads(res.stdout)
+            except ValueError:
+                problems.append(f"self-check probe failed: {res.status}: {res.reason}; "
+                                f"{res.stderr[-1000:]!r}")
+        if probe and self.config.isolation == "bwrap":
+            problems += check_probe(probe, hello, self._cgroups.mode)
         if problems:
             raise SandboxUnavailableError(
                 "sandbox self-check failed, refusing to run with weaker isolation: "
                 + "; ".join(problems))
+        hello.update({
+            "child_uid": probe.get("uid"), "child_cap_eff": probe.get("caps", {}).get("CapEff"),
+            "capabilities": probe.get("caps"), "no_new_privs": probe.get("nnp"),
+            "seccomp": probe.get("seccomp"), "user_namespaces": probe.get("user_namespaces"),
+            "net_interfaces": probe.get("net_interfaces"),
+            "memory_limit": ("cgroup-v1 memory+pids (whole call)" if self._cgroups.mode ==
+                             "cgroup-v1" else f"rlimit per process ({self._cgroups.why})"),
+        })
         w.hello = hello
 
     def _replace(self, w: _Worker) -> _Worker:
@@ -226,7 +259,8 @@ class Sandbox:
             return {"isolation": "docker"}
         with self._lock:
             hellos = [w.hello for w in self._all.values()]
-        return {"isolation": self.config.isolation, "workers": hellos}
+        return {"isolation": self.config.isolation, "workers": hellos,
+                "memory_limit": self._cgroups.mode, "memory_limit_why": self._cgroups.why}
 
     # -- calls -----------------------------------------------------------------------------
     def run(self, code: str, timeout_s: float | None = None,
@@ -261,6 +295,22 @@ class Sandbox:
             return self._docker.run(code, timeout_s, memory_mb)
         t0 = time.perf_counter()
         w = self._idle.get()
+        try:
+            res = self._call(w, code, timeout_s, memory_mb)
+            if res.status == STATUS_SANDBOX_ERROR:  # the machinery failed: once more, fresh
+                w = self._replace(w)
+                first = res.reason
+                res = self._call(w, code, timeout_s, memory_mb)
+                if res.status == STATUS_SANDBOX_ERROR:
+                    w = self._replace(w)
+                    res = replace(res, reason=f"{res.reason} (retried once after: {first})")
+        finally:
+            self._idle.put(w)
+        return replace(res, wall_s=time.perf_counter() - t0)
+
+    def _call(self, w: _Worker, code: str, timeout_s: float, memory_mb: int) -> SandboxResult:
+        """One request to worker ``w``; a failure of the worker is a ``sandbox_error``
+        result (the caller replaces the worker)."""
         req = {
             "code": code, "timeout_s": timeout_s, "memory_mb": memory_mb,
             "cpu_s": int(timeout_s) + 1, "max_output_bytes": self.config.max_output_bytes,
@@ -275,21 +325,15 @@ class Sandbox:
                 raise _WorkerDiedError(reply["error"])
         except (TimeoutError, _WorkerDiedError, json.JSONDecodeError) as e:
             msg = "worker did not answer in time" if isinstance(e, TimeoutError) else str(e)
-            try:
-                w = self._replace(w)
-            finally:
-                self._idle.put(w)
             return SandboxResult(stdout="", stderr="", exit_code=None,
                                  status=STATUS_SANDBOX_ERROR,
-                                 reason=f"sandbox worker failed and was replaced: {msg}",
-                                 wall_s=time.perf_counter() - t0)
-        self._idle.put(w)
+                                 reason=f"sandbox worker failed and was replaced: {msg}")
         status, reason = _classify(reply, timeout_s, memory_mb)
         return SandboxResult(
             stdout=reply["stdout"], stderr=reply["stderr"], exit_code=reply["exit_code"],
             status=status, reason=reason, truncated=reply["truncated"],
             duration_s=reply["duration_s"], cpu_s=reply["cpu_s"],
-            max_rss_kb=reply["max_rss_kb"], wall_s=time.perf_counter() - t0,
+            max_rss_kb=reply["max_rss_kb"],
         )
 
     def close(self) -> None:
@@ -305,6 +349,13 @@ class Sandbox:
             self._all.clear()
         for w in workers:
             w.kill()
+        self._release_host()
+
+    def _release_host(self) -> None:
+        if getattr(self, "_cgroups", None) is not None:
+            self._cgroups.close()
+        if getattr(self, "_uids", None) is not None:
+            self._uids.release()
 
     def __enter__(self) -> Sandbox:
         return self

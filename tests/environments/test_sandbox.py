@@ -210,7 +210,8 @@ def test_dead_worker_is_replaced():
         os.killpg(pid, 9)
         time.sleep(0.1)
         r = sb.run("print(1+1)")
-        assert r.status == "sandbox_error" and "replaced" in r.reason
+        # issue 21: the failure of the machinery is not reported; the call reran on a new worker
+        assert (r.status, r.stdout, r.exit_code) == ("ok", "2\n", 0), r
         assert sb.worker_pids() != [pid]
         assert_pool_alive(sb)
 

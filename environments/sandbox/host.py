@@ -1,0 +1,165 @@
+"""Host resources of one sandbox pool: its own uids and its per-worker cgroups.
+
+* :class:`UidClaim` — uids no other pool on this host uses at the same time (an exclusive
+  ``flock`` per uid under ``/run/copc-sandbox``, released when the pool's process ends), so
+  ``RLIMIT_NPROC`` counts only this pool's worker;
+* :class:`PoolCgroups` — one cgroup v1 ``memory`` and ``pids`` directory per worker slot
+  under this process's own cgroups: ``memory_mb`` then bounds all processes, tmpfs pages,
+  shared memory and kernel objects of a call together, and ``max_processes`` is the call's
+  ``pids.max``. Where the host offers no writable v1 ``memory`` + ``pids`` hierarchy (e.g. a
+  cgroup2-only host) ``mode`` is ``"rlimit"`` and ``why`` says why (the documented fallback:
+  per-process RLIMIT_AS and size-limited tmpfs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+
+LOCK_DIR = "/run/copc-sandbox"
+UID_SPAN = 4096  # uids tried from SandboxConfig.uid_base on
+_COUNTER = itertools.count()
+
+
+def _uids_in_use() -> set[int]:
+    used: set[int] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            used.add(os.stat(f"/proc/{pid}").st_uid)
+    return used
+
+
+class UidClaim:
+    """Claim ``n`` uids from ``[base, base + UID_SPAN)`` for this pool (root only).
+
+    Raises:
+        RuntimeError: fewer than ``n`` uids are free in the range.
+    """
+
+    def __init__(self, base: int, n: int) -> None:
+        os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+        used = _uids_in_use()
+        self.uids: list[int] = []
+        self._fds: list[int] = []
+        for uid in range(base, base + UID_SPAN):
+            if len(self.uids) == n:
+                break
+            if uid in used:
+                continue
+            fd = os.open(os.path.join(LOCK_DIR, f"uid-{uid}.lock"), os.O_RDWR | os.O_CREAT
+                         | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self.uids.append(uid)
+            self._fds.append(fd)
+        if len(self.uids) < n:
+            self.release()
+            raise RuntimeError(f"no {n} free sandbox uids in [{base}, {base + UID_SPAN})")
+
+    def release(self) -> None:
+        """Give the uids back (idempotent)."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+
+def _v1_dir(controller: str) -> str | None:
+    """This process's cgroup directory in the v1 hierarchy holding ``controller``."""
+    mount = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _dev, target, fstype, options = line.split()[:4]
+            if fstype == "cgroup" and controller in options.split(","):
+                mount = target
+    if mount is None:
+        return None
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            if controller in names.split(","):
+                return os.path.join(mount, path.lstrip("/"))
+    return None
+
+
+class PoolCgroups:
+    """Per-slot cgroup v1 ``memory`` and ``pids`` directories of one pool (see module doc)."""
+
+    def __init__(self, max_processes: int) -> None:
+        self.max_processes = max_processes
+        self.mode, self.why = "rlimit", ""
+        self.base: dict[str, str] = {}
+        if os.geteuid() != 0:
+            self.why = "not root: cgroups cannot be created"
+            return
+        name = f"copc-sandbox-{os.getpid()}-{next(_COUNTER)}"
+        for ctl in ("memory", "pids"):
+            parent = _v1_dir(ctl)
+            if parent is None:
+                self.why = f"no cgroup v1 '{ctl}' hierarchy mounted"
+                break
+            _remove_stale(parent)
+            try:
+                os.mkdir(os.path.join(parent, name), 0o755)
+            except OSError as e:
+                self.why = f"cannot create a '{ctl}' cgroup under {parent}: {e}"
+                break
+            self.base[ctl] = os.path.join(parent, name)
+        if self.why:
+            self.close()
+            return
+        self.mode = "cgroup-v1"
+
+    def slot(self, slot: int) -> dict[str, str]:
+        """Fresh (empty) memory and pids cgroups for worker ``slot``: ``{controller: path}``.
+
+        Raises:
+            OSError: a cgroup could not be created or configured.
+        """
+        if self.mode != "cgroup-v1":
+            return {}
+        dirs = {}
+        for ctl, base in self.base.items():
+            path = os.path.join(base, f"slot-{slot}")
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # the replaced worker's (its processes are dead)
+            os.makedirs(path, exist_ok=True)
+            dirs[ctl] = path
+        with open(os.path.join(dirs["pids"], "pids.max"), "w") as f:
+            f.write(str(self.max_processes))
+        return dirs
+
+    def close(self) -> None:
+        """Remove the pool's cgroups (idempotent; the workers must be dead)."""
+        for base in self.base.values():
+            _rmtree_cgroup(base)
+        self.base.clear()
+
+
+def _rmtree_cgroup(path: str) -> None:
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(path):
+            sub = os.path.join(path, entry)
+            if os.path.isdir(sub):
+                with contextlib.suppress(OSError):
+                    os.rmdir(sub)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove pool cgroups left by processes that no longer exist."""
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(parent):
+            if not entry.startswith("copc-sandbox-"):
+                continue
+            pid = entry.split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                _rmtree_cgroup(os.path.join(parent, entry))
