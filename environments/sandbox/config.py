@@ -12,11 +12,11 @@ STATUS_OK = "ok"  # exited with status 0
 STATUS_ERROR = "error"  # non-zero exit (exception, sys.exit(n), syntax error)
 STATUS_TIMEOUT = "timeout"  # wall-clock limit hit; whole process tree killed
 STATUS_CPU = "cpu_limit"  # RLIMIT_CPU hit (SIGXCPU / SIGKILL)
-STATUS_MEMORY = "memory_limit"  # RLIMIT_AS hit (MemoryError or allocation failure)
+STATUS_MEMORY = "memory_limit"  # the call's memory cgroup OOM-killed it, or RLIMIT_AS hit
 STATUS_OUTPUT = "output_limit"  # stdout+stderr exceeded max_output_bytes; killed
 STATUS_FILE_SIZE = "file_size_limit"  # RLIMIT_FSIZE hit (SIGXFSZ)
 STATUS_SIGNAL = "signal"  # killed by another signal (e.g. SIGSEGV on C-stack overflow)
-STATUS_SANDBOX_ERROR = "sandbox_error"  # the worker itself failed; it was replaced
+STATUS_SANDBOX_ERROR = "sandbox_error"  # the worker failed twice (replaced, call retried once)
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -33,13 +33,17 @@ class SandboxConfig:
             needs a reachable daemon).
         workers: number of warm fork-server workers (parallel calls), >= 1.
         timeout_s: default wall-clock limit per call, seconds (> 0).
-        memory_mb: default address-space limit (RLIMIT_AS) per call, MiB (>= 64).
+        memory_mb: default memory limit per call, MiB (>= 64): the call's cgroup limit (all
+            its processes, tmpfs and shared memory) where cgroups are available, and RLIMIT_AS
+            of each process (docs/environments.md).
         max_output_bytes: stdout + stderr kept per call, bytes; more kills the call.
         max_file_mb: largest file the code may write (RLIMIT_FSIZE), MiB.
-        tmp_size_mb: size of the private tmpfs /tmp inside the sandbox, MiB.
-        max_processes: RLIMIT_NPROC of the sandboxed uid (fork-bomb cap), >= 2.
-        uid_base: when the host runs as root, worker slot ``i`` runs code as uid/gid
-            ``uid_base + i`` (an otherwise unused uid, so RLIMIT_NPROC counts only it).
+        tmp_size_mb: size of each call's fresh tmpfs ``/tmp`` (and ``/dev/shm``), MiB.
+        max_processes: processes per call (the call's ``pids.max`` and RLIMIT_NPROC of the
+            worker's own uid; fork-bomb cap), >= 2.
+        uid_base: when the host runs as root, each worker runs code as a uid/gid claimed for
+            this pool alone from ``[uid_base, uid_base + 4096)`` (unused by any process and by
+            any other pool), so RLIMIT_NPROC counts only that worker's call.
         python: interpreter used inside the sandbox (its prefix is bound read-only).
         preload_modules: imported once in each fork server (e.g. ``("numpy", "sympy")``),
             so calls do not pay for the import.
