@@ -245,3 +245,28 @@ def test_train_writes_records_and_paired_delta(tmp_path):
     change = summary["eval_after"]["accuracy"] - summary["eval_before"]["accuracy"]
     assert delta["mean"] == pytest.approx(change)
     assert json.loads((Path(out) / "summary.json").read_text())["eval_delta"] == delta
+
+
+def test_report_row_labels_survive_an_80_column_terminal():
+    """Issue 21 item 18: at 80 columns (``make main | cat``) every row label and every value is
+    printed whole, and no line is wider than the terminal."""
+    labels = ["accuracy", "em", "infra_failed", "invalid_action_rate", "mean_response_tokens",
+              "mean_reward", "mean_tool_calls", "mean_turns", "n", "tool_call_rate"]
+    before = {k: 0.25 for k in labels} | {"accuracy_ci95_low": 0.0320180, "accuracy_ci95_high": 0.0799915,
+                                          "em_ci95_low": 0.125, "em_ci95_high": 0.5, "accuracy": 17 / 334}
+    after = {k: 0.5 for k in labels} | {"accuracy_ci95_low": 0.055, "accuracy_ci95_high": 0.114, "accuracy": 0.08}
+    delta = {"metric": "accuracy", "mean": 0.029, "ci95_low": 0.006, "ci95_high": 0.054, "n": 334}
+    buf = io.StringIO()
+    print_report({"name": "tiny_run", "preset": "copc", "task": "math_tool", "warm_start": True,
+                  "eval_before": before, "eval_after": after, "eval_delta": delta, "steps": 3},
+                 console=Console(file=buf, width=80, color_system=None))
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.count("│") >= 3]
+    first = [c[0] for c in cells if c and c[0]]
+    for k in labels:
+        assert k in first, (k, text)
+    flat = " ".join(" ".join(c) for c in cells)
+    for part in ("0.051", "[0.032,", "0.080]", "[0.055,", "0.114]", "+0.029", "[+0.006,", "+0.054]", "(n=334)"):
+        assert part in flat, (part, text)

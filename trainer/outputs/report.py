@@ -52,16 +52,17 @@ def print_report(summary: dict, console: Any = None) -> None:
     con = console if console is not None else Console()
     delta = summary.get("eval_delta") or {}
     table = Table(title=f"{summary.get('name')} — {summary.get('preset')} on {summary.get('task')}")
-    table.add_column("metric")
-    table.add_column("after warm-start (before RL)" if summary.get("warm_start") else "before RL",
-                     justify="right", no_wrap=True)
-    table.add_column("after RL", justify="right", no_wrap=True)
-    if delta:
-        table.add_column("Δ after − before (paired)", justify="right", no_wrap=True)
+    columns = ["after warm-start (before RL)" if summary.get("warm_start") else "before RL", "after RL"]
+    columns += ["Δ after − before (paired)"] if delta else []
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
-    for k in sorted(set(before) | set(after)):
-        if k.endswith((CI_LOW, CI_HIGH)) or not isinstance(before.get(k, after.get(k)), int | float):
-            continue
+    keys = [k for k in sorted(set(before) | set(after))
+            if not k.endswith((CI_LOW, CI_HIGH)) and isinstance(before.get(k, after.get(k)), int | float)]
+    # the labels never wrap or shrink; on a narrow terminal (80 columns, stdout not a tty) the value
+    # columns wrap at their spaces instead ("0.051" over "[0.032, 0.080]")
+    table.add_column("metric", no_wrap=True, min_width=max([len("metric")] + [len(k) for k in keys]))
+    for name in columns:
+        table.add_column(name, justify="right", min_width=len("+0.000 ["))
+    for k in keys:
         row = [k, format_with_ci(before, k), format_with_ci(after, k)]
         if delta:
             row.append(format_delta(delta) if k == delta.get("metric") else "")
