@@ -254,7 +254,8 @@ def test_report_row_labels_survive_an_80_column_terminal():
               "mean_reward", "mean_tool_calls", "mean_turns", "n", "tool_call_rate"]
     before = {k: 0.25 for k in labels} | {"accuracy_ci95_low": 0.0320180, "accuracy_ci95_high": 0.0799915,
                                           "em_ci95_low": 0.125, "em_ci95_high": 0.5, "accuracy": 17 / 334}
-    after = {k: 0.5 for k in labels} | {"accuracy_ci95_low": 0.055, "accuracy_ci95_high": 0.114, "accuracy": 0.08}
+    after = {k: 0.5 for k in labels} | {"accuracy_ci95_low": 0.055, "accuracy_ci95_high": 0.114,
+                                        "accuracy": 0.08}
     delta = {"metric": "accuracy", "mean": 0.029, "ci95_low": 0.006, "ci95_high": 0.054, "n": 334}
     buf = io.StringIO()
     print_report({"name": "tiny_run", "preset": "copc", "task": "math_tool", "warm_start": True,
@@ -268,5 +269,6 @@ def test_report_row_labels_survive_an_80_column_terminal():
     for k in labels:
         assert k in first, (k, text)
     flat = " ".join(" ".join(c) for c in cells)
-    for part in ("0.051", "[0.032,", "0.080]", "[0.055,", "0.114]", "+0.029", "[+0.006,", "+0.054]", "(n=334)"):
+    for part in ("0.051", "[0.032,", "0.080]", "[0.055,", "0.114]", "+0.029", "[+0.006,", "+0.054]",
+                 "(n=334)"):
         assert part in flat, (part, text)
