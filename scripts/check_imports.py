@@ -13,17 +13,19 @@ An edge ``a -> b`` means module ``a`` names module ``b`` in an import statement:
 that Python performs is not counted (it would make every sub-package a cycle with its ``__init__``).
 
 Layer order, lowest first (:data:`LAYERS`; the README's "What is here" table is written in the same
-order). A module may import modules of its own layer or of any lower layer, never a higher one. A
-module is placed in the layer of the longest prefix in the list that names it (a prefix written
-``=name`` names that one module only, not its sub-modules); a module of a package in
-:data:`PACKAGES` that no prefix names is reported too, so the list stays complete.
+order, one row per package with its layer number, checked by ``tests/test_readme_tree.py``). A
+module may import modules of its own layer or of any lower layer, never a higher one. A module is
+placed in the layer of the longest prefix in the list that names it (a prefix written ``=name``
+names that one module only, not its sub-modules); a module of a package in :data:`PACKAGES` that
+no prefix names is reported too, so the list stays complete.
 
   0  copc                  the algorithm: pure tensor code; imports no other package of the house
   1  retriever             the retrieval server and client; imports nothing of the house
   2  environments          Gymnasium tool environments; the search environment and the remote
                            launcher use ``retriever`` (client, server launch), so it sits above it
-  3  trainer.errors, trainer.logprobs, trainer.plugins
-                           leaves: error types, log-prob arithmetic, importing plug-in modules
+  3  trainer.errors, trainer.logprobs, trainer.plugins, trainer.ray_util
+                           leaves: error types, log-prob arithmetic, importing plug-in modules,
+                           connecting to Ray
   4  trainer.outputs       what a run writes: checkpoints, metric logs, plots, reports, progress
   5  trainer.models        tiny / Hugging Face models, tokenizers, export
   6  trainer.engines       generation engines (embedded, SGLang) and their registry
