@@ -102,7 +102,7 @@ def main() -> int:
     torch_lrn = make_learner(load_config(None, common), model_dir)
     t_ref = timed_steps(torch_lrn, batch, args.steps)
     ref = training_state_bytes([torch_lrn.actor, torch_lrn.critic],
-                               [torch_lrn.actor_opt, torch_lrn.critic_opt])
+                               [torch_lrn.actor_opt.optimizer, torch_lrn.critic_opt.optimizer])
     ref_total = sum(ref.values())
     header = (f"{'backend':<16}{'step s':>9}{'x torch':>9}{'params MiB':>12}{'grads MiB':>11}"
               f"{'optim MiB':>11}{'total MiB':>11}{'x single':>10}")

@@ -28,7 +28,8 @@ from environments.math_tool import MathToolEnv
 from environments.sandbox import Sandbox, SandboxConfig
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.backends.torch import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import TorchLearner
+from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, LoopConfig
@@ -86,7 +87,9 @@ def main() -> None:
     for preset in ("copc", "ppo_async"):
         torch.manual_seed(0)
         learners[preset] = TorchLearner(copy.deepcopy(base), copc.get_preset(preset),
-                                        LearnerConfig(actor_lr=1e-4, critic_lr=1e-3, micro_batch_size=8))
+                                        LearnerConfig(
+                                            optim=OptimizerSettings(actor_lr=1e-4, critic_lr=1e-3),
+                                            micro_batch_size=8))
     v = 0
     for _ in range(args.rounds):  # interleaved on the same batch, so machine load hits both alike
         for b in batches:
@@ -114,7 +117,9 @@ def main() -> None:
     def loop_time(s: int) -> float:
         actor = copy.deepcopy(base)
         learner = TorchLearner(actor, copc.get_preset("copc"),
-                               LearnerConfig(actor_lr=1e-4, critic_lr=1e-3, micro_batch_size=8))
+                               LearnerConfig(
+                                   optim=OptimizerSettings(actor_lr=1e-4, critic_lr=1e-3),
+                                   micro_batch_size=8))
 
         async def go():
             eng = EmbeddedEngine(copy.deepcopy(base), tok)

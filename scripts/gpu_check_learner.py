@@ -97,7 +97,7 @@ def run_backend(backend: str, dtype: str, device: str, model_dir: Path, batches:
 
     from trainer.config import load_config
     from trainer.learner import make_learner
-    from trainer.learner.backends.fsdp import batch_to
+    from trainer.learner.distributed.shard import batch_to
 
     cfg = load_config(None, overrides(backend, dtype, device, timeout_s))
     on_cuda = device == "cuda" and torch.cuda.is_available()

@@ -230,7 +230,7 @@ def step_logprob_parity(ctx: StepContext) -> dict:
     import torch
 
     from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from trainer.learner.backends.fsdp import batch_to
+    from trainer.learner.distributed.shard import batch_to
     from trainer.learner.backends.torch import response_logprobs
     from trainer.models.loading import load_model_and_tokenizer
     from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint

@@ -38,8 +38,10 @@ from copc.metrics import (
     policy_channel_diagnostics,
     value_bias_metrics,
 )
-from trainer.learner.algorithm import ActorCriticAlgorithm, ValueBiasTracker
-from trainer.learner.backends.torch import LearnerConfig, TorchLearner, mb_values, response_logprobs
+from trainer.learner.algorithm import ActorCriticAlgorithm
+from trainer.learner.backends.torch import TorchLearner, mb_values, response_logprobs
+from trainer.learner.settings import LearnerConfig, OptimizerSettings
+from trainer.learner.step_metrics import ValueBiasTracker
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.outputs.metrics_log import MetricsLogger
@@ -276,7 +278,8 @@ def tiny(tmp_path_factory):
 def _learner(tiny) -> TorchLearner:
     torch.manual_seed(0)
     actor, _ = load_model_and_tokenizer(tiny)
-    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(actor_lr=1e-3, critic_lr=1e-2))
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
+        optim=OptimizerSettings(actor_lr=1e-3, critic_lr=1e-2)))
     learner.steps_done = VERSION  # the learner is at policy version 5
     return learner
 

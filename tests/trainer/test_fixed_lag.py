@@ -22,7 +22,8 @@ from trainer.app.run import run_experiment
 from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.backends.torch import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import TorchLearner
+from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.lag import WeightHistory, generating_version
@@ -46,7 +47,8 @@ def _run_fixed(path, k, *, steps=6, per_step=2, make_env=EchoEnv, learner_delay=
                start_step=0, state=None):
     actor, tok = load_model_and_tokenizer(path)
     learner = TorchLearner(actor, copc.get_preset("copc"),
-                           LearnerConfig(actor_lr=1e-2, critic_lr=1e-3, micro_batch_size=4))
+                           LearnerConfig(
+                               optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-3), micro_batch_size=4))
     if state is not None:
         learner.load_state_dict(state)
     real_step = learner.step

@@ -16,7 +16,8 @@ import copc
 from environments.errors import InfrastructureError
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.backends.torch import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import TorchLearner
+from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import (
@@ -74,7 +75,8 @@ def _loop(path, make_env, *, steps=3, per_step=2, n=1, s=1, rollouts_cls=LocalRo
           counters=None, frac=0.5, start_step=0, checkpoints=None, engine_version=None):
     actor, tok = load_model_and_tokenizer(path)
     learner = TorchLearner(actor, copc.get_preset("copc"),
-                           LearnerConfig(actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=4))
+                           LearnerConfig(
+                               optim=OptimizerSettings(actor_lr=1e-3, critic_lr=1e-3), micro_batch_size=4))
     learner.steps_done = start_step  # as if restored from a checkpoint of that step
     if learner_step is not None:
         learner.step = learner_step

@@ -13,7 +13,8 @@ import copc
 from environments.base import RegexTool, ToolEnv
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.backends.torch import LearnerConfig, TorchLearner
+from trainer.learner.backends.torch import TorchLearner
+from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, LoopConfig, LoopState
@@ -82,7 +83,8 @@ def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_
     actor, tok = load_model_and_tokenizer(path)
     engine_model = copy.deepcopy(actor)
     algo = copc.get_preset(preset)
-    learner = TorchLearner(actor, algo, LearnerConfig(actor_lr=1e-3, critic_lr=1e-3, micro_batch_size=4))
+    learner = TorchLearner(actor, algo, LearnerConfig(
+        optim=OptimizerSettings(actor_lr=1e-3, critic_lr=1e-3), micro_batch_size=4))
     real_step = learner.step
 
     def slow_step(batch):
@@ -194,7 +196,7 @@ def test_micro_batch_split_does_not_change_the_update(tiny_small, preset):
         torch.manual_seed(0)
         actor, _ = load_model_and_tokenizer(tiny_small)
         learner = TorchLearner(actor, copc.get_preset(preset), LearnerConfig(
-            actor_lr=1e-2, critic_lr=1e-2, micro_batch_size=mbs, grad_clip=0.0))
+            optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-2, grad_clip=0.0), micro_batch_size=mbs))
         metrics = learner.step(batch, version=0)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
         params.append(torch.cat([p.detach().flatten() for p in actor.parameters()]))
@@ -206,8 +208,8 @@ def test_micro_batch_split_does_not_change_the_update(tiny_small, preset):
 def test_critic_warmup_freezes_actor(tiny_small):
     actor, tok = load_model_and_tokenizer(tiny_small)
     before = copy.deepcopy(actor.state_dict())
-    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(actor_lr=1e-2, critic_lr=1e-2,
-                                                                         critic_warmup_steps=1))
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
+        optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-2), critic_warmup_steps=1))
     m = learner.step(_batch(tok), version=0)
     assert m["actor/updated"] == 0.0 and "critic/value_loss" in m
     assert all(torch.equal(before[k], v) for k, v in actor.state_dict().items())
@@ -219,7 +221,7 @@ def test_critic_warmup_freezes_actor(tiny_small):
 def test_critic_free_presets_are_not_held_back_by_critic_warmup(tiny_small):
     actor, tok = load_model_and_tokenizer(tiny_small)
     learner = TorchLearner(actor, copc.get_preset("dapo"),
-                           LearnerConfig(actor_lr=1e-2, critic_warmup_steps=2))
+                           LearnerConfig(optim=OptimizerSettings(actor_lr=1e-2), critic_warmup_steps=2))
     assert learner.critic is None
     assert learner.step(_batch(tok), version=0)["actor/updated"] == 1.0
 

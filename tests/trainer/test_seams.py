@@ -13,9 +13,17 @@ import copc
 from trainer.config import ConfigError, load_config
 from trainer.engines import ENGINES, EngineHandle, register_engine
 from trainer.engines.builtin import embedded_engine
-from trainer.learner import LEARNERS, Learner, LearnerConfig, TorchLearner, make_learner, register_learner
-from trainer.learner.algorithm import MetricAccumulator
+from trainer.learner import (
+    LEARNERS,
+    Learner,
+    LearnerConfig,
+    OptimizerSettings,
+    TorchLearner,
+    make_learner,
+    register_learner,
+)
 from trainer.learner.backends.torch import response_logprobs
+from trainer.learner.step_metrics import MetricAccumulator
 from trainer.models.export import save_hf_weights
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -52,8 +60,8 @@ def test_logged_pg_loss_is_the_true_minibatch_loss(tiny):
     for mbs in (1, 2):
         torch.manual_seed(0)
         actor, _ = load_model_and_tokenizer(tiny)
-        learner = TorchLearner(actor, copc.get_preset("copc_wo_rc"), LearnerConfig(micro_batch_size=mbs,
-                                                                                  grad_clip=0.0))
+        learner = TorchLearner(actor, copc.get_preset("copc_wo_rc"), LearnerConfig(
+            optim=OptimizerSettings(grad_clip=0.0), micro_batch_size=mbs))
         # the true loss of the whole mini-batch, computed directly from copc with the step's inputs
         with torch.no_grad():
             logp = response_logprobs(actor, batch, 1.0)

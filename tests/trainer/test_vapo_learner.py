@@ -13,7 +13,7 @@ import torch
 import copc
 from copc.advantages import length_adaptive_lambda
 from trainer.config import ConfigError, load_config
-from trainer.learner import LearnerConfig, TorchLearner
+from trainer.learner import LearnerConfig, OptimizerSettings, TorchLearner
 from trainer.learner.algorithm import ActorCriticAlgorithm, MiniBatchDenominators
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -196,7 +196,8 @@ def test_torch_learner_runs_the_whole_recipe(tiny):
         actor, _ = load_model_and_tokenizer(tiny)
         before = {k: v.clone() for k, v in actor.state_dict().items()}
         learner = TorchLearner(actor, copc.get_preset("ppo_async", **VAPO), LearnerConfig(
-            actor_lr=1e-3, critic_lr=1e-3, critic_warmup_steps=1, micro_batch_size=mbs, grad_clip=0.0))
+            optim=OptimizerSettings(actor_lr=1e-3, critic_lr=1e-3, grad_clip=0.0),
+            critic_warmup_steps=1, micro_batch_size=mbs))
         m0 = learner.step(_batch())
         assert m0["actor/updated"] == 0.0 and m0["critic/mc_targets"] == 1.0
         assert "actor/pos_lm_loss" not in m0

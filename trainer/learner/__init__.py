@@ -11,7 +11,7 @@ present, ``megatron``. Distributed backends register a per-rank factory with
 import importlib
 import importlib.util
 
-from .backends.torch import LearnerConfig, TorchLearner
+from .backends.torch import TorchLearner
 from .base import (
     LEARNERS,
     Learner,
@@ -22,6 +22,7 @@ from .base import (
     restore_learner,
 )
 from .distributed.registry import RANK_LEARNERS, register_rank_learner
+from .settings import LearnerConfig, OptimizerSettings
 
 
 def _build_fsdp(exp_cfg, model_dir, ctx):
@@ -37,6 +38,6 @@ _MEGATRON = f"{__name__}.backends.megatron"
 if importlib.util.find_spec(_MEGATRON) is not None:  # registers "megatron" (lazy factory)
     importlib.import_module(_MEGATRON)
 
-__all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "ShardedCheckpoint",
+__all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "OptimizerSettings", "ShardedCheckpoint",
            "TorchLearner", "learner_checkpoint_state", "make_learner", "register_learner",
            "register_rank_learner", "restore_learner"]

@@ -1,8 +1,10 @@
-"""The backend-independent part of an actor–critic learner step (any backend reuses it).
+"""The learner step, written once: the backend-independent part of an actor–critic learner step.
 
-A backend supplies forward passes (per-token log-probs ``(B, T)`` and values ``(B, T)`` of a
-micro-batch), backward and optimizer steps. This module supplies everything else, all through
-:mod:`copc` (no RL maths here):
+:class:`TemplateLearner` is the step every backend runs (recompute → advantages → mini-batch
+updates → schedules → version + 1 → metrics) over a few hooks a backend implements: forward
+passes (per-token log-probs and values of a micro-batch), the whole-batch recompute, the
+micro-batch backward passes, and its optimizers (:mod:`trainer.learner.optim`).
+:class:`ActorCriticAlgorithm` supplies the algorithm, all through :mod:`copc` (no RL maths here):
 
 * advantages and returns from the recomputed ``logp_old`` / ``values_old`` (the preset's
   estimator, :func:`copc.compute_advantages`) and their step metrics, with the VAPO options
@@ -10,21 +12,21 @@ micro-batch), backward and optimizer steps. This module supplies everything else
   advantages, Monte-Carlo critic targets during the critic warm-up;
 * the PPO mini-batch split (seeded permutation) and micro-batches;
 * global loss denominators per mini-batch (:func:`copc.batch_denominators`), so the losses of
-  micro-batches *sum* to the mini-batch loss exactly whatever the micro-batch size;
+  micro-batches *sum* to the mini-batch loss exactly whatever the micro-batch size (a
+  distributed backend's ranks each hold the whole mini-batch, so these are the global counts);
 * the policy loss (plus VAPO's positive-example LM term when ``pos_lm_coef > 0``) and the value
   loss of a micro-batch;
-* :class:`MetricAccumulator`: losses summed over micro-batches (the true mini-batch loss),
-  fractions and means weighted by the micro-batch's action-token count, maxima/minima taken.
-
-A distributed backend also all-reduces :class:`copc.Denominators` counts across data-parallel
-ranks before computing losses (exact global token/sequence counts).
+* metric combination (:class:`~trainer.learner.step_metrics.MetricAccumulator`): losses summed
+  over micro-batches (the true mini-batch loss), fractions and means weighted by the
+  micro-batch's action-token count, maxima/minima taken.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import math
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,19 +38,16 @@ from copc.advantages import length_adaptive_lambda, per_row_lambda
 from copc.metrics import (
     abs_log_ratio_by_staleness,
     advantage_channel_ess,
-    ema_drift,
     policy_channel_diagnostics,
     value_bias_metrics,
 )
 from copc.policy_losses import positive_lm_loss
 
 from ..rollout.batch import RolloutBatch
+from .settings import LearnerConfig
+from .step_metrics import MetricAccumulator, ValueBiasTracker
 
 Tensor = torch.Tensor
-
-#: EMA decay of the value-bias drift probe (:class:`ValueBiasTracker`).
-VALUE_BIAS_EMA_DECAY = 0.9
-
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -75,6 +74,13 @@ class StepInputs:
         return StepInputs(self.logp_old[sl], None if self.values_old is None else self.values_old[sl],
                           self.advantages[sl], self.returns[sl])
 
+    def to(self, device: torch.device) -> StepInputs:
+        """The same tensors on ``device`` (``self`` when already there)."""
+        if self.logp_old.device == device:
+            return self
+        return StepInputs(*(None if t is None else t.to(device)
+                            for t in (self.logp_old, self.values_old, self.advantages, self.returns)))
+
 
 @dataclass(frozen=True)
 class MiniBatchDenominators(copc.Denominators):
@@ -86,98 +92,6 @@ class MiniBatchDenominators(copc.Denominators):
     """
 
     positive: copc.Denominators | None = None
-
-
-class MetricAccumulator:
-    """Combines micro-batch metrics into step metrics.
-
-    Rules (by key): ``*_loss`` — summed within a mini-batch (micro-batch losses with global
-    denominators add up to the mini-batch loss), then averaged over mini-batches;
-    ``*_max`` / ``*_min`` — max / min; ``*grad_norm`` — mean over optimizer updates;
-    everything else (fractions, means) — weighted by the micro-batch's action-token count.
-    """
-
-    def __init__(self) -> None:
-        self._loss_mb: dict[str, float] = defaultdict(float)  # current mini-batch's sums
-        self._loss: dict[str, list[float]] = defaultdict(list)
-        self._wsum: dict[str, float] = defaultdict(float)
-        self._w: dict[str, float] = defaultdict(float)
-        self._ext: dict[str, float] = {}
-        self._plain: dict[str, list[float]] = defaultdict(list)
-
-    def add_micro(self, metrics: dict[str, float], tokens: float) -> None:
-        """Add one micro-batch's metrics; ``tokens`` = its number of action (loss-mask-1) tokens."""
-        for k, v in metrics.items():
-            v = float(v)
-            if k.endswith("_loss"):
-                self._loss_mb[k] += v
-            elif k.endswith("_max"):
-                self._ext[k] = max(self._ext.get(k, v), v)
-            elif k.endswith("_min"):
-                self._ext[k] = min(self._ext.get(k, v), v)
-            else:
-                self._wsum[k] += v * tokens
-                self._w[k] += tokens
-
-    def end_mini_batch(self) -> None:
-        """Close the current mini-batch (its summed losses become one value each)."""
-        for k, v in self._loss_mb.items():
-            self._loss[k].append(v)
-        self._loss_mb.clear()
-
-    def add(self, key: str, value: float) -> None:
-        """A once-per-update value (e.g. a gradient norm), averaged over updates."""
-        self._plain[key].append(float(value))
-
-    def result(self) -> dict[str, float]:
-        """The combined metrics."""
-        self.end_mini_batch()
-        out = {k: sum(v) / len(v) for k, v in self._loss.items()}
-        out.update(self._ext)
-        out.update({k: self._wsum[k] / self._w[k] if self._w[k] > 0 else 0.0 for k in self._wsum})
-        out.update({k: sum(v) / len(v) for k, v in self._plain.items()})
-        return out
-
-
-class ValueBiasTracker:
-    """Drift of the critic's start-of-episode bias: ``critic/value_bias`` minus its EMA.
-
-    ``critic/value_bias_drift = bias − EMA(previous steps' bias)`` (0 at the first step), then the
-    EMA (decay :data:`VALUE_BIAS_EMA_DECAY`) takes in this step's bias (:func:`copc.metrics.ema_drift`).
-    The EMA is learner state: :meth:`state_dict` goes into the learner's checkpoint.
-
-    Args:
-        decay: EMA decay in [0, 1).
-    """
-
-    def __init__(self, decay: float = VALUE_BIAS_EMA_DECAY) -> None:
-        ema_drift(0.0, None, decay)  # validates decay
-        self.decay = decay
-        self.ema: float | None = None
-
-    def update(self, metrics: dict[str, float]) -> dict[str, float]:
-        """``{"critic/value_bias_drift": d}`` from ``metrics["critic/value_bias"]`` (advancing the EMA);
-        ``{}`` (EMA unchanged) when the step has no bias (no critic or no episode)."""
-        if "critic/value_bias" not in metrics:
-            return {}
-        drift, self.ema = ema_drift(metrics["critic/value_bias"], self.ema, self.decay)
-        return {"critic/value_bias_drift": drift}
-
-    def state_dict(self) -> dict[str, float | None]:
-        """``{"value_bias_ema": float | None}`` (None before the first step with a bias)."""
-        return {"value_bias_ema": self.ema}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            ValueError: ``state`` is not a dict with ``value_bias_ema`` a number or None.
-        """
-        ema = state.get("value_bias_ema", "missing") if isinstance(state, dict) else "missing"
-        if ema is not None and (isinstance(ema, bool) or not isinstance(ema, int | float)):
-            raise ValueError("value-bias state must be {'value_bias_ema': float | None}, "
-                             f"got {state!r:.100}")
-        self.ema = None if ema is None else float(ema)
 
 
 class ActorCriticAlgorithm:
@@ -200,6 +114,12 @@ class ActorCriticAlgorithm:
         self.algo, self.num_mini_batches, self.micro_batch_size = algo, num_mini_batches, micro_batch_size
         self.critic_warmup_steps, self.seed = critic_warmup_steps, seed
         self.value_bias = ValueBiasTracker()
+
+    @classmethod
+    def from_config(cls, algo: copc.AlgorithmConfig, cfg: LearnerConfig) -> ActorCriticAlgorithm:
+        """The algorithm of ``algo`` with the step settings of a :class:`LearnerConfig`."""
+        return cls(algo, num_mini_batches=cfg.num_mini_batches, micro_batch_size=cfg.micro_batch_size,
+                   critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
 
     def advantages(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
                    version: int, *, steps_done: int | None = None) -> tuple[StepInputs, dict[str, float]]:
@@ -295,36 +215,32 @@ class ActorCriticAlgorithm:
         return adv, ret, metrics
 
     def mini_batch_updates(self, batch: RolloutBatch, x: StepInputs, steps_done: int, *, has_critic: bool,
-                           actor_update: Callable[[RolloutBatch, StepInputs, Any, MetricAccumulator], None],
-                           critic_update: Callable[[RolloutBatch, StepInputs, Any, MetricAccumulator], None],
-                           denominators: Callable[[RolloutBatch], Any] | None = None
-                           ) -> tuple[dict[str, float], bool]:
-        """The mini-batch loop of one learner step, shared by every backend.
+                           update: Callable[[str, RolloutBatch, StepInputs, MiniBatchDenominators,
+                                             MetricAccumulator], None]) -> tuple[dict[str, float], bool]:
+        """The mini-batch loop of one learner step.
 
-        For each mini-batch (:meth:`mini_batches`): its loss denominators, then the actor update
-        (skipped during critic warm-up, :meth:`update_actor`) and the critic update, each
-        ``f(mini, inputs, denominators, acc)`` adding its micro-batch metrics to ``acc``.
+        For each mini-batch (:meth:`mini_batches`): its loss denominators (:meth:`denominators`,
+        those of the WHOLE mini-batch, which every rank of a distributed backend holds), then
+        ``update("actor", mini, inputs, denominators, acc)`` (skipped during critic warm-up,
+        :meth:`update_actor`) and ``update("critic", …)``, each adding its metrics to ``acc``.
 
         Args:
             batch: the step's batch (``B`` rows). x: its :class:`StepInputs` (from :meth:`advantages`).
             steps_done: updates done before this step. has_critic: whether there is a critic.
-            actor_update / critic_update: the backend's optimizer update of one mini-batch.
-            denominators: ``f(mini) -> Denominators`` (default :meth:`denominators`; distributed
-                backends pass global ones).
+            update: the backend's optimizer update of one model on one mini-batch.
 
         Returns:
             (the combined metrics of every update, whether the actor was updated).
         """
         acc = MetricAccumulator()
         update_actor = self.update_actor(steps_done, has_critic)
-        denominators_of = denominators or self.denominators
         for idx in self.mini_batches(len(batch), steps_done):
             mini, xm = batch.select(idx), x.rows(idx)
-            den = denominators_of(mini)
+            den = self.denominators(mini)
             if update_actor:
-                actor_update(mini, xm, den, acc)
+                update("actor", mini, xm, den, acc)
             if has_critic:
-                critic_update(mini, xm, den, acc)
+                update("critic", mini, xm, den, acc)
             acc.end_mini_batch()
         return acc.result(), update_actor
 
@@ -443,6 +359,129 @@ class ActorCriticAlgorithm:
         if values_old is not None:
             out.update(value_bias_metrics(values_old, batch.rewards, mask, self.algo.gamma))
             out.update(self.value_bias.update(out))
+        return out
+
+
+class TemplateLearner(abc.ABC):
+    """The learner step, written once over a few backend hooks (every backend subclasses it).
+
+    :meth:`step` = :meth:`place` the batch → :meth:`recompute` the proximal log-probs / values
+    (no grad, whole batch) → advantages and diagnostics (:meth:`ActorCriticAlgorithm.advantages`)
+    → per PPO mini-batch :meth:`update` the actor (not during critic warm-up) then the critic →
+    :meth:`schedule` (learning rates) → version + 1 → metrics. :meth:`update` is
+    ``zero_grad`` → :meth:`backward` (the backend's micro-batch passes, metrics of every rank) →
+    the optimizer's ``step`` (clip + update); micro-batch losses come from :meth:`micro_loss`
+    over the forward hooks :meth:`logprobs` / :meth:`values`.
+
+    A subclass sets ``algorithm`` (:class:`ActorCriticAlgorithm`), ``cfg``
+    (:class:`~trainer.learner.settings.LearnerConfig`), ``actor`` / ``critic`` (None without a
+    critic), ``actor_opt`` / ``critic_opt``
+    (:class:`~trainer.learner.optim.ModelOptimizer`) and ``steps_done = 0``, and implements
+    :meth:`recompute`, :meth:`backward`, :meth:`logprobs` and :meth:`values`.
+    """
+
+    algorithm: ActorCriticAlgorithm
+    cfg: LearnerConfig
+    actor: Any
+    critic: Any
+    actor_opt: Any
+    critic_opt: Any
+    steps_done: int
+
+    @property
+    def policy_version(self) -> int:
+        """Updates done (resumes included): the version of the current actor weights."""
+        return self.steps_done
+
+    def step(self, batch: RolloutBatch, version: int | None = None) -> dict[str, float]:
+        """Train on ``batch``; return metrics (``actor/…``, ``critic/…``, ``advantage/…``,
+        ``staleness/…``, ``diag/…``, ``perf/…``; a distributed backend's are the whole batch's,
+        identical on every rank).
+
+        Args:
+            batch: the rollout batch (a distributed backend: the full batch, same on every rank).
+            version: staleness reference (default :attr:`policy_version`, the version being
+                updated; kept for callers that track it themselves).
+        """
+        t0 = time.perf_counter()
+        batch = self.place(batch)
+        logp_old, values_old = self.recompute(batch)
+        x, metrics = self.algorithm.advantages(batch, logp_old, values_old,
+                                               self.policy_version if version is None else version,
+                                               steps_done=self.steps_done)
+        updates, update_actor = self.algorithm.mini_batch_updates(
+            batch, x, self.steps_done, has_critic=self.critic is not None, update=self.update)
+        lr = self.schedule(update_actor)
+        self.steps_done += 1
+        metrics.update(updates)
+        metrics["actor/lr"] = lr
+        metrics["actor/updated"] = float(update_actor)
+        metrics["perf/learner_step_s"] = time.perf_counter() - t0
+        metrics["perf/tokens"] = float(batch.attention_mask.sum())
+        return metrics
+
+    # -- hooks ------------------------------------------------------------------------------
+    def place(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch where the step computes its advantages (default: where it is)."""
+        return batch
+
+    @abc.abstractmethod
+    def recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+        """Whole-batch ``(logp_old, values_old)``, ``(B, T)`` float32 each (values None without a
+        critic), under the current weights, no grad."""
+
+    @abc.abstractmethod
+    def backward(self, role: str, mini: RolloutBatch, x: StepInputs, den: MiniBatchDenominators
+                 ) -> list[tuple[dict[str, float], float]]:
+        """Forward + backward of ``role``'s :meth:`micro_loss` over this process's micro-batches of
+        ``mini``; ``(metrics, action tokens)`` of every micro-batch of every rank, in order."""
+
+    @abc.abstractmethod
+    def logprobs(self, mb: RolloutBatch) -> Tensor:
+        """``(b, T)`` float32 actor log-probs of a micro-batch's response tokens (with grad)."""
+
+    @abc.abstractmethod
+    def values(self, mb: RolloutBatch) -> Tensor:
+        """``(b, T)`` float32 critic values of a micro-batch (with grad)."""
+
+    def update(self, role: str, mini: RolloutBatch, x: StepInputs, den: MiniBatchDenominators,
+               acc: MetricAccumulator) -> None:
+        """One optimizer update of ``role`` (``"actor"`` | ``"critic"``) on mini-batch ``mini``:
+        ``zero_grad``, :meth:`backward`, clip + step; metrics and the gradient norm into ``acc``
+        (``<role>/grad_norm``, NaN when not finite)."""
+        model, opt = (self.actor, self.actor_opt) if role == "actor" else (self.critic, self.critic_opt)
+        model.train()
+        opt.zero_grad()
+        for met, tokens in self.backward(role, mini, x, den):
+            acc.add_micro(met, tokens)
+        norm = opt.step()
+        if norm is not None:
+            acc.add(f"{role}/grad_norm", norm if math.isfinite(norm) else float("nan"))
+
+    def schedule(self, actor_updated: bool) -> float:
+        """Advance the learning-rate schedules (the actor's counts only its updates, none during
+        critic warm-up); the actor's learning rate after it."""
+        if actor_updated:
+            self.actor_opt.schedule_step()
+        if self.critic_opt is not None:
+            self.critic_opt.schedule_step()
+        return self.actor_opt.lr
+
+    # -- shared by the backends ------------------------------------------------------------------
+    def micro_loss(self, role: str, mb: RolloutBatch, x: StepInputs, den: MiniBatchDenominators
+                   ) -> tuple[Tensor, dict[str, float]]:
+        """The loss of one micro-batch (a share of the mini-batch loss) and its metrics: the policy
+        loss (+ ``actor/total_loss``) for ``"actor"``, the value loss for ``"critic"``."""
+        if role == "actor":
+            loss, met = self.algorithm.policy_loss(self.logprobs(mb), mb, x, den)
+            return loss, {**met, "actor/total_loss": float(loss.detach())}
+        return self.algorithm.value_loss(self.values(mb), mb, x, den)
+
+    def models(self) -> list[tuple[str, Any, Any]]:
+        """``(role, model, optimizer)`` of the actor and, when there is one, the critic."""
+        out = [("actor", self.actor, self.actor_opt)]
+        if self.critic is not None:
+            out.append(("critic", self.critic, self.critic_opt))
         return out
 
 

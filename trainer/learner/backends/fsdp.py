@@ -3,20 +3,20 @@ the critic, data parallel over the ranks of a
 :class:`~trainer.learner.distributed.runtime.DistributedLearner`.
 
 Per rank: parameters, gradients and optimizer state are sharded (each decoder layer its own
-FSDP unit, then the root: embeddings, final norm, LM / value head). The step is the torch
-backend's (:class:`~trainer.learner.backends.torch.TorchLearner`) with the rows of every
-mini-batch split over the data-parallel ranks:
+FSDP unit, then the root: embeddings, final norm, LM / value head). The step is the template's
+(:class:`~trainer.learner.algorithm.TemplateLearner`, as the torch backend) with the rows of
+every mini-batch split over the data-parallel ranks in the hooks:
 
 * ``logp_old`` / ``values_old`` are recomputed on each rank's rows and all-gathered, so the
   advantages (:class:`~trainer.learner.algorithm.ActorCriticAlgorithm`, any estimator, group
   statistics and whitening included) are those of the whole batch on every rank;
-* micro-batch losses use the denominators of the WHOLE mini-batch
-  (:func:`~trainer.learner.distributed.shard.global_denominators`);
+* micro-batch losses use the denominators of the WHOLE mini-batch (every rank holds it:
+  :meth:`~trainer.learner.algorithm.ActorCriticAlgorithm.denominators`);
 * FSDP's reduce-scatter would AVERAGE the rank gradients; the gradient divide factor is set to
   1 so they are SUMMED, which with global denominators is exactly the single-process gradient;
 * gradient clipping uses the global norm over all shards (the DTensor norm's ``full_tensor``);
 * metrics of every rank's micro-batches are all-gathered and combined by the same
-  :class:`~trainer.learner.algorithm.MetricAccumulator` rules.
+  :class:`~trainer.learner.step_metrics.MetricAccumulator` rules.
 
 Forward passes (:func:`~trainer.learner.backends.torch.response_logprobs`,
 :func:`~trainer.learner.backends.torch.mb_values`) and the critic
@@ -25,11 +25,8 @@ Forward passes (:func:`~trainer.learner.backends.torch.response_logprobs`,
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +47,14 @@ from torch.distributed.tensor import DTensor
 import copc
 
 from ...rollout.batch import RolloutBatch
-from ..algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
+from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
 from ..critic import ValueModel
 from ..distributed.base import RankContext
 from ..distributed.collectives import all_gather_objects
-from ..distributed.shard import (
-    gather_rows,
-    global_denominators,
-    micro_plan,
-    training_state_bytes,
-)
-from .torch import LearnerConfig, _warmup, make_optimizer, mb_values, response_logprobs
+from ..distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
+from ..optim import TorchOptimizer
+from ..settings import LearnerConfig
+from .torch import TransformersForward
 
 Tensor = torch.Tensor
 
@@ -96,28 +90,7 @@ def global_grad_norm_clip_(params: list[nn.Parameter], max_norm: float) -> float
     return float(total)
 
 
-def local_tensor(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def batch_to(b: RolloutBatch, device: torch.device) -> RolloutBatch:
-    """``b`` with every tensor on ``device`` (``b`` itself when already there)."""
-    if b.input_ids.device == device:
-        return b
-    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
-                                     if isinstance(getattr(b, f.name), Tensor)})
-
-
-def inputs_to(x: StepInputs, device: torch.device) -> StepInputs:
-    """``x`` with every tensor on ``device``."""
-    if x.logp_old.device == device:
-        return x
-    return StepInputs(*(None if t is None else t.to(device) for t in (x.logp_old, x.values_old, x.advantages,
-                                                                      x.returns)))
-
-
-class FSDPRankLearner:
+class FSDPRankLearner(TransformersForward, TemplateLearner):
     """One data-parallel rank of the ``fsdp`` backend (a
     :class:`~trainer.learner.distributed.base.RankLearner`).
 
@@ -145,9 +118,7 @@ class FSDPRankLearner:
         # ValueModel returns a (read-only) view of the head output; nothing here writes into it in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.export_dtype = param_dtype or next(actor.parameters()).dtype
-        self.algorithm = ActorCriticAlgorithm(algo, num_mini_batches=cfg.num_mini_batches,
-                                              micro_batch_size=cfg.micro_batch_size,
-                                              critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
+        self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
         self.critic = (critic or ValueModel.from_causal_lm(actor)) if algo.use_critic else None
         self.mesh = init_device_mesh(ctx.device.type, (ctx.dp_size,), mesh_dim_names=("dp",))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
@@ -158,14 +129,10 @@ class FSDPRankLearner:
         self.actor = self._shard(actor.to(ctx.device))
         if self.critic is not None:
             self.critic = self._shard(self.critic.to(ctx.device))
-        self.actor_opt = make_optimizer(cfg.optimizer, self.actor.parameters(), cfg.actor_lr,
-                                        cfg.weight_decay)
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _warmup(cfg.warmup_steps))
-        self.critic_opt = self.critic_sched = None
-        if self.critic is not None:
-            self.critic_opt = make_optimizer(cfg.optimizer, self.critic.parameters(), cfg.critic_lr,
-                                             cfg.weight_decay)
-            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _warmup(cfg.warmup_steps))
+        self.actor_opt = TorchOptimizer(self.actor.parameters(), cfg.optim, "actor",
+                                        clip=global_grad_norm_clip_)
+        self.critic_opt = None if self.critic is None else \
+            TorchOptimizer(self.critic.parameters(), cfg.optim, "critic", clip=global_grad_norm_clip_)
         self.steps_done = 0
 
     def _shard(self, model: nn.Module) -> nn.Module:
@@ -181,41 +148,7 @@ class FSDPRankLearner:
             unit.set_force_sum_reduction_for_comms(self.ctx.dist_backend == "gloo")
         return model
 
-    # -- the RankLearner protocol ----------------------------------------------------------
-    @property
-    def policy_version(self) -> int:
-        """Updates done (resumes included)."""
-        return self.steps_done
-
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One learner step on this rank's rows of ``batch`` (the full batch, same on every rank);
-        returns the whole batch's metrics (identical on every rank), keys as the torch backend."""
-        t0 = time.perf_counter()
-        alg = self.algorithm
-        logp_old, values_old = self._recompute(batch)
-        x, metrics = alg.advantages(batch, logp_old, values_old, self.policy_version,
-                                    steps_done=self.steps_done)
-        updates, update_actor = alg.mini_batch_updates(
-            batch, x, self.steps_done, has_critic=self.critic is not None,
-            denominators=lambda mini: global_denominators(alg, mini),
-            actor_update=lambda mini, xm, den, acc: self._update(
-                "actor", self.actor, self.actor_opt, mini, xm, acc,
-                lambda mb, xs: self._actor_loss(mb, xs, den)),
-            critic_update=lambda mini, xm, den, acc: self._update(
-                "critic", self.critic, self.critic_opt, mini, xm, acc,
-                lambda mb, xs: alg.value_loss(mb_values(self.critic, mb), mb, xs, den)))
-        if update_actor:
-            self.actor_sched.step()
-        if self.critic_sched is not None:
-            self.critic_sched.step()
-        self.steps_done += 1
-        metrics.update(updates)
-        metrics["actor/lr"] = self.actor_sched.get_last_lr()[0]
-        metrics["actor/updated"] = float(update_actor)
-        metrics["perf/learner_step_s"] = time.perf_counter() - t0
-        metrics["perf/tokens"] = float(batch.attention_mask.sum())
-        return metrics
-
+    # -- the RankLearner protocol (step and policy_version: TemplateLearner) ----------------
     def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The actor's full state dict in Hugging Face names, on the CPU of rank 0 (collective
         gather; other ranks yield nothing), in the model's dtype."""
@@ -243,8 +176,8 @@ class FSDPRankLearner:
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameter, gradient and optimizer-state shards
         (:func:`~trainer.learner.distributed.shard.training_state_bytes`)."""
-        models = self._models()
-        return training_state_bytes([m for _, m, _ in models], [o for _, _, o in models])
+        models = self.models()
+        return training_state_bytes([m for _, m, _ in models], [o.optimizer for _, _, o in models])
 
     def save(self, directory: Path) -> None:
         """Sharded model + optimizer state with DCP into ``directory/dcp``; schedulers, step count and
@@ -266,40 +199,35 @@ class FSDPRankLearner:
                                     f"{SMALL_STATE})")
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
-        for name, model, opt in self._models():
-            set_state_dict(model, opt, model_state_dict=state[name], optim_state_dict=state[f"{name}_opt"])
+        for name, model, opt in self.models():
+            set_state_dict(model, opt.optimizer, model_state_dict=state[name],
+                           optim_state_dict=state[f"{name}_opt"])
         small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=False)
-        self.actor_sched.load_state_dict(small["actor_sched"])
-        if self.critic_sched is not None:
-            self.critic_sched.load_state_dict(small["critic_sched"])
+        self.actor_opt.scheduler.load_state_dict(small["actor_sched"])
+        if self.critic_opt is not None:
+            self.critic_opt.scheduler.load_state_dict(small["critic_sched"])
         self.steps_done = int(small["steps_done"])
         self.algorithm.value_bias.load_state_dict(small["diagnostics"])
 
     # -- backend part ----------------------------------------------------------------------
-    def _models(self) -> list[tuple[str, nn.Module, torch.optim.Optimizer]]:
-        out = [("actor", self.actor, self.actor_opt)]
-        if self.critic is not None:
-            out.append(("critic", self.critic, self.critic_opt))
-        return out
-
     def _dcp_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
-        for name, model, opt in self._models():
-            state[name], state[f"{name}_opt"] = get_state_dict(model, opt)
+        for name, model, opt in self.models():
+            state[name], state[f"{name}_opt"] = get_state_dict(model, opt.optimizer)
         return state
 
     def _small_state(self) -> dict[str, Any]:
-        out = {"steps_done": self.steps_done, "actor_sched": self.actor_sched.state_dict(),
+        out = {"steps_done": self.steps_done, "actor_sched": self.actor_opt.scheduler.state_dict(),
                "diagnostics": self.algorithm.value_bias.state_dict()}
-        if self.critic_sched is not None:
-            out["critic_sched"] = self.critic_sched.state_dict()
+        if self.critic_opt is not None:
+            out["critic_sched"] = self.critic_opt.scheduler.state_dict()
         return out
 
     def _plan(self, n_rows: int) -> list[slice | None]:
         return micro_plan(n_rows, self.ctx.dp_rank, self.ctx.dp_size, self.cfg.micro_batch_size)
 
     @torch.no_grad()
-    def _recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+    def recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
         """Whole-batch ``logp_old`` / ``values_old`` ``(B, T)``: this rank's rows, all-gathered."""
         self.actor.eval()
         if self.critic is not None:
@@ -307,8 +235,8 @@ class FSDPRankLearner:
         lps, vals = [], []
         for sl in self._plan(len(batch)):  # None: a padding pass, for the collectives only
             mb = batch_to(batch.select(sl if sl is not None else slice(0, 1)), self.ctx.device)
-            lp = response_logprobs(self.actor, mb, self.cfg.temperature)
-            v = mb_values(self.critic, mb) if self.critic is not None else None
+            lp = self.logprobs(mb)
+            v = self.values(mb) if self.critic is not None else None
             if sl is not None:
                 lps.append(lp)
                 vals.append(v)
@@ -321,35 +249,21 @@ class FSDPRankLearner:
             values = gather_rows(torch.cat(vals) if vals else empty, n, r, d).cpu()
         return logp, values
 
-    def _actor_loss(self, mb: RolloutBatch, xs: StepInputs, den: copc.Denominators) -> tuple[Tensor, dict]:
-        logp = response_logprobs(self.actor, mb, self.cfg.temperature)
-        loss, met = self.algorithm.policy_loss(logp, mb, xs, den)
-        return loss, {**met, "actor/total_loss": float(loss.detach())}
-
-    def _update(self, prefix: str, model: nn.Module, opt: torch.optim.Optimizer, mini: RolloutBatch,
-                xm: StepInputs, acc: MetricAccumulator,
-                loss_fn: Callable[[RolloutBatch, StepInputs], tuple[Tensor, dict]]) -> None:
-        """One optimizer update of ``model`` on this rank's rows of ``mini`` (gradients summed over
-        ranks by FSDP), metrics of every rank's micro-batches added to ``acc``."""
-        model.train()
-        opt.zero_grad(set_to_none=True)
+    def backward(self, role: str, mini: RolloutBatch, x: StepInputs, den: MiniBatchDenominators
+                 ) -> list[tuple[dict[str, float], float]]:
+        """Backward of ``role``'s loss on this rank's rows of ``mini`` (FSDP sums the gradients over
+        the ranks); the metrics of every rank's micro-batches, in rank order."""
         local = []
         for sl in self._plan(len(mini)):
             rows = sl if sl is not None else slice(0, 1)
             mb = batch_to(mini.select(rows), self.ctx.device)
-            loss, met = loss_fn(mb, inputs_to(xm.rows_slice(rows), self.ctx.device))
+            loss, met = self.micro_loss(role, mb, x.rows_slice(rows).to(self.ctx.device), den)
             if sl is None:  # a padding pass: zero weight, keeps the FSDP collectives in step
                 (loss * 0.0).backward()
                 continue
             loss.backward()
             local.append((met, float(mb.loss_mask.sum())))
-        for rank_items in all_gather_objects(local, self.ctx.cpu_group):
-            for met, tokens in rank_items:
-                acc.add_micro(met, tokens)
-        if self.cfg.grad_clip > 0:
-            norm = global_grad_norm_clip_(list(model.parameters()), self.cfg.grad_clip)
-            acc.add(f"{prefix}/grad_norm", norm if math.isfinite(norm) else float("nan"))
-        opt.step()
+        return [item for rank_items in all_gather_objects(local, self.ctx.cpu_group) for item in rank_items]
 
 
 def build_fsdp_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> FSDPRankLearner:

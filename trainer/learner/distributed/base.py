@@ -12,7 +12,7 @@ and then calls the SAME method on EVERY rank, in the same order (each call is co
 * ``step(batch)`` with the SAME full :class:`~trainer.rollout.batch.RolloutBatch` on every
   rank. The rank trains on its data-parallel share of every mini-batch (the contiguous row
   split of :func:`~trainer.learner.distributed.shard.dp_rows`) with GLOBAL loss denominators
-  (counts of the whole mini-batch, :func:`~trainer.learner.distributed.shard.global_denominators`),
+  (counts of the whole mini-batch, :meth:`~trainer.learner.algorithm.ActorCriticAlgorithm.denominators`),
   so the sum of the ranks' gradients equals the single-process gradient. It returns the step's
   metrics for the whole batch (at least valid on rank 0; the driver reads rank 0's).
 * ``export_policy_weights()``: the actor's full (gathered) tensors in Hugging Face names on

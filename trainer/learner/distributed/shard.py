@@ -1,15 +1,15 @@
 """Data-parallel helpers shared by the distributed backends: row split, micro-batch plan with
-equal pass counts, global denominators, row and metric gathers.
+equal pass counts, batch placement, row gathers, training-state bytes.
 
 Why each exists:
 
 * FSDP and Megatron's data parallel run collectives inside every forward/backward, so every
   data-parallel rank must run the SAME number of micro-batch passes even when its share of a
   mini-batch is smaller (:func:`micro_plan` pads with zero-weight passes).
-* The loss of a micro-batch is normalised by counts of the WHOLE mini-batch
-  (:func:`global_denominators`, spec §aggregation: micro-batch losses sum to the mini-batch
-  loss), so the rank gradients, summed by the data-parallel reduction, equal the
-  single-process gradient.
+* The loss of a micro-batch is normalised by counts of the WHOLE mini-batch (every rank holds
+  it: :meth:`~trainer.learner.algorithm.ActorCriticAlgorithm.denominators`, spec §aggregation:
+  micro-batch losses sum to the mini-batch loss), so the rank gradients, summed by the
+  data-parallel reduction, equal the single-process gradient.
 """
 
 from __future__ import annotations
@@ -21,10 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import copc
-
 from ...rollout.batch import RolloutBatch
-from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators
 
 Tensor = torch.Tensor
 
@@ -66,31 +63,12 @@ def micro_plan(n_rows: int, dp_rank: int, dp_size: int, micro_batch_size: int) -
     return slices + [None] * (n_pass - len(slices))
 
 
-def global_denominators(algorithm: ActorCriticAlgorithm, mini: RolloutBatch) -> MiniBatchDenominators:
-    """The loss denominators of the whole mini-batch (every rank holds it whole; no communication).
-
-    Exactly :meth:`ActorCriticAlgorithm.denominators` of the full mini-batch, i.e. the counts
-    the single-process backend uses (:func:`copc.batch_denominators`).
-    """
-    return algorithm.denominators(mini)
-
-
-def all_reduce_denominators(den: copc.Denominators, group: Any = None) -> copc.Denominators:
-    """Sum per-rank :class:`copc.Denominators` over ``group`` (for backends whose ranks hold only
-    their own rows): ``N_tokens`` and ``N_seq`` of the union of the ranks' rows.
-
-    A :class:`~trainer.learner.algorithm.MiniBatchDenominators` keeps its type and has its
-    ``positive`` counts summed too. Collective over ``group`` (default: the world).
-    """
-    pos = getattr(den, "positive", None)
-    counts = [den.num_tokens, den.num_sequences] + ([pos.num_tokens, pos.num_sequences] if pos else [])
-    t = torch.tensor(counts, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    n = [round(v) for v in t.tolist()]
-    if isinstance(den, MiniBatchDenominators):
-        return dataclasses.replace(den, num_tokens=n[0], num_sequences=n[1],
-                                   positive=copc.Denominators(n[2], n[3]) if pos else None)
-    return copc.Denominators(n[0], n[1])
+def batch_to(b: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """``b`` with every tensor on ``device`` (``b`` itself when already there)."""
+    if b.input_ids.device == device:
+        return b
+    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
+                                     if isinstance(getattr(b, f.name), Tensor)})
 
 
 def gather_rows(local: Tensor, n_rows: int, dp_rank: int, dp_size: int, group: Any = None) -> Tensor:

@@ -1,7 +1,9 @@
-"""The Megatron backend's optimizers behind one interface (:class:`RankOptimizer`).
+"""The Megatron backend's optimizers behind the one optimizer interface
+(:class:`~trainer.learner.optim.ModelOptimizer`), built from the one
+:class:`~trainer.learner.settings.OptimizerSettings`.
 
 * CPU (gloo): :class:`TorchRankOptimizer` — the torch backend's optimizer
-  (:func:`~trainer.learner.backends.torch.make_optimizer`: AdamW or SGD) over the gradients that
+  (:class:`~trainer.learner.optim.TorchOptimizer`: AdamW or SGD) over the gradients that
   Megatron DDP accumulates in ``param.main_grad``, with the same clipping rule as
   :func:`torch.nn.utils.clip_grad_norm_` on the global norm (tensor-parallel shards counted
   once, replicated parameters once). Megatron's own optimizers and gradient clipping allocate on
@@ -19,40 +21,15 @@ single-process gradient — then clip and update) → ``schedule_step`` once per
 from __future__ import annotations
 
 import itertools
-import math
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..torch import _warmup, make_optimizer
+from ...optim import TorchOptimizer
+from ...settings import OptimizerSettings
 
 Tensor = torch.Tensor
-
-
-class RankOptimizer(Protocol):
-    """One model's optimizer on one rank (collective methods: call on every rank)."""
-
-    def zero_grad(self) -> None:
-        """Zero the gradient buffers before a mini-batch."""
-
-    def step(self) -> float | None:
-        """Reduce the gradients over data parallel, clip, update; the global gradient norm before
-        clipping (None when clipping is off)."""
-
-    def schedule_step(self) -> None:
-        """Advance the learning-rate schedule (once per learner step)."""
-
-    @property
-    def lr(self) -> float:
-        """The current learning rate."""
-
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
-        """Optimizer + schedule state for ``dist_checkpointing`` (tensors sharded like the model's);
-        ``is_loading``: a template to load into (state materialised first)."""
-
-    def load_sharded_state_dict(self, state: dict) -> None:
-        """Restore the output of a ``dist_checkpointing.load`` of :meth:`sharded_state_dict`."""
 
 
 def global_grad_norm(params: list[nn.Parameter], group: Any) -> float:
@@ -72,27 +49,31 @@ def global_grad_norm(params: list[nn.Parameter], group: Any) -> float:
     return float(sq.sqrt())
 
 
-class TorchRankOptimizer:
-    """torch AdamW/SGD over Megatron DDP's ``main_grad`` (the CPU path).
+class TorchRankOptimizer(TorchOptimizer):
+    """torch AdamW/SGD over Megatron DDP's ``main_grad`` (the CPU path), a
+    :class:`~trainer.learner.optim.TorchOptimizer` whose clipping norm counts tensor-parallel
+    shards once (:func:`global_grad_norm`).
 
     Args:
         ddp: the model wrapped in Megatron ``DistributedDataParallel`` (no distributed optimizer).
-        name: ``adamw`` | ``sgd`` (``learner.optimizer``). lr / weight_decay / warmup_steps /
-            grad_clip: as the torch backend (``train.*``; ``grad_clip`` 0 = off).
+        settings: the optimiser settings (as every backend). role: ``"actor"`` | ``"critic"``.
         model_parallel_group: the group over which the gradient norm is summed.
     """
 
-    def __init__(self, ddp: nn.Module, name: str, lr: float, weight_decay: float, warmup_steps: int,
-                 grad_clip: float, model_parallel_group: Any) -> None:
-        self.ddp, self.grad_clip, self.group = ddp, grad_clip, model_parallel_group
-        self.params = [p for p in ddp.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(name, self.params, lr, weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(warmup_steps))
+    def __init__(self, ddp: nn.Module, settings: OptimizerSettings, role: str,
+                 model_parallel_group: Any) -> None:
+        self.ddp, self.group = ddp, model_parallel_group
+        super().__init__([p for p in ddp.parameters() if p.requires_grad], settings, role, clip=self._clip)
+
+    def _clip(self, params: list[nn.Parameter], max_norm: float) -> float:
+        norm = global_grad_norm(params, self.group)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm))
+        return norm
 
     def zero_grad(self) -> None:
         """Zero DDP's grad buffers (``main_grad``) and drop ``.grad``."""
         self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True)
+        super().zero_grad()
 
     def step(self) -> float | None:
         """DP all-reduce (SUM), ``grad ← main_grad``, clip to ``grad_clip`` (global norm), update."""
@@ -101,22 +82,7 @@ class TorchRankOptimizer:
         finalize_model_grads([self.ddp])
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype)
-        norm = None
-        if self.grad_clip > 0:
-            norm = global_grad_norm(self.params, self.group)
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, torch.tensor(norm))
-            norm = norm if math.isfinite(norm) else float("nan")
-        self.optimizer.step()
-        return norm
-
-    def schedule_step(self) -> None:
-        """One ``LambdaLR`` step (linear warm-up)."""
-        self.scheduler.step()
-
-    @property
-    def lr(self) -> float:
-        """The current learning rate."""
-        return self.scheduler.get_last_lr()[0]
+        return super().step()
 
     def _init_state(self) -> None:
         """Materialise the optimizer state (zeros) so a checkpoint can be loaded into it."""
@@ -167,22 +133,24 @@ class MegatronRankOptimizer:
 
     Args:
         ddp: the model in Megatron DDP built with ``use_distributed_optimizer=True``.
-        name: ``adamw`` (Megatron ``adam``: decoupled weight decay) | ``sgd`` (plain SGD).
-        lr / weight_decay / warmup_steps / grad_clip: as :class:`TorchRankOptimizer`.
+        settings: the optimiser settings (``adamw`` → Megatron ``adam``, decoupled weight decay;
+            ``sgd`` → plain SGD). role: ``"actor"`` | ``"critic"``.
         dtype: the model's parameter dtype (bf16/fp16 → fp32 master weights).
     """
 
-    def __init__(self, ddp: nn.Module, name: str, lr: float, weight_decay: float, warmup_steps: int,
-                 grad_clip: float, dtype: torch.dtype) -> None:
+    def __init__(self, ddp: nn.Module, settings: OptimizerSettings, role: str, dtype: torch.dtype) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        cfg = OptimizerConfig(optimizer="adam" if name == "adamw" else "sgd", lr=lr,
-                              weight_decay=weight_decay, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
-                              fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True,
-                              sgd_momentum=0.0)
-        self.ddp, self.base_lr, self.grad_clip = ddp, lr, grad_clip
+        lr = settings.lr(role)
+        cfg = OptimizerConfig(optimizer="adam" if settings.name == "adamw" else "sgd", lr=lr,
+                              weight_decay=settings.weight_decay, clip_grad=settings.grad_clip,
+                              adam_beta1=settings.betas[0], adam_beta2=settings.betas[1],
+                              adam_eps=settings.eps,
+                              bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                              use_distributed_optimizer=True, sgd_momentum=0.0)
+        self.ddp, self.base_lr, self.grad_clip = ddp, lr, settings.grad_clip
         self.optimizer = get_megatron_optimizer(cfg, [ddp], config_overrides={})
-        self._warmup, self._n = _warmup(warmup_steps), 0
+        self._warmup, self._n = settings.warmup_factor, 0
         self._set_lr()
 
     def _set_lr(self) -> None:

@@ -5,9 +5,10 @@ critic are Megatron ``GPTModel`` s built from the Hugging Face checkpoint throug
 (:mod:`.bridge`), wrapped in Megatron ``DistributedDataParallel``; ``parallel_state`` lays out
 ``tp × dp`` ranks (pipeline size 1) in the runtime's order (tensor-parallel ranks adjacent).
 
-The step is the torch backend's (:class:`~trainer.learner.backends.torch.TorchLearner`): every
-algorithmic part comes from :class:`~trainer.learner.algorithm.ActorCriticAlgorithm`; per
-mini-batch, the rows are split over the data-parallel ranks (contiguous,
+The step is the template's (:class:`~trainer.learner.algorithm.TemplateLearner`, as the torch
+backend): every algorithmic part comes from
+:class:`~trainer.learner.algorithm.ActorCriticAlgorithm`; per mini-batch, the rows are split over
+the data-parallel ranks (contiguous,
 :func:`~trainer.learner.distributed.shard.micro_plan`), the losses use the denominators of the
 WHOLE mini-batch and Megatron DDP SUMS the rank gradients (``calculate_per_token_loss``: no
 division by the data-parallel size), so the update is the single-process one:
@@ -16,7 +17,7 @@ division by the data-parallel size), so the update is the single-process one:
   over the data-parallel group, so advantages (group statistics, whitening) are whole-batch;
 * log-probs are computed vocab-parallel (:mod:`.logprobs`), never gathering the full logits;
 * micro-batch metrics are all-gathered over the data-parallel group and combined by the same
-  :class:`~trainer.learner.algorithm.MetricAccumulator` rules.
+  :class:`~trainer.learner.step_metrics.MetricAccumulator` rules.
 
 Checkpoints: Megatron ``dist_checkpointing`` (sharded model + optimizer state, one sub-directory
 per model) plus a small replicated file (schedules are in the sharded state; step count and
@@ -25,9 +26,7 @@ diagnostics here).
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +38,16 @@ import copc
 
 from ....errors import ConfigError
 from ....rollout.batch import RolloutBatch
-from ...algorithm import ActorCriticAlgorithm, MetricAccumulator, StepInputs
+from ...algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
 from ...distributed.base import RankContext
 from ...distributed.collectives import all_gather_objects
-from ...distributed.shard import (
-    gather_rows,
-    global_denominators,
-    micro_plan,
-    training_state_bytes,
-)
-from ..torch import LearnerConfig
+from ...distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
+from ...optim import ModelOptimizer
+from ...settings import LearnerConfig
 from . import shims
 from .bridge import build_actor, build_critic, export_actor, export_critic, make_bridge
 from .logprobs import response_logprobs, response_values
-from .optim import MegatronRankOptimizer, RankOptimizer, TorchRankOptimizer
+from .optim import MegatronRankOptimizer, TorchRankOptimizer
 
 Tensor = torch.Tensor
 
@@ -88,14 +83,7 @@ def init_parallel_state(ctx: RankContext) -> None:
                            f"runtime's {(ctx.tp_rank, ctx.dp_rank, ctx.dp_size)}")
 
 
-def _batch_to(b: RolloutBatch, device: torch.device) -> RolloutBatch:
-    if device.type == "cpu":
-        return b
-    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
-                                     if isinstance(getattr(b, f.name), torch.Tensor)})
-
-
-class MegatronRankLearner:
+class MegatronRankLearner(TemplateLearner):
     """One rank of the ``megatron`` backend (a :class:`~trainer.learner.distributed.base.RankLearner`
     with :meth:`named_gradients`).
 
@@ -143,9 +131,7 @@ class MegatronRankLearner:
         self.ctx, self.algo, self.cfg, self.device = ctx, algo, cfg, ctx.device
         self.dp_group = ps.get_data_parallel_group()
         self.dp_gloo = ps.get_data_parallel_group_gloo() if on_gpu else self.dp_group
-        self.algorithm = ActorCriticAlgorithm(algo, num_mini_batches=cfg.num_mini_batches,
-                                              micro_batch_size=cfg.micro_batch_size,
-                                              critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
+        self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
         self.bridge = make_bridge(model_dir, dtype)
         self.bridge.set_extra_args(calculate_per_token_loss=True)  # DDP sums rank gradients (no 1/dp)
         if recompute:
@@ -156,15 +142,13 @@ class MegatronRankLearner:
         if algo.use_critic:
             self.critic = self._wrap(build_critic(self.bridge, model_dir, self.device))
 
-        def make_opt(model: nn.Module, lr: float) -> RankOptimizer:
+        def make_opt(model: nn.Module, role: str) -> ModelOptimizer:
             if on_gpu:
-                return MegatronRankOptimizer(model, cfg.optimizer, lr, cfg.weight_decay, cfg.warmup_steps,
-                                             cfg.grad_clip, dtype)
-            return TorchRankOptimizer(model, cfg.optimizer, lr, cfg.weight_decay, cfg.warmup_steps,
-                                      cfg.grad_clip, ps.get_model_parallel_group())
+                return MegatronRankOptimizer(model, cfg.optim, role, dtype)
+            return TorchRankOptimizer(model, cfg.optim, role, ps.get_model_parallel_group())
 
-        self.actor_opt = make_opt(self.actor, cfg.actor_lr)
-        self.critic_opt = make_opt(self.critic, cfg.critic_lr) if self.critic is not None else None
+        self.actor_opt = make_opt(self.actor, "actor")
+        self.critic_opt = make_opt(self.critic, "critic") if self.critic is not None else None
         self.steps_done = 0
 
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -175,42 +159,7 @@ class MegatronRankLearner:
                                                 use_distributed_optimizer=self.device.type == "cuda")
         return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
 
-    # -- the RankLearner protocol ----------------------------------------------------------
-    @property
-    def policy_version(self) -> int:
-        """Updates done (resumes included)."""
-        return self.steps_done
-
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One learner step on this rank's rows of ``batch`` (the full batch, same on every rank);
-        returns the whole batch's metrics (identical on every rank), keys as the torch backend."""
-        t0 = time.perf_counter()
-        alg = self.algorithm
-        batch = _batch_to(batch, self.device)
-        logp_old, values_old = self._recompute(batch)
-        x, metrics = alg.advantages(batch, logp_old, values_old, self.policy_version,
-                                    steps_done=self.steps_done)
-        updates, update_actor = alg.mini_batch_updates(
-            batch, x, self.steps_done, has_critic=self.critic is not None,
-            denominators=lambda mini: global_denominators(alg, mini),
-            actor_update=lambda mini, xm, den, acc: self._update(
-                "actor", self.actor_opt, self.actor, mini, xm, acc,
-                lambda mb, xs: self._actor_loss(mb, xs, den)),
-            critic_update=lambda mini, xm, den, acc: self._update(
-                "critic", self.critic_opt, self.critic, mini, xm, acc,
-                lambda mb, xs: self._critic_loss(mb, xs, den)))
-        if update_actor:
-            self.actor_opt.schedule_step()
-        if self.critic_opt is not None:
-            self.critic_opt.schedule_step()
-        self.steps_done += 1
-        metrics.update(updates)
-        metrics["actor/lr"] = self.actor_opt.lr
-        metrics["actor/updated"] = float(update_actor)
-        metrics["perf/learner_step_s"] = time.perf_counter() - t0
-        metrics["perf/tokens"] = float(batch.attention_mask.sum())
-        return metrics
-
+    # -- the RankLearner protocol (step and policy_version: TemplateLearner) ----------------
     def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The actor's full tensors in Hugging Face names on rank 0's CPU (every rank must exhaust
         the iterator: the tensor-parallel gathers are collective; other ranks yield nothing)."""
@@ -231,19 +180,10 @@ class MegatronRankLearner:
                     out[f"{prefix}.{name}"] = g.float()
         return out
 
-    def export_critic_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The critic's full tensors under :class:`~trainer.learner.critic.ValueModel` names on rank 0
-        (collective as :meth:`export_policy_weights`); nothing without a critic."""
-        if self.critic is None:
-            return
-        for name, t in export_critic(self.bridge, self.critic):
-            if self.ctx.is_rank0:
-                yield name, t
-
     def state_bytes(self) -> dict[str, int]:
         """This rank's persistent training state in bytes (``params``, ``grads`` = DDP's gradient
         buffers, ``optimizer``; :func:`~trainer.learner.distributed.shard.training_state_bytes`)."""
-        models = self._models()
+        models = self.models()
         opts = [getattr(o, "optimizer", None) for _, _, o in models]
         return training_state_bytes([m for _, m, _ in models],
                                     [o for o in opts if isinstance(o, torch.optim.Optimizer)])
@@ -254,7 +194,7 @@ class MegatronRankLearner:
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
-        for name, model, opt in self._models():
+        for name, model, opt in self.models():
             (directory / name).mkdir(parents=True, exist_ok=True)
             dist.barrier(group=self.ctx.cpu_group)
             dist_checkpointing.save(self._sharded_state(model, opt, is_loading=False), str(directory / name))
@@ -272,7 +212,7 @@ class MegatronRankLearner:
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
-        for name, model, opt in self._models():
+        for name, model, opt in self.models():
             if not (directory / name).is_dir() or not (directory / SMALL_STATE).is_file():
                 raise FileNotFoundError(f"{directory}: not a megatron learner checkpoint (needs {name}/ and "
                                         f"{SMALL_STATE})")
@@ -285,14 +225,8 @@ class MegatronRankLearner:
         self.algorithm.value_bias.load_state_dict(small["diagnostics"])
 
     # -- backend part ----------------------------------------------------------------------
-    def _models(self) -> list[tuple[str, nn.Module, RankOptimizer]]:
-        out = [("actor", self.actor, self.actor_opt)]
-        if self.critic is not None:
-            out.append(("critic", self.critic, self.critic_opt))
-        return out
-
     @staticmethod
-    def _sharded_state(model: nn.Module, opt: RankOptimizer, *, is_loading: bool) -> dict[str, Any]:
+    def _sharded_state(model: nn.Module, opt: Any, *, is_loading: bool) -> dict[str, Any]:
         msd = model.module.sharded_state_dict()
         return {"model": msd, "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading)}
 
@@ -302,8 +236,20 @@ class MegatronRankLearner:
         return [s for s in micro_plan(n_rows, self.ctx.dp_rank, self.ctx.dp_size, self.cfg.micro_batch_size)
                 if s is not None]
 
+    def place(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch on this rank's device (advantages are computed there)."""
+        return batch_to(batch, self.device)
+
+    def logprobs(self, mb: RolloutBatch) -> Tensor:
+        """Vocab-parallel actor log-probs of ``mb`` (:func:`.logprobs.response_logprobs`)."""
+        return response_logprobs(self.actor, mb, self.cfg.temperature, self.device)
+
+    def values(self, mb: RolloutBatch) -> Tensor:
+        """Critic values of ``mb`` (:func:`.logprobs.response_values`)."""
+        return response_values(self.critic, mb, self.device)
+
     @torch.no_grad()
-    def _recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+    def recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
         """Whole-batch ``logp_old`` / ``values_old`` ``(B, T)``: this rank's rows, all-gathered."""
         self.actor.eval()
         if self.critic is not None:
@@ -311,9 +257,9 @@ class MegatronRankLearner:
         lps, vals = [], []
         for sl in self._plan(len(batch)):
             mb = batch.select(sl)
-            lps.append(response_logprobs(self.actor, mb, self.cfg.temperature, self.device))
+            lps.append(self.logprobs(mb))
             if self.critic is not None:
-                vals.append(response_values(self.critic, mb, self.device))
+                vals.append(self.values(mb))
         T = batch.loss_mask.shape[1]
         empty = torch.zeros((0, T), dtype=torch.float32, device=self.device)
         n, r, d = len(batch), self.ctx.dp_rank, self.ctx.dp_size
@@ -323,33 +269,17 @@ class MegatronRankLearner:
             values = gather_rows(torch.cat(vals) if vals else empty, n, r, d, group=self.dp_group)
         return logp, values
 
-    def _actor_loss(self, mb: RolloutBatch, xs: StepInputs, den: copc.Denominators) -> tuple[Tensor, dict]:
-        logp = response_logprobs(self.actor, mb, self.cfg.temperature, self.device)
-        loss, met = self.algorithm.policy_loss(logp, mb, xs, den)
-        return loss, {**met, "actor/total_loss": float(loss.detach())}
-
-    def _critic_loss(self, mb: RolloutBatch, xs: StepInputs, den: copc.Denominators) -> tuple[Tensor, dict]:
-        return self.algorithm.value_loss(response_values(self.critic, mb, self.device), mb, xs, den)
-
-    def _update(self, prefix: str, opt: RankOptimizer, model: nn.Module, mini: RolloutBatch, xm: StepInputs,
-                acc: MetricAccumulator, loss_fn: Callable[[RolloutBatch, StepInputs], tuple[Tensor, dict]]
-                ) -> None:
-        """One optimizer update on this rank's rows of ``mini`` (gradients summed over data parallel
-        by Megatron DDP); the metrics of every data-parallel rank's micro-batches go into ``acc``."""
-        model.train()
-        opt.zero_grad()
+    def backward(self, role: str, mini: RolloutBatch, x: StepInputs, den: MiniBatchDenominators
+                 ) -> list[tuple[dict[str, float], float]]:
+        """Backward of ``role``'s loss on this rank's rows of ``mini`` (Megatron DDP sums the
+        gradients over data parallel at the optimizer step); every data-parallel rank's metrics."""
         local = []
         for sl in self._plan(len(mini)):
             mb = mini.select(sl)
-            loss, met = loss_fn(mb, xm.rows_slice(sl))
+            loss, met = self.micro_loss(role, mb, x.rows_slice(sl), den)
             loss.backward()
             local.append((met, float(mb.loss_mask.sum())))
-        for rank_items in all_gather_objects(local, self.dp_gloo):
-            for met, tokens in rank_items:
-                acc.add_micro(met, tokens)
-        norm = opt.step()
-        if norm is not None:
-            acc.add(f"{prefix}/grad_norm", norm)
+        return [item for rank_items in all_gather_objects(local, self.dp_gloo) for item in rank_items]
 
 
 def build_megatron_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> MegatronRankLearner:

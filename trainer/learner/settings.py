@@ -1,0 +1,112 @@
+"""The learner's settings, built once from the config and passed to every backend.
+
+* :class:`OptimizerSettings` — the optimiser of the actor and of the critic: algorithm
+  (``learner.optimizer``), learning rates, Adam betas / eps, weight decay, gradient clipping and
+  the linear warm-up (``train.*``). Every backend builds its optimizers and schedules from it
+  (:mod:`trainer.learner.optim`; Megatron's own optimizer on GPU); none reads the config itself.
+* :class:`LearnerConfig` — the step settings (mini-batches, micro-batch size, critic warm-up,
+  sampling temperature, seed) plus the :class:`OptimizerSettings`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+#: ``learner.optimizer`` values.
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimiser of both models (one object; every backend gets the same).
+
+    Attributes:
+        name: ``adamw`` (:class:`torch.optim.AdamW`; Megatron ``adam`` with decoupled decay on GPU)
+            | ``sgd`` (plain SGD, no momentum, L2 ``weight_decay``) — ``learner.optimizer``.
+        actor_lr / critic_lr: peak learning rates of the actor / critic (``train.actor_lr`` /
+            ``train.critic_lr``).
+        betas / eps: Adam's moment decays and denominator term (torch's defaults; ignored by SGD).
+        weight_decay: decoupled (AdamW) or L2 (SGD) decay, every parameter (``train.weight_decay``).
+        grad_clip: max global L2 gradient norm per update, 0 = off (``train.grad_clip``).
+        warmup_steps: linear warm-up of both learning rates over this many schedule steps (one per
+            learner step that updates the model; ``train.warmup_steps``); factor
+            :meth:`warmup_factor`.
+
+    Raises:
+        ValueError: an unknown ``name`` (naming ``learner.optimizer``), a negative rate, decay,
+            clip or warm-up, betas outside ``[0, 1)`` or ``eps <= 0`` (naming the field).
+    """
+
+    name: str = "adamw"
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"learner.optimizer={self.name!r}: must be 'adamw' or 'sgd'")
+        for key in ("actor_lr", "critic_lr", "weight_decay", "grad_clip", "warmup_steps"):
+            v = getattr(self, key)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"optimizer {key}={v!r}: must be a finite number >= 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer betas={self.betas!r}: must be two numbers in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"optimizer eps={self.eps!r}: must be > 0")
+
+    @classmethod
+    def from_config(cls, exp: Any) -> OptimizerSettings:
+        """From an :class:`~trainer.config.ExperimentConfig` (``train.*`` and ``learner.optimizer``)."""
+        t = exp.train
+        return cls(name=exp.learner.optimizer, actor_lr=t.actor_lr, critic_lr=t.critic_lr,
+                   weight_decay=t.weight_decay, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
+
+    def lr(self, role: str) -> float:
+        """The peak learning rate of ``role`` (``"actor"`` | ``"critic"``).
+
+        Raises:
+            ValueError: another role.
+        """
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role={role!r}: must be 'actor' or 'critic'")
+        return self.actor_lr if role == "actor" else self.critic_lr
+
+    def warmup_factor(self, i: int) -> float:
+        """Learning-rate factor after ``i`` schedule steps: ``min(1, (i + 1) / warmup_steps)``
+        (1 without warm-up)."""
+        return 1.0 if self.warmup_steps <= 0 else min(1.0, (i + 1) / self.warmup_steps)
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Settings of a learner step (see :class:`trainer.config.TrainConfig`).
+
+    Attributes:
+        optim: :class:`OptimizerSettings` of the actor and the critic.
+        critic_warmup_steps: first steps update only the critic.
+        num_mini_batches: updates per step. micro_batch_size: rows per forward/backward.
+        temperature: sampling temperature of the rollouts (log-probs are of ``logits / T``).
+        seed: mini-batch permutation seed.
+    """
+
+    optim: OptimizerSettings = field(default_factory=OptimizerSettings)
+    critic_warmup_steps: int = 0
+    num_mini_batches: int = 1
+    micro_batch_size: int = 8
+    temperature: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, exp: Any) -> LearnerConfig:
+        """From an :class:`~trainer.config.ExperimentConfig` (``train``, ``learner.optimizer`` and
+        ``rollout.temperature``)."""
+        t = exp.train
+        return cls(optim=OptimizerSettings.from_config(exp), critic_warmup_steps=t.critic_warmup_steps,
+                   num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
+                   temperature=exp.rollout.temperature, seed=t.seed)
