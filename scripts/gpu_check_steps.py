@@ -230,8 +230,8 @@ def step_logprob_parity(ctx: StepContext) -> dict:
     import torch
 
     from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from trainer.learner.distributed.shard import batch_to
     from trainer.learner.backends.torch import response_logprobs
+    from trainer.learner.distributed.shard import batch_to
     from trainer.models.loading import load_model_and_tokenizer
     from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 

@@ -78,7 +78,7 @@ LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, Fals
                     "pipeline_parallel": (bool, False)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
-#: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.megatron`);
+#: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`);
 #: a :class:`copc.Registry`.
 LEARNERS: Registry[LearnerFactory] = Registry("learner backend", LEARNER_METADATA, key="learner.backend")
 
