@@ -31,12 +31,14 @@ this rank's bytes of parameters, gradients and optimizer state (:class:`MemoryPr
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from copc.registries import Registry
 
 from ...rollout.batch import RolloutBatch
 
@@ -146,3 +148,15 @@ class MemoryProbe(Protocol):
         """``{"params", "grads", "optimizer"}``: bytes of the distinct tensor storages this rank
         holds (its shards; padding included), after at least one step; see
         :func:`trainer.learner.distributed.shard.training_state_bytes`."""
+
+
+#: ``factory(exp_cfg, model_dir, ctx) -> RankLearner``, called inside a rank process after
+#: ``torch.distributed`` is initialised.
+RankLearnerFactory = Callable[[Any, Path, RankContext], RankLearner]
+
+#: The rank-learner registry, ``learner.backend`` → per-rank factory (``fsdp`` registered by
+#: :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`, both through
+#: :func:`~trainer.learner.distributed.registry.register_rank_learner`); a :class:`copc.Registry`.
+#: It lives here, beside the protocol, so the driver and the rank processes read it without
+#: importing the registration module (which imports the driver).
+RANK_LEARNERS: Registry[RankLearnerFactory] = Registry("distributed rank learner", key="learner.backend")

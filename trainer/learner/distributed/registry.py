@@ -10,23 +10,11 @@ import its heavy dependencies inside the call, not at module import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from copc.registries import Registry
+from .base import RANK_LEARNERS, RankLearnerFactory
 
-from .base import RankContext, RankLearner
-
-#: ``factory(exp_cfg, model_dir, ctx) -> RankLearner``, called inside a rank process after
-#: ``torch.distributed`` is initialised.
-RankLearnerFactory = Callable[[Any, Path, RankContext], RankLearner]
-
-
-#: The rank-learner registry, ``learner.backend`` → per-rank factory (``fsdp`` registered by
-#: :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`); a
-#: :class:`copc.Registry`.
-RANK_LEARNERS: Registry[RankLearnerFactory] = Registry("distributed rank learner", key="learner.backend")
+__all__ = ["RANK_LEARNERS", "RankLearnerFactory", "register_rank_learner"]
 
 
 def register_rank_learner(name: str, factory: RankLearnerFactory, overwrite: bool = False, *,

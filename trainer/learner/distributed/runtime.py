@@ -95,7 +95,7 @@ class DistributedLearner:
     """
 
     def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
-        from .registry import RANK_LEARNERS
+        from .base import RANK_LEARNERS
 
         sec = exp_cfg.learner
         RANK_LEARNERS.get(sec.backend)  # RegistryError naming learner.backend

@@ -127,7 +127,7 @@ def build_rank_learner(exp_cfg: Any, model_dir: str | Path, ctx: RankContext) ->
     from transformers.utils import logging as hf_logging
 
     from ...plugins import import_plugins
-    from .registry import RANK_LEARNERS
+    from .base import RANK_LEARNERS
 
     hf_logging.disable_progress_bar()  # N ranks × "Loading weights" bars say nothing the driver does not
     import_plugins(exp_cfg.plugins)
