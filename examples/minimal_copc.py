@@ -34,7 +34,7 @@ import copc
 from environments import EnvLimits, RegexTool, ToolEnv
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.learner.backends.torch import LearnerConfig, TorchLearner
+from trainer.learner import LearnerConfig, OptimizerSettings, TorchLearner
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
@@ -118,8 +118,8 @@ async def train(out: Path, steps: int, prompts_per_step: int, group_size: int,
     actor, tokenizer = load_model_and_tokenizer(model_dir)  # trained by the learner
     policy, _ = load_model_and_tokenizer(model_dir)  # served by the engine; gets the new weights
     algo = copc.get_preset("copc")  # coupled advantage/return + critic + clipped policy loss
-    learner = TorchLearner(actor, algo, LearnerConfig(actor_lr=1e-4, critic_lr=1e-4, micro_batch_size=4,
-                                                      seed=seed))
+    learner = TorchLearner(actor, algo, LearnerConfig(optim=OptimizerSettings(actor_lr=1e-4, critic_lr=1e-4),
+                                                      micro_batch_size=4, seed=seed))
     engine = EmbeddedEngine(policy, tokenizer, version=learner.policy_version)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=48)
     samples = make_samples(prompts_per_step * steps, seed)
