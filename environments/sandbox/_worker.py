@@ -338,7 +338,8 @@ def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
     bufs = {out_r: bytearray(), err_r: bytearray()}
     go = bytearray()
     sel = selectors.DefaultSelector()
-    for fd in (out_r, err_r, child.ready_r):
+    os.set_blocking(child.ready_r, False)  # read once the call is over (no wake-ups)
+    for fd in (out_r, err_r):
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
     sel.register(pidfd, selectors.EVENT_READ)
@@ -370,9 +371,6 @@ def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
                 sel.unregister(fd)
                 open_fds.discard(fd)
                 continue
-            if fd == child.ready_r:
-                go += chunk
-                continue
             bufs[fd] += chunk
             if len(bufs[out_r]) + len(bufs[err_r]) > limit:
                 truncated = True
@@ -383,7 +381,7 @@ def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
         _, status, rusage = os.wait4(pid, 0)
     duration = time.perf_counter() - t0
     with contextlib.suppress(BlockingIOError, OSError):
-        go += os.read(child.ready_r, 8192)
+        go += os.read(child.ready_r, 8192)  # "G", or "E" and why the set-up failed
     sel.close()
     _sweep(opts, pid)
     if cg.oom_events():
@@ -505,8 +503,8 @@ def _serve(opts: Options, in_fd: int, out_fd: int, cg: _Cgroups, last_pid: int |
         _send(out_fd, reply)
         if "error" in reply:
             return  # a broken worker is replaced by the pool, never reused
-        done, child = child, _Prefork(opts, cg)
-        done.close()  # the finished call's mount namespace dies here, off the caller's path
+        child.close()  # the finished call's mount namespace (and its tmpfs) dies here
+        child = _Prefork(opts, cg)
 
 
 if __name__ == "__main__":
