@@ -408,3 +408,22 @@ def test_ray_launcher_runs_each_cell_as_a_ray_task_on_one_cluster(tmp_path):
     log = (out / "cells/eta_a0.25/seed0.log").read_text()
     assert f"Connecting to existing Ray cluster at address: {address}" in log  # ... which joined it
     assert _csv(out / "sweep.csv")[0]["status"] == "ok"
+
+
+def test_spec_numbers_parse_as_on_the_command_line(tmp_path):
+    """Issue 21 item 16: ``1e-4`` in a spec file is the float the command line gives (YAML 1.1 alone
+    reads it as a string): same cell id, same override / CSV text, same run directory."""
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(f"config: {TINY}\ngrid:\n  algorithm.eta_p: [1e-4, 2.5E-1]\n"
+                         "seeds: [0]\noverrides: {train.total_steps: 3, algorithm.eta_a: 5e-1}\n")
+    parser = build_parser(["sweep"])
+    from_spec = build_plan(spec_from_args(parser.parse_args(["sweep", "--spec", str(spec_file)])))
+    cli = parser.parse_args(["sweep", "--config", str(TINY), "--grid", "algorithm.eta_p=1e-4,2.5E-1",
+                             "--seeds", "0", "train.total_steps=3", "algorithm.eta_a=5e-1"])
+    from_cli = build_plan(spec_from_args(cli))
+    assert [r.cell.values for r in from_spec.runs] == [{"algorithm.eta_p": 1e-4}, {"algorithm.eta_p": 0.25}]
+    assert all(isinstance(r.cell.values["algorithm.eta_p"], float) for r in from_spec.runs)
+    assert [r.cell.id for r in from_spec.runs] == [r.cell.id for r in from_cli.runs]
+    assert [r.run_dir for r in from_spec.runs] == [r.run_dir for r in from_cli.runs]
+    assert [r.cell.label("algorithm.eta_p") for r in from_spec.runs] == ["0.0001", "0.25"]
+    assert from_spec.base.algorithm["eta_a"] == 0.5 == from_cli.base.algorithm["eta_a"]

@@ -316,8 +316,10 @@ def load_spec(path: str | Path) -> SweepSpec:
     if not path.is_file():
         raise ConfigError(f"--spec {str(path)!r}: no such file")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+        # OmegaConf's YAML loader, the one that parses ``copc train key=value`` and config files: it
+        # reads ``1e-4`` as a float (YAML 1.2), where PyYAML's 1.1 safe_load gives the string "1e-4"
+        raw = OmegaConf.to_container(OmegaConf.create(path.read_text() or "{}"), resolve=False)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise ConfigError(f"--spec {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--spec {path}: top level must be a mapping")
