@@ -10,6 +10,7 @@ finds in the prompt — right for even question indices, wrong for odd ones — 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,30 @@ def test_retriever_outage_is_reported_as_failed_not_wrong(setup, tmp_path, monke
     assert nq["failed_episodes"] == 1 and nq["questions"] == 3 and nq["em"] == pytest.approx(2 / 3)
     (failed,) = [r for r in read_results(out / "results.jsonl") if r["failed"]]
     assert failed["sample_index"] == 1 and failed["finish_reason"].startswith("infra_error: retriever failed")
+
+
+def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
+    """Issue 21 item 10: ``--resume`` with other weights (same directory, changed file), another
+    model directory or an endpoint instead of the model exits 2 naming the flag."""
+    monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(setup["key"]))
+    model = tmp_path / "m"
+    shutil.copytree(setup["model"], model)
+    out = tmp_path / "o"
+    rest = ["--benchmarks", "nq", "--max-samples", "2", "--out", str(out), f"plugins=[{setup['plugin']}]",
+            "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
+            f"task.retriever_index_dir={setup['index']}"]
+    assert cli_main(["eval", "--model", str(model), *rest]) == 0
+    recorded = json.loads((out / "eval_settings.json").read_text())["policy"]
+    assert recorded["source"] == "--model" and recorded["path"] == str(model.resolve())
+    assert len(recorded["weights_sha256"]) == 64
+    assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 0  # the same policy resumes
+    capsys.readouterr()
+    assert cli_main(["eval", "--model", setup["model"], *rest, "--resume"]) == 2  # another directory
+    assert f"--model={setup['model']!r}: the run in" in capsys.readouterr().err.strip().splitlines()[-1]
+    weights = next(p for p in sorted(model.iterdir()) if p.suffix in (".safetensors", ".bin"))
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1  # same directory, other weights
+    weights.write_bytes(bytes(blob))
+    assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--model={str(model)!r}: its weights changed since the run in" in err

@@ -169,12 +169,51 @@ def _preflight_policy(args: argparse.Namespace) -> None:
         asyncio.run(_check_health("--endpoint", args.endpoint))
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def policy_identity(args: argparse.Namespace) -> dict:
+    """What is evaluated, for ``eval_settings.json``: ``{"source": "--endpoint", "url": ...}`` or
+    ``{"source": "--model" | "--checkpoint", "path": resolved dir, "weights_sha256": ...}`` where the
+    hash (hex SHA-256) covers the name and bytes of every weight file (``*.safetensors``, ``*.bin``,
+    ``*.pt``, ``*.pth``) directly in that directory, in name order (a checkpoint's step is its path)."""
+    import hashlib
+
+    if args.endpoint:
+        return {"source": "--endpoint", "url": str(args.endpoint)}
+    flag, path = ("--model", args.model) if args.model else ("--checkpoint", args.checkpoint)
+    path = Path(path).resolve()
+    digest = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return {"source": flag, "path": str(path), "weights_sha256": digest.hexdigest()}
+
+
+def _check_policy(out: Path, old: dict | None, new: dict, shown: str) -> None:
+    """Refuse resuming ``out`` (recorded policy ``old``) with the policy ``new`` (``shown`` as given)."""
+    if not old or old == new:
+        return
+    if old.get("source") == new["source"] and old.get("path") == new.get("path"):
+        why = f"its weights changed since the run in {out} (weights_sha256 {old.get('weights_sha256')} → " \
+              f"{new.get('weights_sha256')}); --resume must evaluate the same policy"
+    else:
+        what = old.get("url") or old.get("path")
+        why = f"the run in {out} evaluated {old.get('source')} {what}; --resume must evaluate the same policy"
+    raise _fail(new["source"], shown, why)
+
+
 def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
     """Refuse ``--resume`` with settings that change what the episodes mean (seed, temperature,
     k, budgets, benchmark definitions); return the settings to record for the run."""
     path = out / SETTINGS_FILE
     if resume and path.exists():
         before = json.loads(path.read_text())
+        new = settings["policy"]
+        _check_policy(out, before.get("policy"), new,
+                      settings.get("_shown", new.get("url") or new.get("path")))
         for key in ("seed", "temperature", "k", "max_new_tokens", "agent", "benchmarks"):
             old, new = before.get(key), settings.get(key)
             if key == "benchmarks":  # a resumed run may evaluate fewer or more benchmarks
@@ -187,7 +226,7 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
                         "max_new_tokens": "rollout.max_new_tokens"}.get(key, f"--{key}")
                 raise _fail(flag, new, f"the run in {out} used {old!r}; --resume must use the same settings")
         settings = {**settings, "benchmarks": {**before.get("benchmarks", {}), **settings["benchmarks"]}}
-    return settings
+    return {k: v for k, v in settings.items() if k != "_shown"}
 
 
 async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
@@ -313,7 +352,9 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
                     "choose another --out")
     record = _check_resume(out, {"seed": settings.seed, "temperature": settings.temperature, "k": settings.k,
                                  "max_new_tokens": settings.max_new_tokens, "agent": repr(settings.agent),
-                                 "benchmarks": {s.name: f"{s!r} {k.settings!r}" for s, k, _ in benchmarks}},
+                                 "benchmarks": {s.name: f"{s!r} {k.settings!r}" for s, k, _ in benchmarks},
+                                 "policy": policy_identity(args),
+                                 "_shown": str(args.endpoint or args.model or args.checkpoint)},
                            args.resume)
     out.mkdir(parents=True, exist_ok=True)
     report = asyncio.run(_run(args, cfg, out, settings, benchmarks, record))
