@@ -386,3 +386,16 @@ def test_max_staleness_is_resolved_once():
     assert load_config(None, ["train.staleness.max=5"]).max_staleness == 5
     assert load_config(None, ["train.staleness.max=5", "algorithm.max_staleness=2"]).max_staleness == 2
     assert load_config(None, ["train.staleness.max=5", "preset=ppo"]).max_staleness == 0
+
+
+def test_a_config_error_found_once_the_tokenizer_is_loaded_is_one_line(capsys, monkeypatch, tmp_path):
+    """Issue 21 item 17: ``rollout.use_chat_template: true`` with the tiny model's tokenizer (no
+    chat template) is refused like a load-time error: exit 2, one line naming the key."""
+    monkeypatch.chdir(ROOT)
+    rc = cli_main(["train", "--config", "configs/math_tool/cpu_tiny.yaml", f"output_dir={tmp_path / 'run'}",
+                   "rollout.use_chat_template=true", "warm_start.enabled=false", "logging.progress=false"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # above it only the tiny model's "Writing model shards" bar
+    assert rc == 2 and "Traceback" not in err, err
+    assert last.startswith("copc train: config error: rollout.use_chat_template=true: the tokenizer "), last
+    assert "tokenizer has no chat_template (of " in last and last.count("init_model") == 1

@@ -35,6 +35,7 @@ from ..orchestration.prompts import PromptStream
 from ..outputs.checkpoint import CheckpointManager, set_rng_state
 from ..outputs.metrics_log import MetricsLogger
 from ..rollout.agent_loop import AgentLoopConfig
+from ..rollout.observation import check_chat_template
 from ..warmstart.cache import cache_key, restore, store
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
         summary: dict[str, Any] = {"name": cfg.name, "preset": cfg.preset, "task": cfg.task.env,
                                    "max_staleness": cfg.max_staleness, "output_dir": str(out)}
         model_dir = initial_model_dir(cfg, out, task)
+        check_chat_template(load_tokenizer(model_dir), cfg.rollout.use_chat_template, model_dir)
         model_dir, sft = _warm_start(cfg, task, model_dir, out) if state is None else \
             ((out / "warm_start_model", None) if (out / "warm_start_model" / "config.json").exists()
              else (model_dir, None))

@@ -233,8 +233,12 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
         model_dir = ws if (ws / "config.json").exists() else initial_model_dir(cfg, out)
         weights = checkpoint_policy_weights(cfg, path, model_dir)
     task = build_task(cfg)
+    tok = load_tokenizer(model_dir)
+    from ..rollout.observation import check_chat_template
+
+    check_chat_template(tok, cfg.rollout.use_chat_template, model_dir)
     try:
-        res = asyncio.run(_standalone_eval(cfg, model_dir, load_tokenizer(model_dir), weights, task, out))
+        res = asyncio.run(_standalone_eval(cfg, model_dir, tok, weights, task, out))
         print(json.dumps(res, indent=2))
         return res
     finally:

@@ -98,9 +98,12 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
         if not tok_dir:
             raise _fail("--endpoint", args.endpoint, "needs --tokenizer DIR (the served model's tokenizer)")
         await _check_health("--endpoint", args.endpoint)
+        tok = load_tokenizer(tok_dir)
+        from ..rollout.observation import check_chat_template
+
+        check_chat_template(tok, cfg.rollout.use_chat_template, tok_dir)
         engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint))
-        return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir),
-                                      "_tokenizer": load_tokenizer(tok_dir)}
+        return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir), "_tokenizer": tok}
     from ..engines import EngineSpec, make_engine, preflight_engine
 
     try:
@@ -109,6 +112,9 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
         raise ConfigError(str(e.args[0])) from None
     model_dir, weights = await asyncio.to_thread(_policy, args, cfg)
     tok = load_tokenizer(model_dir)
+    from ..rollout.observation import check_chat_template
+
+    check_chat_template(tok, cfg.rollout.use_chat_template, model_dir)
     spec = EngineSpec(cfg, model_dir, tok, 0, None if weights is None else weights.items(), out)
     handle = await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
     what = {"model": str(args.model or args.checkpoint), "engine": cfg.rollout.engine, "_tokenizer": tok}

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..errors import ConfigError
+
 #: Marker put between head and tail; ``n`` = tokens of the observation that are not shown.
 TRUNCATION_MARKER = "\n...[truncated {n} tokens]...\n"
 #: Marker used when the full one does not fit next to the tail (small budgets).
@@ -134,6 +136,19 @@ def _clean_start(tokenizer: Any, tail: list[int], has_fffd: bool) -> list[int]:
 _TURN_MARK = "COPC_MODEL_TURN_7f3a9c"
 
 
+def check_chat_template(tokenizer: Any, use_chat_template: bool, model_dir: Any = None) -> None:
+    """Refuse ``rollout.use_chat_template: true`` with a tokenizer that has no chat template: a
+    config error found once the model's tokenizer is loaded, reported like a load-time one.
+
+    Raises:
+        ConfigError: one line naming ``rollout.use_chat_template`` (and ``model_dir`` if given).
+    """
+    if use_chat_template and not getattr(tokenizer, "chat_template", None):
+        where = f" (of {model_dir})" if model_dir is not None else ""
+        raise ConfigError(f"rollout.use_chat_template=true: the tokenizer has no chat_template{where}; "
+                          "set rollout.use_chat_template=false or use a model whose tokenizer has one")
+
+
 class ChatTurns:
     """Prompt and observation tokens rendered through the tokenizer's chat template.
 
@@ -160,12 +175,11 @@ class ChatTurns:
         tools: OpenAI function schemas for the template (``None``: none).
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        ConfigError: the tokenizer has no chat template (names ``rollout.use_chat_template``).
     """
 
     def __init__(self, tokenizer: Any, tools: Any = None) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("rollout.use_chat_template=True but the tokenizer has no chat_template")
+        check_chat_template(tokenizer, True)
         self.tokenizer = tokenizer
         self.tools = [dict(t) for t in tools] if tools else None
 
