@@ -14,6 +14,7 @@ main-search: setup
 
 test: setup
 	$(PY) -m ruff check .
+	$(PY) scripts/check_imports.py
 	$(PY) -m pytest -q
 
 lint: setup
