@@ -47,9 +47,15 @@ def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_non_editable_install_trains_from_another_directory(tmp_path):
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "runs", "outputs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-        ".ruff_cache", ".hypothesis", "tests", "benchmarks"))
+    anywhere = shutil.ignore_patterns("*.egg-info", "__pycache__")
+    top = {".git", ".venv", "runs", "outputs", "build", "dist", ".pytest_cache", ".ruff_cache", ".hypothesis",
+           "tests", "benchmarks"}  # run artefacts at the root only: trainer/outputs/ is a package
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        skip = anywhere(folder, names)
+        return skip | (top & set(names)) if Path(folder) == REPO else skip
+
+    shutil.copytree(REPO, src, ignore=ignore)
     wheels = tmp_path / "wheels"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
           "--quiet", "-w", str(wheels), str(src)], timeout=300)

@@ -22,9 +22,16 @@ print(json.dumps({'uid': os.getuid(), 'caps': caps, 'nnp': st['NoNewPrivs'].stri
 """
 
 
-def check_probe(probe: dict, hello: dict, memory_mode: str) -> list[str]:
-    """What the probe of a ``bwrap`` worker found weaker than documented (empty: all holds)."""
+def check_probe(probe: dict, hello: dict, memory_mode: str, bound: tuple[str, ...] = ()) -> list[str]:
+    """What the probe of a ``bwrap`` worker found weaker than documented (empty: all holds).
+
+    Args:
+        bound: read-only paths bound into every call (the interpreter's prefixes, extra paths);
+            those under ``/tmp`` (a virtualenv in a checkout under ``/tmp``) are bound again into
+            each call's fresh ``/tmp``, so their first component is the one entry allowed there.
+    """
     problems = []
+    allowed = {p.split("/")[2] for p in bound if p.startswith("/tmp/")}
     if probe.get("net_interfaces") != ["lo"]:
         problems.append(f"network not isolated (interfaces {probe.get('net_interfaces')})")
     if not probe.get("uid"):
@@ -37,8 +44,9 @@ def check_probe(probe: dict, hello: dict, memory_mode: str) -> list[str]:
     if probe.get("seccomp") != "2" or probe.get("user_namespaces") != "disabled":
         problems.append(f"user namespaces not disabled (seccomp mode {probe.get('seccomp')!r}, "
                         f"unshare(CLONE_NEWUSER) {probe.get('user_namespaces')})")
-    if probe.get("tmp_entries"):
-        problems.append(f"the call's /tmp is not fresh: {probe.get('tmp_entries')}")
+    extra = sorted(set(probe.get("tmp_entries") or ()) - allowed)
+    if extra:
+        problems.append(f"the call's /tmp is not fresh: {extra}")
     if not hello.get("pid_ns_init_visible"):
         problems.append(f"no own PID namespace (worker pid {hello.get('pid')})")
     if memory_mode == "cgroup-v1":

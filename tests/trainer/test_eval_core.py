@@ -99,7 +99,7 @@ def test_user_kind_from_a_plugin_file_with_its_own_settings(tiny_model, tmp_path
         err = capsys.readouterr().err
         assert "eval.kind_settings.graded.nope=1: unknown setting of GradedSettings" in err
         assert run("bad2", "eval.kind_settings.graded.threshold=3") == 2
-        assert "eval.kind_settings.graded: threshold=3.0: must be in [-1, 1]" in capsys.readouterr().err
+        assert "eval.kind_settings.graded.threshold=3.0: must be in [-1, 1]" in capsys.readouterr().err
     finally:
         if "graded" in BENCHMARK_KINDS:
             BENCHMARK_KINDS.unregister("graded")
