@@ -399,3 +399,25 @@ def test_a_config_error_found_once_the_tokenizer_is_loaded_is_one_line(capsys, m
     assert rc == 2 and "Traceback" not in err, err
     assert last.startswith("copc train: config error: rollout.use_chat_template=true: the tokenizer "), last
     assert "tokenizer has no chat_template (of " in last and last.count("init_model") == 1
+
+
+def test_copc_train_refuses_a_run_directory_another_process_writes(capsys, monkeypatch, tmp_path):
+    """Issue 21 item 12: a second writer of ``output_dir`` (a real second process holds its lock)
+    exits 2 naming the directory and the holder's pid."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    code = ("import time\nfrom trainer.outputs.lock import lock_output_dir\n"
+            f"held = lock_output_dir({str(out)!r})\nprint('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc = cli_main(["train", "--config", "configs/math_tool/cpu_tiny.yaml", f"output_dir={out}"])
+        needle = f"output_dir={str(out)!r}: another copc process (pid {holder.pid}) is writing there"
+        _assert_one_line_error(rc, capsys.readouterr().err, "train", needle)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (out / "config.yaml").exists()

@@ -303,3 +303,29 @@ def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
     assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--model={str(model)!r}: its weights changed since the run in" in err
+
+
+def test_a_second_writer_of_the_same_out_is_refused(setup, tmp_path, capsys, monkeypatch):
+    """Issue 21 item 12: while another process holds ``--out`` (a real second process), ``copc eval``
+    exits 2 naming the directory and the holder's pid; once it is gone the same command runs."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(setup["key"]))
+    out = tmp_path / "o"
+    code = ("import time\nfrom trainer.outputs.lock import lock_output_dir\n"
+            f"held = lock_output_dir({str(out)!r})\nprint('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = ["eval", "--model", setup["model"], "--benchmarks", "nq", "--max-samples", "1",
+                "--out", str(out), f"plugins=[{setup['plugin']}]", "rollout.engine=scripted",
+                "logging.progress=false", f"task.data_dir={DATA}",
+                f"task.retriever_index_dir={setup['index']}"]
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--out={str(out)!r}: another copc process (pid {holder.pid}) is writing there" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli_main(argv) == 0

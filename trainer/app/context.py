@@ -33,6 +33,7 @@ from ..models.loading import load_model_and_tokenizer, load_tokenizer
 from ..models.tiny import TinyModelConfig, save_tiny_checkpoint
 from ..orchestration.prompts import PromptStream
 from ..outputs.checkpoint import CheckpointManager, set_rng_state
+from ..outputs.lock import lock_output_dir
 from ..outputs.metrics_log import MetricsLogger
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.observation import check_chat_template
@@ -118,6 +119,8 @@ class RunContext:
     counters: dict[str, int] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     t_start: float = field(default_factory=time.time)
+    #: the open lock file of ``out`` (:func:`trainer.outputs.lock.lock_output_dir`), held by the run
+    lock: Any = None
 
     def agent_config(self) -> AgentLoopConfig:
         """Episode budgets of the config (:meth:`AgentLoopConfig.from_config`)."""
@@ -135,14 +138,19 @@ class RunContext:
         return kept
 
     def close(self) -> None:
-        """Close the logger, the task's services and the learner (a distributed learner's ranks)."""
+        """Close the logger, the task's services and the learner (a distributed learner's ranks),
+        then release the run directory's lock."""
         try:
             self.logger.close()
         finally:
             try:
                 self.task.close()
             finally:
-                close_learner(self.learner)
+                try:
+                    close_learner(self.learner)
+                finally:
+                    if self.lock is not None:
+                        self.lock.close()
 
 
 def close_learner(learner: Any) -> None:
@@ -231,7 +239,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
 
     t_start = time.time()  # wall time counts set-up and warm-start too
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_output_dir(out)  # one writer per run directory (exit 2 naming the holder's pid)
     (out / "config.yaml").write_text(to_yaml(cfg))
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
@@ -260,7 +268,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
                          tokenizer=load_tokenizer(model_dir), learner=learner, logger=logger,
                          checkpoints=ckpt, resume_state=state,
                          prompts=PromptStream(task.train_samples, cfg.train.seed), summary=summary,
-                         t_start=t_start)
+                         t_start=t_start, lock=lock)
     except BaseException:
         task.close()
         close_learner(learner)

@@ -352,6 +352,9 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
     benchmarks = _specs(args, cfg, settings.max_samples)
     _preflight_policy(args)
     out = Path(args.out or "runs/eval")
+    from ..outputs.lock import lock_output_dir
+
+    lock = lock_output_dir(out, "--out")  # one writer per directory, held until the report is written
     results = out / RESULTS_FILE
     if results.exists() and results.stat().st_size and not args.resume:
         raise _fail("--out", str(out), f"already has {RESULTS_FILE}; pass --resume to continue it or "
@@ -363,7 +366,10 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
                                  "_shown": str(args.endpoint or args.model or args.checkpoint)},
                            args.resume)
     out.mkdir(parents=True, exist_ok=True)
-    report = asyncio.run(_run(args, cfg, out, settings, benchmarks, record))
+    try:
+        report = asyncio.run(_run(args, cfg, out, settings, benchmarks, record))
+    finally:
+        lock.close()
     print(json.dumps({b: {k: v for k, v in m.items() if not isinstance(v, dict)}
                       for b, m in report["benchmarks"].items()}, indent=1))
     print(f"copc eval: report in {out / 'report.md'}")
