@@ -29,7 +29,8 @@ from ..errors import ConfigError
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--benchmarks`` form's options (added to the ``copc eval`` parser)."""
     parser.add_argument("--benchmarks", default=None, metavar="LIST",
-                        help="comma-separated benchmarks (nq,hotpotqa,aime2025,... or file.jsonl:env[:kind], kind = qa, math or a registered one)")
+                        help="comma-separated benchmarks (nq,hotpotqa,aime2025,... or "
+                             "file.jsonl:env[:kind], kind = qa, math or a registered one)")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="save_pretrained directory to evaluate")
     parser.add_argument("--endpoint", default=None, metavar="URL", help="a running SGLang server to evaluate")
