@@ -111,7 +111,7 @@ def test_build_settings_checks_names_types_and_the_dataclass():
 # -- one test per extension kind: a plug-in file with its own settings ---------------------------
 
 def test_an_estimator_and_a_policy_loss_from_a_plugin_file(tmp_path, cleanup):
-    path = plugin(tmp_path, "my_algos", """
+    path = plugin(tmp_path, "seam_algos", """
         from dataclasses import dataclass
         import copc
 
@@ -135,7 +135,7 @@ def test_an_estimator_and_a_policy_loss_from_a_plugin_file(tmp_path, cleanup):
             return loss, {"actor/pg_loss": float(loss.detach())}
     """)
     cleanup.entries += [(copc.ADVANTAGE_ESTIMATORS, "scaled_reward"), (copc.POLICY_LOSSES, "weighted_pg")]
-    cleanup.modules.append("my_algos")
+    cleanup.modules.append("seam_algos")
     base = [f"plugins=[{path}]", "preset=dapo", "rollout.n_samples_per_prompt=2"]
     cfg = load_config(None, [*base, "algorithm={advantage_estimator: scaled_reward, policy_loss: "
                                     "weighted_pg, estimator_settings: {scale: 2}, "
@@ -159,7 +159,7 @@ def test_an_estimator_and_a_policy_loss_from_a_plugin_file(tmp_path, cleanup):
 def test_an_engine_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):
     from trainer.engines import ENGINES, EngineSpec, make_engine
 
-    path = plugin(tmp_path, "my_engine", """
+    path = plugin(tmp_path, "seam_engine", """
         from dataclasses import dataclass
         from trainer.engines import register_engine
 
@@ -178,7 +178,7 @@ def test_an_engine_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):
         register_engine("echo", echo_engine, settings=EchoSettings)
     """)
     cleanup.entries.append((ENGINES, "echo"))
-    cleanup.modules.append("my_engine")
+    cleanup.modules.append("seam_engine")
     base = [f"plugins=[{path}]", "rollout.engine=echo"]
     cfg = load_config(None, [*base, "rollout.engine_settings={port: 9001}"])
     assert plugin_settings(cfg, "rollout.engine").port == 9001
@@ -194,7 +194,7 @@ def test_an_engine_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):
 def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities(tmp_path, cleanup):
     from trainer.learner import LEARNERS, make_learner
 
-    path = plugin(tmp_path, "my_backend", """
+    path = plugin(tmp_path, "seam_backend", """
         from dataclasses import dataclass
         from trainer.learner import register_learner
         from trainer.plugins import plugin_settings
@@ -210,7 +210,7 @@ def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities
         register_learner("lora", lora_factory, settings=LoraSettings)
     """)
     cleanup.entries.append((LEARNERS, "lora"))
-    cleanup.modules.append("my_backend")
+    cleanup.modules.append("seam_backend")
     base = [f"plugins=[{path}]", "learner.backend=lora"]
     cfg = load_config(None, [*base, "learner.backend_settings={rank: 4}"])
     built = make_learner(cfg, tmp_path)
@@ -229,7 +229,7 @@ def test_an_environment_and_a_task_from_a_plugin_file(tmp_path, cleanup):
     rows, held = tmp_path / "rows.jsonl", tmp_path / "held.jsonl"
     rows.write_text("".join(json.dumps({"word": w}) + "\n" for w in ("hi", "yo", "ok")))
     held.write_text(json.dumps({"word": "no"}) + "\n")
-    path = plugin(tmp_path, "my_words", """
+    path = plugin(tmp_path, "seam_words", """
         from dataclasses import dataclass
         import environments
         from environments import ToolEnv
@@ -269,7 +269,7 @@ def test_an_environment_and_a_task_from_a_plugin_file(tmp_path, cleanup):
         register_task("echo_words", WordTask)
     """)
     cleanup.entries += [(TASKS, "echo_words"), (environments.DEFAULT_REGISTRY, "echo_words")]
-    cleanup.modules.append("my_words")
+    cleanup.modules.append("seam_words")
     base = [f"plugins=[{path}]", "task.env=echo_words", f"task.train_data=[{rows}]",
             f"task.eval_data=[{held}]"]
     cfg = load_config(None, [*base, "task.settings={repeat: 2}", "task.env_kwargs={greeting: hey}"])
@@ -287,7 +287,7 @@ def test_an_environment_and_a_task_from_a_plugin_file(tmp_path, cleanup):
 def test_a_benchmark_kind_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):
     from trainer.evaluate.kinds import BENCHMARK_KINDS, make_kind
 
-    path = plugin(tmp_path, "my_kind", """
+    path = plugin(tmp_path, "seam_kind", """
         from dataclasses import dataclass
         from trainer.evaluate.kinds import BENCHMARK_KINDS, BenchmarkKind, KindSettings
 
@@ -301,7 +301,7 @@ def test_a_benchmark_kind_from_a_plugin_file_gets_its_settings(tmp_path, cleanup
         BENCHMARK_KINDS.register("choice", ChoiceKind, settings=ChoiceSettings)
     """)
     cleanup.entries.append((BENCHMARK_KINDS, "choice"))
-    cleanup.modules.append("my_kind")
+    cleanup.modules.append("seam_kind")
     load_config(None, [f"plugins=[{path}]"])  # the config's plugins: list registers it
     kind = make_kind("choice", {"n_choices": 5, "default_k": 2})
     assert kind.name == "choice" and kind.settings.n_choices == 5 and kind.settings.default_k == 2

@@ -85,10 +85,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
 
         serve_torchrun_worker(cfg)  # a learner rank serving rank 0 (the driver) until it is done
         return {}
-    try:
-        preflight_engine(cfg.rollout.engine, cfg)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0])) from None
+    preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)
     if resume and (out / "summary.json").exists():
         done = CheckpointManager(out / "checkpoints").latest()
@@ -207,10 +204,7 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     from ..models.loading import load_tokenizer
     from ..tasks import build_task
 
-    try:
-        preflight_engine(cfg.rollout.engine, cfg)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0])) from None
+    preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)
     latest = CheckpointManager(out / "checkpoints").latest() if (out / "checkpoints").is_dir() else None
     ws, init = out / "warm_start_model", out / "init_model"

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from copc.registries import Registry
+from copc.registries import Registry, RegistryError
 
 from .base import InferenceEngine
 
@@ -112,9 +112,15 @@ def preflight_engine(name: str, exp_cfg: Any) -> None:
     """Run engine ``name``'s preflight check on ``exp_cfg`` (no-op without one).
 
     Raises:
-        copc.registries.RegistryError: unknown engine. ConfigError: from the check.
+        ConfigError: unknown engine (naming ``rollout.engine`` and the registered ones), or from
+            the check.
     """
-    check = ENGINES.metadata(name)["preflight"]
+    from ..errors import ConfigError
+
+    try:
+        check = ENGINES.metadata(name)["preflight"]
+    except RegistryError as e:
+        raise ConfigError(str(e)) from None
     if check is not None:
         check(exp_cfg)
 

@@ -107,10 +107,7 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
         return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir), "_tokenizer": tok}
     from ..engines import EngineSpec, make_engine, preflight_engine
 
-    try:
-        preflight_engine(cfg.rollout.engine, cfg)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0])) from None
+    preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
     model_dir, weights = await asyncio.to_thread(_policy, args, cfg)
     tok = load_tokenizer(model_dir)
     from ..rollout.observation import check_chat_template

@@ -61,7 +61,7 @@ def build_task(cfg: ExperimentConfig) -> Task:
     ref = cfg.task.env
     try:
         env_id = environments.resolve(ref)
-    except KeyError:
+    except RegistryError:  # not registered (after importing its module)
         raise ConfigError(f"task.env={ref!r}: not registered; known: {environments.names()} (register it "
                           "with environments.register in a module named here as "
                           "'package.module:id' or 'path/to/file.py:id')") from None
