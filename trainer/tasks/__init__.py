@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import environments
+from copc.registries import RegistryError
 from environments.data import data_root
 
 from ..errors import ConfigError
