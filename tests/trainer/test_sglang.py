@@ -206,9 +206,9 @@ def server(tmp_path_factory):
         yield launcher
 
 
-def _run(coro_fn, url, **cfg):
+def _run(coro_fn, url, backoff_s_override=0.01, **cfg):
     async def main():
-        eng = SGLangEngine(SGLangEngineConfig(base_url=url, backoff_s=0.01, **cfg))
+        eng = SGLangEngine(SGLangEngineConfig(base_url=url, backoff_s=backoff_s_override, **cfg))
         try:
             return await coro_fn(eng)
         finally:
@@ -291,6 +291,42 @@ def test_malformed_answer_over_http(server):
     _control(server.url, respond=[{"text": "no meta"}])
     with pytest.raises(EngineError, match="meta_info"):
         _run(lambda e: e.generate([1], SamplingParams()), server.url)
+
+
+def test_request_timeout_is_a_total_deadline(server):
+    """A server that trickles one byte every 50 ms never trips a per-read timeout of 1 s; the
+    call still fails once ``request_timeout_s`` has passed in all (issue 21 item 11)."""
+    _control(server.url, trickle_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"no complete answer within request_timeout_s=1 s"):
+        _run(lambda e: e.generate([1], SamplingParams(max_new_tokens=2)), server.url, request_timeout_s=1.0)
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    _control(server.url)  # the server is usable again at once
+    assert len(_run(lambda e: e.generate([1], SamplingParams(max_new_tokens=2)), server.url).token_ids) == 2
+
+
+def test_retries_share_one_deadline(tmp_path):
+    """Retries and back-off count against the same deadline: with a 1 s deadline and 0.4 s,
+    0.8 s, ... back-off, a refused connection gives up after ~1 s, not after every retry."""
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"attempt\(s\); last error: ConnectError.*request_timeout_s=1 s"):
+        _run(lambda e: e.generate([1], SamplingParams()), url, max_retries=10, request_timeout_s=1.0,
+             backoff_s_override=0.4)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_out_of_vocabulary_token_is_engine_error(server):
+    """A token id the policy tokenizer does not have is an EngineError naming it (so the
+    episode is an infrastructure failure), never an IndexError later in decoding."""
+    body = {"text": "x", "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                                       "output_token_logprobs": [[-0.5, 65, None], [-0.1, 300, None]]}}
+    _control(server.url, respond=[body, body])
+    with pytest.raises(EngineError, match=r"output_token_logprobs\[1\]\[1\]=300: outside the tokenizer's "
+                                          r"vocabulary \(size 260\)"):
+        _run(lambda e: e.generate([1], SamplingParams(max_new_tokens=2)), server.url, vocab_size=260)
+    r = _run(lambda e: e.generate([1], SamplingParams(max_new_tokens=2)), server.url)  # unchecked
+    assert r.token_ids == [65, 300]
 
 
 def test_update_weights_from_disk_then_flush(server, tmp_path):

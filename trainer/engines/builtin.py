@@ -106,7 +106,8 @@ def sglang_engine(spec: EngineSpec) -> EngineHandle:
                                                    tp=r.tp, dp=r.dp, base_gpu_id=r.base_gpu_id,
                                                    mem_fraction_static=r.mem_fraction))
     launcher.start()
-    engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=spec.version))
+    engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=spec.version,
+                                             vocab_size=len(spec.tokenizer)))
 
     async def sync(weights: Weights, version: int) -> None:
         d = await asyncio.to_thread(save_hf_weights, weights, spec.model_dir, root / f"v{version}")

@@ -40,7 +40,9 @@ class SGLangEngineConfig:
 
     Attributes:
         base_url: e.g. ``http://127.0.0.1:30000`` (``SGLangLauncher.url``).
-        request_timeout_s: seconds one HTTP request may take (a whole generation).
+        request_timeout_s: total seconds one call may take (a whole generation), retries and
+            back-off included — a deadline, not a per-read timeout: a server that trickles
+            bytes still fails the call once it is reached (:class:`EngineError`).
         connect_timeout_s: seconds to open a connection.
         max_retries: retries after a connection error or a 5xx answer (0: none).
         backoff_s: first retry delay in seconds; doubled after each retry.
@@ -54,6 +56,9 @@ class SGLangEngineConfig:
             in the scheduler). When off, a seeded request's result has
             ``meta["seed_ignored"] = True``.
         initial_version: policy version of the weights the server was started with.
+        vocab_size: the policy tokenizer's size (``len(tokenizer)``), or None (unchecked). A
+            generated token id ``>= vocab_size`` is an :class:`EngineError` (so that episode is
+            an infrastructure failure, not a crash of the run or of the evaluation).
 
     Raises:
         ValueError: naming the field and value.
@@ -67,6 +72,7 @@ class SGLangEngineConfig:
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
     forward_seed: bool = False
     initial_version: int = 0
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         """Validate every field."""
@@ -86,6 +92,8 @@ class SGLangEngineConfig:
             raise bad("pause_mode", "must be 'abort', 'retract' or 'in_place'")
         if not isinstance(self.initial_version, int) or self.initial_version < 0:
             raise bad("initial_version", "must be an int >= 0")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
+            raise bad("vocab_size", "must be an int >= 1 or None")
 
 
 def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
@@ -157,8 +165,8 @@ def _finish_reason(fr: object) -> tuple[FinishReason, dict[str, Any]]:
     return "length", {}
 
 
-def parse_generate_response(body: object, version: int, *, max_new_tokens: int | None = None
-                            ) -> GenerationResult:
+def parse_generate_response(body: object, version: int, *, max_new_tokens: int | None = None,
+                            vocab_size: int | None = None) -> GenerationResult:
     """Turn a ``/generate`` JSON answer into a :class:`GenerationResult`.
 
     Token ids and log-probs come from ``meta_info.output_token_logprobs``, a list of
@@ -169,10 +177,12 @@ def parse_generate_response(body: object, version: int, *, max_new_tokens: int |
         body: the decoded JSON.
         version: policy version that produced the tokens.
         max_new_tokens: if given, more tokens than this is an error.
+        vocab_size: if given, a token id ``>= vocab_size`` is an error.
 
     Raises:
         EngineError: malformed answer (missing/ill-typed fields, non-finite or positive
-            log-probs, misaligned ids, unknown finish reason), naming the field.
+            log-probs, misaligned ids, a token id outside the vocabulary, unknown finish
+            reason), naming the field.
     """
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
@@ -201,6 +211,10 @@ def parse_generate_response(body: object, version: int, *, max_new_tokens: int |
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise EngineError(f"SGLang response: meta_info.output_token_logprobs[{i}][1]={tok!r}: "
                               "not a token id")
+        if vocab_size is not None and tok >= vocab_size:
+            raise EngineError(f"SGLang response: meta_info.output_token_logprobs[{i}][1]={tok}: "
+                              f"outside the tokenizer's vocabulary (size {vocab_size}); is the "
+                              "server serving another model?")
         token_ids.append(tok)
         logprobs.append(min(float(lp), 0.0))
     out_ids = body.get("output_ids")
@@ -251,19 +265,31 @@ class SGLangEngine:
     # -- HTTP plumbing -----------------------------------------------------------------
 
     async def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
-        """Send one request, retrying connection errors and 5xx with exponential backoff.
+        """Send one request, retrying connection errors and 5xx with exponential backoff,
+        within ``config.request_timeout_s`` in all (a total deadline: attempts, back-off and
+        a slowly trickled answer all count).
 
         Raises:
-            EngineError: 4xx (not retried), or the last attempt failed; the message names
-                the endpoint, the attempts and the last error/answer.
+            EngineError: 4xx (not retried), the last attempt failed, or the deadline passed;
+                the message names the endpoint, the attempts and the last error/answer.
         """
         cfg = self.config
-        last = ""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.request_timeout_s
+        last, tried = "", 0
         for attempt in range(cfg.max_retries + 1):
             if attempt:
-                await asyncio.sleep(cfg.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), max(0.0, deadline - loop.time())))
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            tried += 1
             try:
-                resp = await self._client.request(method, path, json=json)
+                resp = await asyncio.wait_for(self._client.request(method, path, json=json), timeout=left)
+            except TimeoutError:
+                raise EngineError(f"SGLang {method} {path} at {cfg.base_url}: no complete answer within "
+                                  f"request_timeout_s={cfg.request_timeout_s:g} s (attempt {attempt + 1}; "
+                                  f"last error: {last or 'none'})") from None
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
@@ -273,8 +299,8 @@ class SGLangEngine:
             if resp.status_code >= 400:
                 raise EngineError(f"SGLang {method} {path} -> HTTP {resp.status_code}: {resp.text[:500]}")
             return resp
-        raise EngineError(f"SGLang {method} {path} at {cfg.base_url} failed after "
-                          f"{cfg.max_retries + 1} attempt(s); last error: {last}")
+        raise EngineError(f"SGLang {method} {path} at {cfg.base_url} failed after {tried} attempt(s); "
+                          f"last error: {last} (deadline request_timeout_s={cfg.request_timeout_s:g} s)")
 
     async def _post_json(self, path: str, body: Any) -> Any:
         """POST ``body`` and decode the JSON answer (EngineError if it is not JSON)."""
@@ -313,7 +339,8 @@ class SGLangEngine:
             async with self._cond:
                 self._inflight -= 1
                 self._cond.notify_all()
-        result = parse_generate_response(body, version, max_new_tokens=params.max_new_tokens)
+        result = parse_generate_response(body, version, max_new_tokens=params.max_new_tokens,
+                                         vocab_size=self.config.vocab_size)
         if params.seed is not None and not self.config.forward_seed:
             result.meta["seed_ignored"] = True
         return result

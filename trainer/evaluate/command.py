@@ -36,6 +36,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default=None, metavar="URL", help="a running SGLang server to evaluate")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="tokenizer directory of the served model (with --endpoint)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0, metavar="S",
+                        help="with --endpoint: total seconds one generation may take, retries included")
     parser.add_argument("--k", type=int, default=None, help="episodes per question (default per benchmark)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default per benchmark)")
     parser.add_argument("--max-samples", type=int, default=0,
@@ -103,7 +105,9 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
         from ..rollout.observation import check_chat_template
 
         check_chat_template(tok, cfg.rollout.use_chat_template, tok_dir)
-        engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint))
+        timeout = getattr(args, "request_timeout_s", 600.0)
+        engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint, vocab_size=len(tok),
+                                                 request_timeout_s=timeout))
         return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir), "_tokenizer": tok}
     from ..engines import EngineSpec, make_engine, preflight_engine
 
@@ -170,6 +174,8 @@ def _preflight_policy(args: argparse.Namespace) -> None:
     if args.endpoint:
         if not args.tokenizer:
             raise _fail("--endpoint", args.endpoint, "needs --tokenizer DIR (the served model's tokenizer)")
+        if not getattr(args, "request_timeout_s", 600.0) > 0:
+            raise _fail("--request-timeout-s", args.request_timeout_s, "must be > 0 (seconds)")
         asyncio.run(_check_health("--endpoint", args.endpoint))
 
 

@@ -6,7 +6,8 @@ the token is drawn from softmax(logits / T) truncated by top-k/top-p, and the re
 log-prob is log_softmax(logits / T)[token] before truncation.
 
 Environment knobs: STANDIN_MODE=crash|hang (start-up failures), STANDIN_TOKEN_DELAY_S.
-Test-only control endpoints live under /_standin/.
+Test-only control endpoints live under /_standin/ (``trickle_s``: the next /generate answers
+are streamed one byte every ``trickle_s`` seconds, a server that is slow but never idle).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 VOCAB, EOS = 260, 259
 
@@ -71,7 +72,7 @@ def main() -> None:
 
     delay = float(os.environ.get("STANDIN_TOKEN_DELAY_S", "0"))
     state = {"model_path": args.model_path, "weight_version": "default", "running": 0,
-             "requests": [], "fail": [], "respond": [], "script": []}
+             "requests": [], "fail": [], "respond": [], "script": [], "trickle_s": 0.0}
     unpaused = asyncio.Event()
     unpaused.set()
     app = FastAPI()
@@ -105,6 +106,12 @@ def main() -> None:
         req = await request.json()
         if state["respond"]:
             return JSONResponse(state["respond"].pop(0))
+        if state["trickle_s"]:
+            async def trickle(gap=state["trickle_s"]):
+                for b in b'{"text": "' + b" " * 10_000 + b'"}':
+                    await asyncio.sleep(gap)
+                    yield bytes([b])
+            return StreamingResponse(trickle(), media_type="application/json")
         await unpaused.wait()
         ids, sp = req["input_ids"], req.get("sampling_params", {})
         temp, top_p, top_k = sp.get("temperature", 1.0), sp.get("top_p", 1.0), sp.get("top_k", -1)
@@ -207,6 +214,7 @@ def main() -> None:
         state["fail"] = list(req.get("fail", []))
         state["respond"] = list(req.get("respond", []))
         state["script"] = list(req.get("script", []))
+        state["trickle_s"] = float(req.get("trickle_s", 0.0))
         return {"ok": True}
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
