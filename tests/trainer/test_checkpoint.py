@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.outputs.checkpoint import MARKER, CheckpointManager, rng_state, set_rng_state
+from trainer.outputs.checkpoint import MARKER, CheckpointError, CheckpointManager, rng_state, set_rng_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -293,3 +294,95 @@ def test_sigkill_during_large_save_is_ignored(tmp_path):
     mgr.save(2, {"cursor": 20})
     assert [p.name for p in sorted(ckdir.iterdir())] == ["step_00000001", "step_00000002"]
     assert mgr.load()["cursor"] == 20
+
+
+# ------------------------------------------------ integrity and safe loading (issue 21 item 13)
+
+def _three_checkpoints(tmp_path: Path) -> CheckpointManager:
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=3)
+    for step in (1, 2, 3):
+        mgr.save(step, {"model": {"w": torch.full((256,), float(step))}, "cursor": step, "rng": rng_state()})
+    return mgr
+
+
+def test_marker_records_size_and_sha256_of_every_file(tmp_path):
+    mgr = _three_checkpoints(tmp_path)
+    path = mgr.latest()
+    files = json.loads((path / MARKER).read_text())["files"]
+    assert sorted(files) == ["cursor.pt", "model.pt", "rng.pt"]
+    for rel, rec in files.items():
+        data = (path / rel).read_bytes()
+        assert rec == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert mgr.problem(path) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_resume_skips_a_torn_checkpoint_with_one_warning(tmp_path, caplog, damage):
+    """A torn newest checkpoint (cut short, or same size with one byte changed) is skipped with a
+    one-line warning naming it and the file; the previous intact one is loaded."""
+    mgr = _three_checkpoints(tmp_path)
+    f = mgr.directory / "step_00000003" / "model.pt"
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        path, state = mgr.load_latest()
+    assert path.name == "step_00000002" and state["cursor"] == 2
+    assert torch.equal(state["model"]["w"], torch.full((256,), 2.0))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    why = {"truncate": "model.pt is missing or has another size",
+           "flip": "model.pt does not match the SHA-256"}
+    assert f"step_00000003: {why[damage]}" in warning and "\n" not in warning
+    with pytest.raises(CheckpointError, match=f"step_00000003: {why[damage]}"):
+        mgr.load(mgr.directory / "step_00000003")
+
+
+def test_no_intact_checkpoint_is_one_error_naming_the_directory(tmp_path):
+    mgr = _three_checkpoints(tmp_path)
+    for step in (1, 2, 3):
+        (mgr.directory / f"step_{step:08d}" / "cursor.pt").write_bytes(b"torn")
+    with pytest.raises(CheckpointError, match=r"ck: none of its 3 checkpoint\(s\) is intact"):
+        mgr.load_latest()
+    assert CheckpointManager(tmp_path / "empty").load_latest() is None
+
+
+def test_load_refuses_arbitrary_objects(tmp_path):
+    """``weights_only=True``: a checkpoint file that unpickles a callable (here one that would
+    write a file) is refused; nothing runs."""
+    mgr = _three_checkpoints(tmp_path)
+    path = mgr.latest()
+    canary = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (canary,))
+
+    torch.save({"x": Evil()}, path / "cursor.pt")
+    meta = json.loads((path / MARKER).read_text())  # a consistent marker: the hash check passes
+    data = (path / "cursor.pt").read_bytes()
+    meta["files"]["cursor.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(Exception, match=r"Weights only load failed|Unsupported global"):
+        mgr.load(path)
+    assert not canary.exists()
+
+
+def test_checkpoint_of_the_previous_format_still_loads(tmp_path):
+    """A checkpoint written before this change (numpy RNG state as an ndarray, no ``files`` in the
+    marker) loads with ``weights_only=True`` through the numpy-only allowlist."""
+    d = tmp_path / "ck" / "step_00000004"
+    d.mkdir(parents=True)
+    np.random.seed(5)
+    old_rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "torch_cuda": None}
+    torch.save(old_rng, d / "rng.pt")
+    (d / MARKER).write_text(json.dumps({"step": 4, "keys": {"rng": "rng.pt"}, "time": 0.0}))
+    path, state = CheckpointManager(tmp_path / "ck").load_latest()
+    assert path == d
+    set_rng_state(state["rng"])
+    a = np.random.rand(3)
+    np.random.seed(5)
+    assert np.array_equal(a, np.random.rand(3))

@@ -191,3 +191,31 @@ def test_cli_bad_env_setting_exits_2_with_one_line(tmp_path):
     assert lines[-1] == ("copc train: config error: task.env_kwargs.reward.mode='math-verify': "
                          "must be one of ('math_verify', 'dapo_strict')")
     assert "Traceback" not in res.stderr
+
+
+def test_resume_skips_a_torn_checkpoint_and_refuses_when_none_is_intact(tmp_path, capsys, caplog):
+    """``copc train --resume`` through the real CLI (issue 21 item 13): the newest checkpoint torn
+    (its learner file cut short) → one warning naming it, the run resumes from the previous one
+    and trains the missing steps; every checkpoint torn → one line naming the directory, exit 2."""
+    from trainer.cli import main as cli_main
+
+    out = tmp_path / "run"
+    args = overrides(out, "copc", steps=3, **{"checkpoint.keep_last": "3"})
+    args = ["--config", str(REPO / "configs/base.yaml"), *args]
+    assert cli_main(["train", *args]) == 0
+    ckdir = out / "checkpoints"
+    newest = ckdir / "step_00000003" / "learner.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        assert cli_main(["train", *args, "--resume"]) == 0
+    assert any("skipping torn checkpoint" in r.getMessage() and "step_00000003" in r.getMessage()
+               for r in caplog.records)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "actor/pg_loss" in r][-1] == 3  # step 3 trained again
+    assert CheckpointManager(ckdir).problem(ckdir / "step_00000003") is None  # rewritten intact
+    for d in ckdir.glob("step_*"):
+        (d / "loop.pt").write_bytes(b"x")
+    capsys.readouterr()
+    assert cli_main(["train", *args, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{ckdir}: none of its 3 checkpoint(s) is intact" in err[0], err

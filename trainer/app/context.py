@@ -27,12 +27,12 @@ import torch
 from environments.errors import InfrastructureError
 
 from ..config import ExperimentConfig
-from ..errors import TrainingError
+from ..errors import ConfigError, TrainingError
 from ..learner import Learner, make_learner, restore_learner
 from ..models.loading import load_model_and_tokenizer, load_tokenizer
 from ..models.tiny import TinyModelConfig, save_tiny_checkpoint
 from ..orchestration.prompts import PromptStream
-from ..outputs.checkpoint import CheckpointManager, set_rng_state
+from ..outputs.checkpoint import CheckpointError, CheckpointManager, set_rng_state
 from ..outputs.lock import lock_output_dir
 from ..outputs.metrics_log import MetricsLogger
 from ..rollout.agent_loop import AgentLoopConfig
@@ -245,7 +245,12 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
         torch.set_num_threads(cfg.train.torch_threads)
     seed_everything(cfg.train.seed)
     ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
-    state = ckpt.load() if resume else None
+    try:
+        found = ckpt.load_latest() if resume else None  # a torn checkpoint: warned about, skipped
+    except CheckpointError as e:
+        lock.close()
+        raise ConfigError(f"--resume: {e}") from None
+    state = found[1] if found else None
     if resume and state is None:
         log.warning("--resume: no checkpoint in %s; starting from scratch", out / "checkpoints")
     task = build_task(cfg)

@@ -8,7 +8,8 @@ Layout of a checkpoint directory (``CheckpointManager.directory``)::
         data_cursor.pt
         learner_shards/      a directory value (:class:`DirectoryState`), e.g. sharded DCP files
         ...
-        COMPLETE             the marker, written last: JSON {"step": 12, "keys": {...}, "time": unix_s}
+        COMPLETE             the marker, written last: JSON {"step": 12, "keys": {...}, "time": unix_s,
+                             "files": {relative path: {"size": bytes, "sha256": hex}}}
     .tmp-step_00000013-...   a save in progress, or left by a crash (ignored, removed by the next save)
 
 Why one file per key: a multi-GB model state and a 100-byte data cursor do not share
@@ -23,10 +24,18 @@ temporary sibling directory and ``fsync``-ed, the ``COMPLETE`` marker is written
 either the complete new checkpoint or only a ``.tmp-*`` directory; ``latest()``
 only ever returns directories that carry the marker.
 
-Loading uses ``torch.load(..., weights_only=False)`` because the states hold plain
-python objects (data cursor, prompt-id lists, metrics history, RNG tuples). That
-unpickles arbitrary objects, which is safe here only because we load files that this
-class wrote itself: never point ``load`` at a checkpoint from an untrusted source.
+Integrity: the marker records the size and SHA-256 of every file of the checkpoint (those of
+:class:`DirectoryState` directories included). :meth:`CheckpointManager.problem` checks them;
+:meth:`CheckpointManager.load` refuses a torn checkpoint (:class:`CheckpointError` naming the
+file), and :meth:`CheckpointManager.load_latest` skips one with a one-line warning and loads the
+previous intact checkpoint. Markers of older checkpoints (no ``files``) are checked for
+presence only.
+
+Loading uses ``torch.load(..., weights_only=True)``: tensors, containers and plain python
+values only, never arbitrary objects (the states hold data cursors, prompt-id lists, metrics
+and RNG states, all stored as such plain values; :func:`rng_state` keeps numpy's state as a
+tensor). Checkpoints written before that hold numpy arrays, allowed through a numpy-only
+allowlist. Sharded learner state (DCP) is read by ``torch.distributed.checkpoint`` itself.
 Tensors are loaded onto the CPU (``map_location="cpu"``); ``Optimizer.load_state_dict``
 and ``Module.load_state_dict`` move them to the parameters' device.
 
@@ -40,6 +49,7 @@ Single-writer assumption: one process saves into a given directory at a time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -66,6 +76,11 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: torn (a file's size or hash differs from the marker's),
+    or no intact checkpoint where one was expected; the message names the directory/file."""
+
+
 @dataclass(frozen=True)
 class DirectoryState:
     """A checkpoint value stored as a directory: ``write(path)`` fills the new directory ``path``
@@ -84,6 +99,49 @@ def _fsync_tree(path: Path) -> None:
         for name in files:
             _fsync_file(Path(root) / name)
         _fsync_dir(Path(root))
+
+
+def _sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(root: Path) -> dict[str, dict]:
+    """``{relative path: {"size", "sha256"}}`` of every file under ``root`` (the marker excluded)."""
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            f = Path(dirpath) / name
+            rel = f.relative_to(root).as_posix()
+            if rel != MARKER:
+                out[rel] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+    return out
+
+
+def _missing_or_resized(path: Path, meta: dict) -> str | None:
+    """The first file the marker ``meta`` lists that is absent under ``path`` or has another size."""
+    listed = {**{n: {} for n in meta.get("keys", {}).values()}, **meta.get("files", {})}
+    for rel in sorted(listed):
+        f = path / rel
+        if not f.is_file() or ("size" in listed[rel] and f.stat().st_size != listed[rel]["size"]):
+            return rel
+    return None
+
+
+def _legacy_numpy_globals() -> list:
+    """The numpy reconstructors ``torch.load(weights_only=True)`` needs for checkpoints written
+    before :func:`rng_state` stored numpy's state as a tensor (arrays of plain dtypes only)."""
+    return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+
+
+def _load_file(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU (numpy arrays allowed for old files)."""
+    with torch.serialization.safe_globals(_legacy_numpy_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _fsync_file(path: Path) -> None:
@@ -145,8 +203,33 @@ class CheckpointManager:
             return False
         files = meta.get("keys", {}) if isinstance(meta, dict) else {}
         dirs = meta.get("dirs", {}) if isinstance(meta, dict) else {}
+        sizes = meta.get("files", {}) if isinstance(meta, dict) else {}
         return (isinstance(files, dict) and all((path / name).is_file() for name in files.values())
-                and isinstance(dirs, dict) and all((path / name).is_dir() for name in dirs.values()))
+                and isinstance(dirs, dict) and all((path / name).is_dir() for name in dirs.values())
+                and isinstance(sizes, dict)
+                and all((path / rel).is_file() and (path / rel).stat().st_size == rec.get("size")
+                        for rel, rec in sizes.items()))
+
+    @staticmethod
+    def problem(path: str | Path) -> str | None:
+        """Why ``path`` is not an intact checkpoint, or None: no marker, a listed file missing, or
+        a file whose size or SHA-256 differs from the marker's (reads every file once).
+
+        Returns:
+            One line naming the checkpoint and the first bad file, or None if intact.
+        """
+        path = Path(path)
+        try:
+            meta = json.loads((path / MARKER).read_text())
+        except (OSError, ValueError) as e:
+            return f"{path}: no readable {MARKER} marker ({type(e).__name__})"
+        if not CheckpointManager.is_complete(path):
+            bad = _missing_or_resized(path, meta) or "a listed file or directory"
+            return f"{path}: {bad} is missing or has another size than in {MARKER}"
+        for rel, rec in sorted(meta.get("files", {}).items()):
+            if _sha256(path / rel) != rec.get("sha256"):
+                return f"{path}: {rel} does not match the SHA-256 recorded in {MARKER} (torn or altered)"
+        return None
 
     def checkpoints(self) -> list[Path]:
         """All complete checkpoints, oldest first (incomplete and temporary directories are ignored)."""
@@ -213,7 +296,7 @@ class CheckpointManager:
                 torch.save(value, tmp / fname)
                 _fsync_file(tmp / fname)
                 files[key] = fname
-            marker = {"step": step, "keys": files, "time": time.time()}
+            marker = {"step": step, "keys": files, "time": time.time(), "files": _manifest(tmp)}
             if dirs:
                 marker["dirs"] = dirs
             with open(tmp / MARKER, "w") as f:
@@ -261,6 +344,8 @@ class CheckpointManager:
 
         Raises:
             FileNotFoundError: ``path`` is not a complete checkpoint (missing, or no marker).
+            CheckpointError: a listed file is missing or its size or SHA-256 differs from the
+                marker's (named).
             KeyError: a requested key is not in the checkpoint.
         """
         if path is None:
@@ -268,19 +353,42 @@ class CheckpointManager:
             if path is None:
                 return None
         path = Path(path)
-        if not self.is_complete(path):
-            raise FileNotFoundError(
-                f"{str(path)!r} is not a complete checkpoint (no {MARKER} marker or a listed file is missing)"
-            )
+        if not (path / MARKER).is_file():
+            raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (no {MARKER} marker)")
+        why = self.problem(path)
+        if why is not None:
+            raise CheckpointError(why)
         meta = json.loads((path / MARKER).read_text())
         files, dirs = meta["keys"], meta.get("dirs", {})
         wanted = [*files, *dirs] if keys is None else list(keys)
         missing = [k for k in wanted if k not in files and k not in dirs]
         if missing:
             raise KeyError(f"keys {missing} not in checkpoint {str(path)!r} (has {sorted([*files, *dirs])})")
-        # weights_only=False: our own files hold plain python objects too (see module docstring).
-        return {k: path / dirs[k] if k in dirs else torch.load(path / files[k], map_location="cpu",
-                                                                weights_only=False) for k in wanted}
+        return {k: path / dirs[k] if k in dirs else _load_file(path / files[k]) for k in wanted}
+
+    def load_latest(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest intact checkpoint and its state (for ``--resume``).
+
+        Checkpoint directories are tried newest first; one that is torn (:meth:`problem`) is
+        skipped with a one-line warning naming it and why, and the previous one is tried.
+
+        Returns:
+            ``(path, state)``, or None when the directory holds no ``step_*`` checkpoint at all.
+
+        Raises:
+            CheckpointError: there are checkpoints but none is intact (names the directory).
+        """
+        steps = sorted((int(m.group(1)), p) for p in self.directory.iterdir()
+                       if (m := _STEP_RE.match(p.name)) is not None and p.is_dir())
+        for _, p in reversed(steps):
+            why = self.problem(p)
+            if why is None:
+                return p, self.load(p)
+            log.warning("skipping torn checkpoint %s", why)
+        if steps:
+            raise CheckpointError(f"{self.directory}: none of its {len(steps)} checkpoint(s) is intact "
+                                  "(see the warnings above); move them away to start from scratch")
+        return None
 
 
 # ------------------------------------------------------------------------ RNG
@@ -288,14 +396,17 @@ def rng_state() -> dict[str, Any]:
     """Capture the global RNG states: python ``random``, numpy's legacy global RNG, torch CPU and CUDA.
 
     Returns:
-        ``{"python": tuple, "numpy": tuple, "torch": uint8 tensor, "torch_cuda": list of
-        uint8 tensors (one per visible device) or None without CUDA}``. Picklable.
+        ``{"python": tuple, "numpy": (name, int64 tensor of the 624 MT19937 words, pos,
+        has_gauss, cached_gaussian), "torch": uint8 tensor, "torch_cuda": list of uint8 tensors
+        (one per visible device) or None without CUDA}``: plain values and tensors only, so
+        ``torch.load(weights_only=True)`` reads them.
         Generators owned by objects (``np.random.Generator``, ``torch.Generator``) are
         not global: save their ``.bit_generator.state`` / ``.get_state()`` yourself.
     """
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -315,7 +426,9 @@ def set_rng_state(d: dict[str, Any]) -> None:
     if missing:
         raise KeyError(f"RNG state lacks {missing} (has {sorted(d)})")
     random.setstate(d["python"])
-    np.random.set_state(d["numpy"])
+    kind, keys, *rest = d["numpy"]
+    keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else keys  # older files: ndarray
+    np.random.set_state((kind, keys, *rest))
     torch.set_rng_state(d["torch"])
     cuda = d.get("torch_cuda")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

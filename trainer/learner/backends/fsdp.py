@@ -202,7 +202,7 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
         for name, model, opt in self.models():
             set_state_dict(model, opt.optimizer, model_state_dict=state[name],
                            optim_state_dict=state[f"{name}_opt"])
-        small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=False)
+        small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=True)
         self.actor_opt.scheduler.load_state_dict(small["actor_sched"])
         if self.critic_opt is not None:
             self.critic_opt.scheduler.load_state_dict(small["critic_sched"])

@@ -220,7 +220,7 @@ class MegatronRankLearner(TemplateLearner):
             state = dist_checkpointing.load(template, str(directory / name))
             model.module.load_state_dict(state["model"], strict=True)
             opt.load_sharded_state_dict(state["optimizer"])
-        small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=False)
+        small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=True)
         self.steps_done = int(small["steps_done"])
         self.algorithm.value_bias.load_state_dict(small["diagnostics"])
 
