@@ -23,7 +23,7 @@ no prefix names is reported too, so the list stays complete.
   1  retriever             the retrieval server and client; imports nothing of the house
   2  environments          Gymnasium tool environments; the search environment and the remote
                            launcher use ``retriever`` (client, server launch), so it sits above it
-  3  trainer.errors, trainer.logprobs, trainer.plugins, trainer.ray_util
+  3  trainer.errors, trainer.logprobs, trainer.parent_watch, trainer.plugins, trainer.ray_util
                            leaves: error types, log-prob arithmetic, importing plug-in modules,
                            connecting to Ray
   4  trainer.outputs       what a run writes: checkpoints, metric logs, plots, reports, progress
@@ -64,7 +64,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("copc",),
     ("retriever",),
     ("environments",),
-    ("trainer.errors", "trainer.logprobs", "trainer.plugins", "trainer.ray_util"),
+    ("trainer.errors", "trainer.logprobs", "trainer.parent_watch", "trainer.plugins", "trainer.ray_util"),
     ("trainer.outputs",),
     ("trainer.models",),
     ("trainer.engines",),

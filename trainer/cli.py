@@ -18,6 +18,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .parent_watch import stop_when_parent_dies
+
 
 @dataclass(frozen=True)
 class Group:
@@ -85,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         The subcommand's exit code (0 on success).
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
+    stop_when_parent_dies()  # a child of copc sweep stops when the sweep is killed
     parser = build_parser(args_list)
     args = parser.parse_args(args_list)
     return int(args.func(args) or 0)

@@ -34,6 +34,7 @@ from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
 from ..orchestration.rollouts import LoopHooks
 from ..orchestration.state import LoopState
 from ..outputs.checkpoint import CheckpointManager, rng_state
+from ..outputs.lock import lock_output_dir
 from ..outputs.metrics_log import write_summary
 from ..outputs.progress import TrainProgress
 from ..outputs.report import print_report
@@ -199,11 +200,9 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     None: the run's latest checkpoint, else its initial model (``model.path`` / tiny / warm-start).
 
     Raises:
-        ConfigError: no model to evaluate, or a bad ``--checkpoint``.
+        ConfigError: no model to evaluate, a bad ``--checkpoint``, or another copc process
+            writing into ``output_dir``.
     """
-    from ..models.loading import load_tokenizer
-    from ..tasks import build_task
-
     preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)
     latest = CheckpointManager(out / "checkpoints").latest() if (out / "checkpoints").is_dir() else None
@@ -221,6 +220,18 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
     else:
         raise ConfigError(f"output_dir={cfg.output_dir!r}: no checkpoint, warm-start or initial model "
                           "there (train first, or pass --checkpoint / model.path)")
+    lock = lock_output_dir(out)  # copc eval --config writes <output_dir>/eval/: one writer at a time
+    try:
+        return _evaluate_path(cfg, path, out, ws)
+    finally:
+        lock.close()
+
+
+def _evaluate_path(cfg: ExperimentConfig, path: Path, out: Path, ws: Path) -> dict:
+    """:func:`run_evaluation` of the model or checkpoint ``path`` (the run directory locked)."""
+    from ..models.loading import load_tokenizer
+    from ..tasks import build_task
+
     print(f"copc eval: evaluating {path}")
     weights, model_dir = None, path
     if not (path / "config.json").exists():  # a training checkpoint directory

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from ..parent_watch import child_env
 from .grid import format_value
 from .plan import RunPlan
 
@@ -62,7 +63,7 @@ def _call(cmd: list[str], log: Any, stdout: Any, stop: threading.Event | None) -
     Raises:
         KeyboardInterrupt: passed on (e.g. ``ray.cancel``) after stopping the child.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = child_env({**os.environ, "PYTHONUNBUFFERED": "1"})  # the run stops if the sweep is killed
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=log, env=env)
     try:
         while True:

@@ -14,8 +14,6 @@ import datetime
 import logging
 import os
 import sys
-import threading
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
+from ...parent_watch import exit_with_parent
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
 from .collectives import all_gather_objects, broadcast_object
 
@@ -191,15 +190,7 @@ def failure_reply(exc: BaseException) -> tuple[str, str]:
 def _exit_with_parent(poll_s: float = 1.0) -> None:
     """Exit this process when its parent dies (a SIGKILLed driver leaves no orphan ranks, even
     while a rank waits inside a collective)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="copc-parent-watch", daemon=True).start()
+    exit_with_parent(os.getppid(), lambda: os._exit(3), poll_s)
 
 
 def spawn_main(conn: Any) -> None:
