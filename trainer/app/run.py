@@ -29,6 +29,7 @@ from ..engines.base import SamplingParams
 from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
 from ..evaluate.policy import checkpoint_policy_weights
 from ..learner import learner_checkpoint_state
+from ..models.lora import adapter_of
 from ..orchestration.launchers import LaunchSpec, launch
 from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
 from ..orchestration.rollouts import LoopHooks
@@ -51,14 +52,16 @@ def rollout_sampling(cfg: ExperimentConfig) -> SamplingParams:
 
 
 async def open_engine(cfg: ExperimentConfig, model_dir: Path, tokenizer: Any, out: Path, version: int = 0,
-                      weights: Any = None) -> EngineHandle:
+                      weights: Any = None, adapter: Any = None) -> EngineHandle:
     """Start the engine of ``rollout.engine`` (through the registry; may take a while for a server).
 
     Args:
         weights: initial weights overriding ``model_dir``'s (``Learner.export_policy_weights()``
             of a resumed learner), or None.
+        adapter: a LoRA learner's adapter (``Learner.export_adapter()``): the engine serves
+            ``model_dir``'s weights with it, and syncs send adapters only.
     """
-    spec = EngineSpec(cfg, Path(model_dir), tokenizer, version, weights, out)
+    spec = EngineSpec(cfg, Path(model_dir), tokenizer, version, weights, out, adapter=adapter)
     return await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
 
 
@@ -115,8 +118,10 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
     """Evaluation before RL, the RL phase, evaluation after, on one event loop and one engine."""
     cfg, learner = ctx.cfg, ctx.learner
     resumed = ctx.resume_state is not None
+    adapter = adapter_of(learner)  # a LoRA learner: the engine gets its adapter, never full weights
+    weights = learner.export_policy_weights() if resumed and adapter is None else None
     handle = await open_engine(cfg, ctx.model_dir, ctx.tokenizer, ctx.out, version=learner.policy_version,
-                               weights=learner.export_policy_weights() if resumed else None)
+                               weights=weights, adapter=adapter)
     try:
         if cfg.eval.enabled and "eval_before" not in ctx.summary:
             ctx.summary["eval_before"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer,

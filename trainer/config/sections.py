@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from .lora import CriticLoraSection, LoraSection, resolve_lora
 
 #: Keys that moved into a plug-in's own settings: old dotted key → its new spelling. A config
 #: (YAML or override) that still sets one is refused with one line naming both (:func:`moved_key_hint`).
@@ -455,6 +456,12 @@ class LearnerSection:
             (a crashed or hung rank raises in the driver instead of hanging it).
         backend_settings: the backend's own settings, validated by the settings dataclass it
             was registered with (none of the built-in backends has any yet); empty: defaults.
+        lora: the actor's LoRA adapter (:class:`~trainer.config.lora.LoraSection`: ``rank``,
+            ``alpha``, ``dropout``, ``target_modules``); null: full fine-tuning. Only adapter
+            parameters (and the critic's value head) are trained, optimised and checkpointed, and
+            weight syncs send the adapter only.
+        critic_lora: the critic's (:class:`~trainer.config.lora.CriticLoraSection`); null: the
+            actor's ``lora``; a field set here overrides it, ``enabled: false`` trains the critic fully.
 
     Which rank-layout keys a backend accepts is its capability metadata
     (:data:`~trainer.learner.base.LEARNER_METADATA`: ``distributed``, ``tensor_parallel``,
@@ -471,6 +478,13 @@ class LearnerSection:
     optimizer: str = "adamw"
     timeout_s: float = 1800.0
     backend_settings: dict[str, Any] = field(default_factory=dict)
+    lora: LoraSection | None = None
+    critic_lora: CriticLoraSection | None = None
+
+    def lora_settings(self) -> tuple[Any, Any]:
+        """``(actor, critic)`` :class:`~trainer.models.lora.LoraSettings` of ``lora`` /
+        ``critic_lora`` (None: full fine-tuning; :func:`~trainer.config.lora.resolve_lora`)."""
+        return resolve_lora(self.lora, self.critic_lora)
 
     @property
     def data_parallel_size(self) -> int:
@@ -498,6 +512,7 @@ class LearnerSection:
         _require(self.optimizer in ("adamw", "sgd"), "learner.optimizer", self.optimizer,
                  "must be 'adamw' or 'sgd'")
         _require(self.timeout_s > 0, "learner.timeout_s", self.timeout_s, "must be > 0")
+        self.lora_settings()
 
     def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
         """Check the rank layout against the backend's capability metadata (called by
@@ -512,6 +527,10 @@ class LearnerSection:
             ConfigError: a rank-layout key the backend does not support, naming it.
         """
         b = self.backend
+        if any(self.lora_settings()) and not meta.get("lora", False):
+            key = "learner.lora" if self.lora is not None else "learner.critic_lora"
+            raise ConfigError(f"{key}: learner.backend={b!r} does not train LoRA adapters (backends that "
+                              f"do: {registry.names(lora=True)}); drop {key} or use one of those")
         if not meta.get("distributed", False):  # a single-process backend (torch, a user's)
             for k, default in (("world_size", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1),
                                ("cpu_offload", False), ("launch", "spawn"), ("dist_backend", "auto")):

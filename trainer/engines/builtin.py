@@ -11,13 +11,16 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.lora import AdapterWeights
 from .registry import EngineHandle, EngineSpec, Weights
 
 
 def embedded_engine(spec: EngineSpec) -> EngineHandle:
     """In-process :class:`~trainer.engines.embedded.EmbeddedEngine` on its own copy of the policy.
 
-    Weight sync copies the exported tensors into the engine's model between decode rounds.
+    Weight sync copies the exported tensors into the engine's model between decode rounds; with
+    ``spec.adapter`` (a LoRA policy) the engine serves ``model_dir``'s weights with that adapter and
+    adapter syncs copy the adapter's tensors only.
     """
     import torch
 
@@ -31,12 +34,12 @@ def embedded_engine(spec: EngineSpec) -> EngineHandle:
         model.load_state_dict(dict(spec.weights), strict=True)
     engine = EmbeddedEngine(model, spec.tokenizer,
                             EmbeddedEngineConfig(max_batch_size=exp.rollout.engine_max_batch_size),
-                            version=spec.version)
+                            version=spec.version, adapter=spec.adapter)
 
     async def sync(weights: Weights, version: int) -> None:
         await engine.update_weights(dict(weights), version)
 
-    return EngineHandle(engine, sync, engine.close)
+    return EngineHandle(engine, sync, engine.close, sync_adapter=engine.update_adapter)
 
 
 @dataclass(frozen=True)
@@ -91,30 +94,53 @@ def sglang_engine(spec: EngineSpec) -> EngineHandle:
 
     The server starts from a ``save_pretrained`` snapshot of the initial weights; weight sync
     writes a snapshot per version under ``work_dir/sglang_weights/v<N>`` and calls
-    ``/update_weights_from_disk``.
+    ``/update_weights_from_disk``. With ``spec.adapter`` (a LoRA policy) the server starts on
+    ``model_dir`` with LoRA enabled for the adapter's rank and modules and the adapter loaded
+    (``--lora-paths``); adapter syncs write the adapter (PEFT layout) to
+    ``work_dir/sglang_weights/lora_v<N>`` and call ``/load_lora_adapter`` (the previous directory is
+    removed once the server has loaded the new one).
     """
+    import shutil
+
     from ..models.export import save_hf_weights
     from .sglang import SGLangEngine, SGLangEngineConfig
     from .sglang_launcher import SGLangLauncher, SGLangLauncherConfig
+    from .sglang_lora import adapter_name
 
     r: SGLangSettings = spec.settings
     root = (spec.work_dir or spec.model_dir.parent) / "sglang_weights"
     start_dir = spec.model_dir
     if spec.weights is not None:
         start_dir = save_hf_weights(spec.weights, spec.model_dir, root / f"v{spec.version}")
+    lora: dict[str, Any] = {}
+    initial = None
+    if spec.adapter is not None:
+        a, initial = spec.adapter, adapter_name(0, spec.version)
+        d = a.save_peft_dir(root / f"lora_v{spec.version}", spec.model_dir)
+        mods = ("all",) if a.settings.target_modules == ("all-linear",) else tuple(a.module_names)
+        lora = {"lora_max_rank": a.settings.rank, "lora_target_modules": mods,
+                "lora_paths": (f"{initial}={d}",)}
     launcher = SGLangLauncher(SGLangLauncherConfig(model_path=str(start_dir), port=r.port,
                                                    tp=r.tp, dp=r.dp, base_gpu_id=r.base_gpu_id,
-                                                   mem_fraction_static=r.mem_fraction))
+                                                   mem_fraction_static=r.mem_fraction, **lora))
     launcher.start()
     engine = SGLangEngine(SGLangEngineConfig(base_url=launcher.url, initial_version=spec.version,
-                                             vocab_size=len(spec.tokenizer)))
+                                             vocab_size=len(spec.tokenizer), initial_lora=initial))
+    served = [root / f"lora_v{spec.version}"] if initial else []
 
     async def sync(weights: Weights, version: int) -> None:
         d = await asyncio.to_thread(save_hf_weights, weights, spec.model_dir, root / f"v{version}")
         await engine.update_weights(str(d), version)
 
+    async def sync_adapter(adapter: AdapterWeights, version: int) -> None:
+        d = await asyncio.to_thread(adapter.save_peft_dir, root / f"lora_v{version}", spec.model_dir)
+        await engine.load_adapter(d, version)
+        for old in [p for p in served if p != d]:  # SGLang holds a loaded adapter in memory
+            await asyncio.to_thread(shutil.rmtree, old, True)
+        served[:] = [d]
+
     async def close() -> None:
         await engine.close()
         await asyncio.to_thread(launcher.close)
 
-    return EngineHandle(engine, sync, close)
+    return EngineHandle(engine, sync, close, sync_adapter=sync_adapter if initial else None)

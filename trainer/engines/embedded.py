@@ -6,7 +6,10 @@ decodes them together with the model's KV cache until each has finished. New
 requests join at the next round.
 
 Weight updates happen between rounds: a request is always finished on the weights
-it started with, so all tokens of one ``generate`` call carry one policy version.
+it started with, so all tokens of one ``generate`` call carry one policy version. A LoRA
+policy's updates (:meth:`EmbeddedEngine.update_adapter`) copy the adapter's tensors only: the
+engine serves its base weights with the same peft LoRA layers as the learner (unmerged, so its
+log-probs are the learner's for that adapter version).
 A multi-turn episode that spans an update therefore has the old version on its
 earlier turns and the new version on later ones (per-token versions record it).
 """
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
+from ..models.lora import AdapterWeights, LoraSettings, inject_lora, load_adapter_tensors
 from .base import EngineError, GenerationResult, SamplingParams
 from .sampling import sample_next
 from .stop_strings import STOP_CONTEXT_TOKENS, STOP_MAX_PENDING_TOKENS, StopStringMatcher
@@ -78,12 +83,21 @@ class EmbeddedEngine:
         logits_processor: optional ``f(prompt_ids, new_ids, logits) -> logits`` applied per row
             to the ``(V,)`` logits *used for sampling only*; behavior log-probs are always taken
             from the raw logits (:mod:`trainer.logprobs`). Used to force scripted outputs in tests.
+        adapter: a LoRA adapter to serve ``model`` with from the start (:meth:`update_adapter`).
+
+    Raises:
+        EngineError: ``adapter`` does not fit the model.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EmbeddedEngineConfig | None = None,
-                 version: int = 0, logits_processor: LogitsProcessor | None = None) -> None:
+                 version: int = 0, logits_processor: LogitsProcessor | None = None,
+                 adapter: AdapterWeights | None = None) -> None:
         self.config = config or EmbeddedEngineConfig()
         self.model = model.to(self.config.device).eval()
+        #: the settings of the LoRA adapter served, None while the engine serves full weights
+        self.lora: LoraSettings | None = None
+        if adapter is not None:
+            self._install_adapter(adapter)
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
@@ -150,8 +164,12 @@ class EmbeddedEngine:
         Pauses between rounds, so no request mixes weights.
 
         Raises:
-            EngineError: if the state dict does not match the model.
+            EngineError: if the state dict does not match the model, or the engine serves a LoRA
+                adapter (its updates are :meth:`update_adapter`).
         """
+        if self.lora is not None:
+            raise EngineError("update_weights: the engine serves a LoRA adapter; send adapter updates "
+                              "(update_adapter) instead of full weights")
         await self.pause()
         try:
             if isinstance(source, str | Path):
@@ -167,6 +185,41 @@ class EmbeddedEngine:
             self._version = int(version)
         finally:
             await self.resume()
+
+    async def update_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Serve the base weights with LoRA ``adapter`` as policy ``version``; only the adapter's
+        tensors are copied (the first update injects its layers: :func:`~trainer.models.lora.inject_lora`).
+
+        Pauses between rounds, so no request mixes adapter versions.
+
+        Raises:
+            EngineError: the adapter's settings differ from those served, or its tensors do not fit.
+        """
+        await self.pause()
+        try:
+            self._install_adapter(adapter)
+            self._version = int(version)
+        finally:
+            await self.resume()
+
+    @torch.no_grad()
+    def _install_adapter(self, adapter: AdapterWeights) -> None:
+        """Inject ``adapter``'s layers (first time) and copy its tensors in (between rounds)."""
+        if self.lora is None:
+            try:
+                inject_lora(self.model, adapter.settings, key="adapter target_modules")
+            except (ConfigError, ValueError) as e:
+                raise EngineError(f"update_adapter: {e}") from e
+            self.model.requires_grad_(False)
+            self.model.to(self.config.device).eval()  # the new layers: engine device, no dropout
+            self.lora = adapter.settings
+        elif adapter.settings != self.lora:
+            raise EngineError(f"update_adapter: adapter settings {adapter.settings.to_dict()} differ from "
+                              f"those served {self.lora.to_dict()}")
+        try:
+            load_adapter_tensors(self.model, adapter.copy(self.config.device).tensors)
+        except ValueError as e:
+            raise EngineError(f"update_adapter: {e}") from e
 
     async def close(self) -> None:
         """Stop the worker; pending requests fail with :class:`EngineError`."""

@@ -24,6 +24,7 @@ import torch
 
 from copc.registries import Registry, RegistryError
 
+from ..models.lora import AdapterWeights
 from .base import InferenceEngine
 
 #: ``(name, tensor)`` pairs in Hugging Face names (what ``Learner.export_policy_weights`` yields).
@@ -44,6 +45,9 @@ class EngineSpec:
         work_dir: a directory the engine may write to (weight snapshots for disk sync, logs).
         settings: the engine's own settings (an instance of the dataclass it was registered
             with, built from ``rollout.engine_settings`` by :func:`make_engine`), or None.
+        adapter: the initial LoRA adapter of a LoRA policy (:class:`~trainer.models.lora.AdapterWeights`:
+            the engine serves ``model_dir``'s weights with it, and later syncs send adapters only),
+            or None (full weights).
     """
 
     exp: Any
@@ -53,6 +57,7 @@ class EngineSpec:
     weights: Weights | None = None
     work_dir: Path | None = None
     settings: Any = None
+    adapter: AdapterWeights | None = None
 
 
 @dataclass
@@ -64,11 +69,16 @@ class EngineHandle:
         sync: ``await sync(weights, version)`` makes the engine generate with ``weights``
             (Hugging Face names) as policy ``version``; returns when new requests use them.
         close: ``await close()`` stops the engine and anything it started (idempotent).
+        sync_adapter: ``await sync_adapter(adapter, version)`` makes the engine generate with the
+            base weights and LoRA ``adapter`` (:class:`~trainer.models.lora.AdapterWeights`) as policy
+            ``version``, moving the adapter only; None: the engine takes full weights only (a LoRA
+            policy then reaches it merged, through ``sync``).
     """
 
     engine: InferenceEngine
     sync: Callable[[Weights, int], Awaitable[None]]
     close: Callable[[], Awaitable[None]]
+    sync_adapter: Callable[[AdapterWeights, int], Awaitable[None]] | None = None
 
 
 EngineFactory = Callable[[EngineSpec], EngineHandle]

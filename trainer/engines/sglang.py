@@ -29,6 +29,7 @@ from typing import Any, Literal
 import httpx
 
 from trainer.engines.base import EngineError, FinishReason, GenerationResult, SamplingParams
+from trainer.engines.sglang_lora import SGLangAdapters
 
 #: Oldest SGLang whose returned log-probs follow the convention above.
 MIN_SGLANG_VERSION = (0, 4, 7)
@@ -59,6 +60,8 @@ class SGLangEngineConfig:
         vocab_size: the policy tokenizer's size (``len(tokenizer)``), or None (unchecked). A
             generated token id ``>= vocab_size`` is an :class:`EngineError` (so that episode is
             an infrastructure failure, not a crash of the run or of the evaluation).
+        initial_lora: name of the LoRA adapter the server was started with (``--lora-paths``), which
+            requests use until :meth:`SGLangEngine.load_adapter` loads another; None: no adapter.
 
     Raises:
         ValueError: naming the field and value.
@@ -73,6 +76,7 @@ class SGLangEngineConfig:
     forward_seed: bool = False
     initial_version: int = 0
     vocab_size: int | None = None
+    initial_lora: str | None = None
 
     def __post_init__(self) -> None:
         """Validate every field."""
@@ -256,6 +260,8 @@ class SGLangEngine:
         self._paused = False
         self._updating = False
         self._update_lock = asyncio.Lock()  # one weight update at a time
+        #: the LoRA adapters served (:mod:`.sglang_lora`)
+        self.adapters = SGLangAdapters(self._post_checked, self._cond, config.initial_lora)
 
     @property
     def version(self) -> int:
@@ -332,12 +338,15 @@ class SGLangEngine:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._paused and not self._updating)
             self._inflight += 1
-            version = self._version
+            version, lora = self._version, self.adapters.acquire()
+        if lora is not None:
+            payload["lora_path"] = lora  # SGLang's per-request adapter (the version's own name)
         try:
             body = await self._post_json("/generate", payload)
         finally:
             async with self._cond:
                 self._inflight -= 1
+                self.adapters.release(lora)
                 self._cond.notify_all()
         result = parse_generate_response(body, version, max_new_tokens=params.max_new_tokens,
                                          vocab_size=self.config.vocab_size)
@@ -383,6 +392,21 @@ class SGLangEngine:
                 self._version = version
             finally:
                 await self._reopen("_updating")
+
+    async def load_adapter(self, source: str | os.PathLike, version: int) -> None:
+        """Serve the PEFT LoRA adapter directory ``source`` (readable by the server) as policy
+        ``version`` (``/load_lora_adapter`` under a name of its own, then new requests carry it as
+        ``lora_path``: :class:`~trainer.engines.sglang_lora.SGLangAdapters`). Requests admitted
+        before keep the previous adapter and version; nothing is paused or flushed.
+
+        Raises:
+            ValueError: ``version`` is not an int >= 0.
+            EngineError: the server refused (e.g. started without ``--enable-lora``, a rank above
+                ``--max-lora-rank``); the version is left unchanged.
+        """
+        _check_version(version)
+        async with self._update_lock:
+            await self.adapters.load(source, version, lambda: setattr(self, "_version", version))
 
     async def flush_cache(self) -> None:
         """``POST /flush_cache`` (drop the radix/KV prefix cache).
@@ -488,7 +512,9 @@ class SGLangEngine:
         return info
 
     async def close(self) -> None:
-        """Close the HTTP client (the server is owned by :class:`SGLangLauncher`)."""
+        """Finish pending adapter unloads, close the HTTP client (the server is owned by
+        :class:`SGLangLauncher`)."""
+        await self.adapters.close()
         await self._client.aclose()
 
 

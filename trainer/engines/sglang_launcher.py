@@ -70,6 +70,13 @@ class SGLangLauncherConfig:
         sampling_backend: ``--sampling-backend`` (``flashinfer`` or ``pytorch``; per-request
             seeds with top-p/top-k need ``pytorch``); ``None`` leaves the default.
         attention_backend: ``--attention-backend`` (e.g. ``triton``, ``torch_native``).
+        lora_max_rank: serve LoRA adapters up to this rank (``--enable-lora --max-lora-rank``);
+            None: no LoRA.
+        lora_target_modules: the modules adapters may adapt (``--lora-target-modules``; ``all``:
+            every supported one); needed with ``lora_max_rank``.
+        lora_paths: adapters loaded at start-up, ``NAME=DIR`` each (``--lora-paths``).
+        max_loras_per_batch: adapters one batch may mix (``--max-loras-per-batch``): 2 lets requests
+            of the previous policy version finish next to those of the new one.
         extra_args: further command-line arguments, appended verbatim.
         extra_env: environment variables added for the server process.
         python: interpreter that runs ``-m sglang.launch_server``.
@@ -96,6 +103,10 @@ class SGLangLauncherConfig:
     random_seed: int | None = None
     sampling_backend: str | None = None
     attention_backend: str | None = None
+    lora_max_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 2
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
@@ -132,6 +143,18 @@ class SGLangLauncherConfig:
             raise bad("random_seed", "must be None or an int >= 0")
         if self.sampling_backend is not None and self.sampling_backend not in _SAMPLING_BACKENDS:
             raise bad("sampling_backend", f"must be None or one of {_SAMPLING_BACKENDS}")
+        if self.lora_max_rank is not None:
+            if isinstance(self.lora_max_rank, bool) or not isinstance(self.lora_max_rank, int) \
+                    or self.lora_max_rank < 1:
+                raise bad("lora_max_rank", "must be None or an int >= 1")
+            if isinstance(self.lora_target_modules, str) or not self.lora_target_modules:
+                raise bad("lora_target_modules", "must name the adapted modules when lora_max_rank is set")
+        elif self.lora_target_modules or self.lora_paths:
+            raise bad("lora_max_rank", "must be set (an int >= 1) with lora_target_modules / lora_paths")
+        if not all(isinstance(p, str) and "=" in p for p in self.lora_paths):
+            raise bad("lora_paths", "must be NAME=DIR strings")
+        if not isinstance(self.max_loras_per_batch, int) or self.max_loras_per_batch < 1:
+            raise bad("max_loras_per_batch", "must be an int >= 1")
         if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
             raise bad("extra_args", "must be a tuple of strings")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.extra_env.items()):
@@ -154,8 +177,9 @@ def build_command(cfg: SGLangLauncherConfig, port: int) -> list[str]:
 
     Returns:
         ``[python, "-m", "sglang.launch_server", "--model-path", ..., "--host", ...,
-        "--port", ..., "--tp-size", ..., "--mem-fraction-static", ..., (optional flags),
-        *extra_args]``.
+        "--port", ..., "--tp-size", ..., "--mem-fraction-static", ..., (optional flags; with
+        ``lora_max_rank``: "--enable-lora", "--max-lora-rank", R, "--lora-target-modules", ...,
+        "--max-loras-per-batch", N[, "--lora-paths", ...]), *extra_args]``.
     """
     cmd = [cfg.python, "-m", "sglang.launch_server",
            "--model-path", cfg.model_path,
@@ -175,6 +199,12 @@ def build_command(cfg: SGLangLauncherConfig, port: int) -> list[str]:
         cmd += ["--sampling-backend", cfg.sampling_backend]
     if cfg.attention_backend is not None:
         cmd += ["--attention-backend", cfg.attention_backend]
+    if cfg.lora_max_rank is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora_max_rank),
+                "--lora-target-modules", *cfg.lora_target_modules,
+                "--max-loras-per-batch", str(cfg.max_loras_per_batch)]
+        if cfg.lora_paths:
+            cmd += ["--lora-paths", *cfg.lora_paths]
     return cmd + list(cfg.extra_args)
 
 

@@ -53,7 +53,10 @@ class Learner(Protocol):
 
     def export_policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's weights as ``(name, tensor)`` in Hugging Face names (``save_pretrained``
-        layout), gathered on one process; for engine weight sync and export."""
+        layout), gathered on one process; for engine weight sync and export. A LoRA actor's are
+        merged (``W + (alpha / rank) · B A``); its weight syncs use ``export_adapter()`` instead
+        (an optional method of backends registered with ``lora=True``:
+        :class:`~trainer.models.lora.AdapterWeights`, see :func:`~trainer.models.lora.adapter_of`)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume (models, optimizers, schedulers, counters)."""
@@ -73,9 +76,10 @@ LearnerFactory = Callable[[Any, Path], Learner]
 #: ``learner.world_size`` rank processes; set by
 #: :func:`~trainer.learner.distributed.registry.register_rank_learner`), ``tensor_parallel`` and
 #: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
-#: ``learner.pipeline_parallel_size`` > 1).
+#: ``learner.pipeline_parallel_size`` > 1), ``lora`` (it trains ``learner.lora`` /
+#: ``learner.critic_lora`` adapters and has ``export_adapter()``).
 LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
-                    "pipeline_parallel": (bool, False)}
+                    "pipeline_parallel": (bool, False), "lora": (bool, False)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
 #: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`);

@@ -31,11 +31,19 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_causal_lm(cls, lm: nn.Module) -> ValueModel:
-        """A critic initialised from a causal LM's backbone (deep copy) with a zero value head."""
+    def from_causal_lm(cls, lm: nn.Module, share_parameters: bool = False) -> ValueModel:
+        """A critic initialised from a causal LM's backbone (deep copy) with a zero value head.
+
+        Args:
+            share_parameters: the copy's modules hold the LM's own parameter tensors instead of
+                copies (one set of frozen base weights for a LoRA actor and a LoRA critic: their
+                adapters and the value head are the critic's own). Only when both stay frozen.
+        """
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model
         p = next(lm.parameters())
-        return cls(copy.deepcopy(backbone), int(lm.config.hidden_size)).to(device=p.device, dtype=p.dtype)
+        memo = {id(q): q for q in backbone.parameters()} if share_parameters else {}
+        critic = cls(copy.deepcopy(backbone, memo), int(lm.config.hidden_size))
+        return critic.to(device=p.device, dtype=p.dtype)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         """``(B, L)`` float32 values of every prefix."""

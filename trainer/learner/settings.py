@@ -5,7 +5,8 @@
   the linear warm-up (``train.*``). Every backend builds its optimizers and schedules from it
   (:mod:`trainer.learner.optim`; Megatron's own optimizer on GPU); none reads the config itself.
 * :class:`LearnerConfig` — the step settings (mini-batches, micro-batch size, critic warm-up,
-  sampling temperature, seed) plus the :class:`OptimizerSettings`.
+  sampling temperature, seed) plus the :class:`OptimizerSettings` and the LoRA adapters of the
+  actor and the critic (:class:`~trainer.models.lora.LoraSettings`, None: full fine-tuning).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..models.lora import LoraSettings
 
 #: ``learner.optimizer`` values.
 OPTIMIZERS = ("adamw", "sgd")
@@ -93,6 +96,8 @@ class LearnerConfig:
         num_mini_batches: updates per step. micro_batch_size: rows per forward/backward.
         temperature: sampling temperature of the rollouts (log-probs are of ``logits / T``).
         seed: mini-batch permutation seed.
+        lora / critic_lora: the actor's / critic's LoRA adapter (``learner.lora`` /
+            ``learner.critic_lora``), None: the model is fully fine-tuned.
     """
 
     optim: OptimizerSettings = field(default_factory=OptimizerSettings)
@@ -101,12 +106,15 @@ class LearnerConfig:
     micro_batch_size: int = 8
     temperature: float = 1.0
     seed: int = 0
+    lora: LoraSettings | None = None
+    critic_lora: LoraSettings | None = None
 
     @classmethod
     def from_config(cls, exp: Any) -> LearnerConfig:
-        """From an :class:`~trainer.config.ExperimentConfig` (``train``, ``learner.optimizer`` and
-        ``rollout.temperature``)."""
+        """From an :class:`~trainer.config.ExperimentConfig` (``train``, ``learner.optimizer``,
+        ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature``)."""
         t = exp.train
+        lora, critic_lora = exp.learner.lora_settings()
         return cls(optim=OptimizerSettings.from_config(exp), critic_warmup_steps=t.critic_warmup_steps,
                    num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
-                   temperature=exp.rollout.temperature, seed=t.seed)
+                   temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora)

@@ -8,16 +8,25 @@ the first ``k`` steps have staleness ``n``), independent of machine speed.
 
 Memory: ``k + 1`` copies of the policy weights are kept in host memory (and saved in each
 checkpoint so a resumed run keeps the exact lag): a 4B-parameter bf16 policy at ``k = 16`` is
-about 17 × 8 GB.
+about 17 × 8 GB. A LoRA policy keeps ``k + 1`` *adapters* instead
+(:class:`~trainer.models.lora.AdapterWeights`, e.g. rank 16 on the projections of a 4B model:
+~17 × 66 MB); the engine serves each with its own base weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from ..errors import TrainingError
+from ..models.lora import AdapterWeights
+
 Tensor = torch.Tensor
+#: Checkpoint key marking a kept version that is a LoRA adapter (``{ADAPTER_KEY: adapter.state()}``).
+ADAPTER_KEY = "lora_adapter"
+#: ``merge(adapter) -> full weights``: the learner's base with ``adapter`` (``TorchLearner.merged_weights``).
+Merge = Callable[[AdapterWeights], dict[str, Tensor]]
 
 
 def generating_version(step: int, lag: int) -> int:
@@ -42,18 +51,36 @@ class WeightSnapshot:
     """A frozen copy of one policy version's weights, with the learner's export interface.
 
     Passed to a loop's ``sync_weights(source, version)`` in place of the learner, so weight-sync
-    callbacks need one code path (``source.export_policy_weights()``).
+    callbacks need one code path (``source.export_adapter()`` / ``source.export_policy_weights()``).
 
     Args:
-        weights: ``name → tensor`` in Hugging Face names (copied by :class:`WeightHistory`).
+        weights: ``name → tensor`` in Hugging Face names (copied by :class:`WeightHistory`), or a
+            LoRA version's :class:`~trainer.models.lora.AdapterWeights`.
+        merge: for an adapter: the full weights of the base with it (an engine without adapter
+            sync), or None.
     """
 
-    def __init__(self, weights: dict[str, Tensor]) -> None:
-        self.weights = weights
+    def __init__(self, weights: dict[str, Tensor] | AdapterWeights, merge: Merge | None = None) -> None:
+        self.weights, self.merge = weights, merge
+
+    def export_adapter(self) -> AdapterWeights | None:
+        """The kept adapter (None for full weights)."""
+        return self.weights if isinstance(self.weights, AdapterWeights) else None
 
     def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The kept ``(name, tensor)`` pairs (same contract as ``Learner.export_policy_weights``)."""
-        yield from self.weights.items()
+        """The kept ``(name, tensor)`` pairs (same contract as ``Learner.export_policy_weights``);
+        an adapter's merged into the learner's base weights.
+
+        Raises:
+            TrainingError: a kept adapter and no ``merge``.
+        """
+        if not isinstance(self.weights, AdapterWeights):
+            yield from self.weights.items()
+            return
+        if self.merge is None:
+            raise TrainingError("a kept LoRA adapter version needs an engine with adapter sync "
+                                "(EngineHandle.sync_adapter) or a learner that merges it")
+        yield from self.merge(self.weights).items()
 
 
 class WeightHistory:
@@ -61,6 +88,10 @@ class WeightHistory:
 
     Args:
         lag: versions kept besides the newest (``train.staleness.lag``).
+
+    Attributes:
+        merge: how a kept adapter becomes full weights (set by the loop from a LoRA learner's
+            ``merged_weights``), or None.
 
     Raises:
         ValueError: ``lag < 0``.
@@ -70,19 +101,30 @@ class WeightHistory:
         if lag < 0:
             raise ValueError(f"WeightHistory: lag={lag!r} must be >= 0")
         self.lag = lag
-        self._versions: dict[int, dict[str, Tensor]] = {}
+        self.merge: Merge | None = None
+        self._versions: dict[int, dict[str, Tensor] | AdapterWeights] = {}
 
-    def add(self, version: int, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Keep a detached CPU copy of ``version``'s weights; forget versions older than
-        ``version − lag``.
+    def add(self, version: int, weights: Iterable[tuple[str, Tensor]] | AdapterWeights) -> None:
+        """Keep a detached CPU copy of ``version``'s weights (or LoRA adapter); forget versions older
+        than ``version − lag``.
 
         Args:
             version: the policy version the weights belong to.
-            weights: ``(name, tensor)`` pairs (e.g. ``learner.export_policy_weights()``).
+            weights: ``(name, tensor)`` pairs (e.g. ``learner.export_policy_weights()``), or an
+                :class:`~trainer.models.lora.AdapterWeights` (``learner.export_adapter()``).
         """
-        self._versions[version] = {k: v.detach().to("cpu", copy=True) for k, v in weights}
+        if isinstance(weights, AdapterWeights):
+            self._versions[version] = weights.copy("cpu")
+        else:
+            self._versions[version] = {k: v.detach().to("cpu", copy=True) for k, v in weights}
         for old in [v for v in self._versions if v < version - self.lag]:
             del self._versions[old]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept tensors (``lag + 1`` full models, or adapters)."""
+        return sum(w.nbytes if isinstance(w, AdapterWeights) else
+                   sum(t.numel() * t.element_size() for t in w.values()) for w in self._versions.values())
 
     def __contains__(self, version: int) -> bool:
         """Whether ``version``'s weights are kept."""
@@ -101,12 +143,14 @@ class WeightHistory:
         if version not in self._versions:
             raise KeyError(f"policy version {version} is not kept (fixed lag {self.lag}); kept: "
                            f"{self.versions()}")
-        return WeightSnapshot(self._versions[version])
+        return WeightSnapshot(self._versions[version], self.merge)
 
     def state_dict(self) -> dict[int, dict[str, Tensor]]:
-        """The kept versions (for a checkpoint)."""
-        return dict(self._versions)
+        """The kept versions (for a checkpoint; an adapter as ``{"lora_adapter": adapter.state()}``)."""
+        return {v: {ADAPTER_KEY: w.state()} if isinstance(w, AdapterWeights) else w
+                for v, w in self._versions.items()}
 
     def load_state_dict(self, state: dict[int, dict[str, Tensor]]) -> None:
         """Restore :meth:`state_dict` output."""
-        self._versions = {int(v): dict(w) for v, w in state.items()}
+        self._versions = {int(v): AdapterWeights.from_state(w[ADAPTER_KEY]) if ADAPTER_KEY in w else dict(w)
+                          for v, w in state.items()}

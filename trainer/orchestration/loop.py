@@ -39,6 +39,7 @@ from typing import Any
 
 from ..errors import TrainingError
 from ..learner.base import Learner
+from ..models.lora import adapter_of
 from ..rollout.batch import to_batch
 from .prompts import PromptStream
 from .rollouts import LoopHooks, Rollouts, WeightSource
@@ -128,6 +129,8 @@ class AsyncTrainingLoop:
             raise ValueError(f"start step {self.state.step} but the learner is at policy version "
                              f"{learner.policy_version} (restore its state first)")
         self.state.recent = deque(self.state.recent, maxlen=cfg.prompts_per_step * cfg.n_samples_per_prompt)
+        # a kept LoRA version reaches an engine without adapter sync merged into the learner's base
+        self.state.history.merge = getattr(learner, "merged_weights", None)
         self._tasks: set[asyncio.Task] = set()
 
     # -- the services a staleness strategy uses (:class:`~.staleness.LoopServices`) ---------------
@@ -152,10 +155,13 @@ class AsyncTrainingLoop:
         await self.rollouts.sync(source, version)
 
     async def snapshot(self, version: int) -> None:
-        """Keep the learner's current weights as ``version`` (exported in a worker thread: a remote
-        learner's arrive while rollouts go on)."""
-        weights = await asyncio.to_thread(lambda: list(self.learner.export_policy_weights()))
-        self.state.history.add(version, weights)
+        """Keep the learner's current weights as ``version`` — a LoRA learner's adapter only
+        (exported in a worker thread: a remote learner's arrive while rollouts go on)."""
+        def export() -> Any:
+            adapter = adapter_of(self.learner)
+            return adapter.copy("cpu") if adapter is not None else list(self.learner.export_policy_weights())
+
+        self.state.history.add(version, await asyncio.to_thread(export))
 
     # -- progress ------------------------------------------------------------------------------
     @property

@@ -45,10 +45,12 @@ from typing import Any
 import torch
 
 from ..engines.base import SamplingParams
+from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
-from .rollouts import WeightSource
+from .lag import WeightSnapshot
+from .rollouts import WeightSource, push_weights
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +61,29 @@ class RolloutWorker:
     Args:
         exp_cfg: the :class:`~trainer.config.ExperimentConfig` (engine, model settings, task).
         model_dir: ``save_pretrained`` directory giving the architecture and tokenizer.
-        weights: initial policy weights (Hugging Face names; the driver's current ones).
+        weights: initial policy weights (Hugging Face names; the driver's current ones); empty with
+            ``adapter``.
         version: policy version of ``weights``.
         env_factory: picklable zero-argument environment factory, or ``None`` to build the task
             from ``exp_cfg`` with :func:`trainer.tasks.build_task` (its services are closed by
             :meth:`close`).
         concurrency: episodes in flight at once on this worker (environments kept).
+        adapter: a LoRA policy's adapter (the engine serves ``model_dir``'s weights with it, and
+            :meth:`update_adapter` moves adapters only), or None.
     """
 
     def __init__(self, exp_cfg: Any, model_dir: str, weights: Mapping[str, torch.Tensor], version: int,
-                 env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8) -> None:
+                 env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8,
+                 adapter: Any = None) -> None:
         from ..engines import EngineSpec, make_engine
         from ..models.loading import load_tokenizer
         from ..plugins import import_plugins
 
         import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
         self.tok = load_tokenizer(model_dir)
-        self.handle = make_engine(exp_cfg.rollout.engine, EngineSpec(exp_cfg, Path(model_dir), self.tok,
-                                                                     version, weights.items()))
+        spec = EngineSpec(exp_cfg, Path(model_dir), self.tok, version, weights.items() if weights else None,
+                          adapter=adapter)
+        self.handle = make_engine(exp_cfg.rollout.engine, spec)
         self.task = None
         if env_factory is None:
             from ..tasks import build_task
@@ -101,6 +108,12 @@ class RolloutWorker:
             EngineError: if the weights do not match the model.
         """
         await self.handle.sync(weights.items(), version)
+        return self.engine.version
+
+    async def update_adapter(self, adapter: Any, version: int) -> int:
+        """Make the engine generate with LoRA ``adapter`` as policy ``version`` (the adapter's tensors
+        only: :func:`~trainer.orchestration.rollouts.push_weights`); returns the engine's version."""
+        await push_weights(self.handle, WeightSnapshot(adapter), version)
         return self.engine.version
 
     async def version(self) -> int:
@@ -147,6 +160,11 @@ class LearnerActor:
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """:meth:`Learner.export_policy_weights` as a dict (what the rollout workers need)."""
         return dict(self.learner.export_policy_weights())
+
+    def adapter(self) -> Any:
+        """The learner's LoRA adapter (a copy; :func:`~trainer.models.lora.adapter_of`), or None."""
+        a = adapter_of(self.learner)
+        return None if a is None else a.copy("cpu")
 
     def load_state_dict(self, state: dict) -> None:
         """:meth:`Learner.load_state_dict`."""
@@ -199,6 +217,12 @@ class RayLearner:
         import ray
 
         yield from ray.get(self.policy_weights_ref()).items()
+
+    def export_adapter(self) -> Any:
+        """The actor's LoRA adapter, fetched to this process (None without LoRA)."""
+        import ray
+
+        return ray.get(self.actor.adapter.remote())
 
     def state_dict(self) -> dict[str, Any]:
         """The actor's :meth:`Learner.state_dict` (everything needed to resume)."""
@@ -269,10 +293,12 @@ class RayRollouts:
         import ray
 
         self.spec = spec
-        ref = ray.put(dict(weights.export_policy_weights()))
+        adapter = adapter_of(weights)  # a LoRA policy: workers get the adapter, never full weights
+        ref = ray.put({} if adapter is not None else dict(weights.export_policy_weights()))
         worker_cls = ray.remote(RolloutWorker).options(**spec.options)
         self.workers = [worker_cls.remote(spec.exp_cfg, str(spec.model_dir), ref, version, spec.env_factory,
-                                          concurrency=spec.concurrency) for _ in range(spec.num_workers)]
+                                          concurrency=spec.concurrency, adapter=adapter)
+                        for _ in range(spec.num_workers)]
         self._rr = itertools.count()
 
     async def run_group(self, uid: int, sample: Mapping[str, Any], n: int) -> list[Trajectory]:
@@ -281,10 +307,16 @@ class RayRollouts:
         return await worker.run_group.remote(uid, dict(sample), n, self.spec.sampling, self.spec.agent_cfg)
 
     async def sync(self, source: WeightSource, version: int) -> None:
-        """Push ``version`` to every worker: a :class:`RayLearner`'s weights go from its actor to the
-        workers through the object store; any other source's are put there by the driver."""
+        """Push ``version`` to every worker: a LoRA source's adapter only; a :class:`RayLearner`'s
+        full weights go from its actor to the workers through the object store; any other source's
+        are put there by the driver."""
         import ray
 
+        adapter = adapter_of(source)
+        if adapter is not None:
+            ref = ray.put(adapter.copy("cpu"))
+            await asyncio.gather(*(w.update_adapter.remote(ref, version) for w in self.workers))
+            return
         if isinstance(source, RayLearner):
             ref = source.policy_weights_ref()  # produced once, pulled by each worker
         else:
@@ -347,7 +379,7 @@ async def launch_ray(spec: Any) -> AsyncIterator[tuple[RayLearner, RayRollouts]]
         yield learner, rollouts
         spec.learner.load_state_dict(await asyncio.to_thread(learner.state_dict))
         # the driver's engine (evaluation) gets the final weights
-        await spec.engine.sync(spec.learner.export_policy_weights(), spec.learner.policy_version)
+        await push_weights(spec.engine, spec.learner, spec.learner.policy_version)
     finally:
         if rollouts is not None:
             await rollouts.close()

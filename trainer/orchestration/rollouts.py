@@ -16,6 +16,7 @@ import torch
 
 from ..engines.base import InferenceEngine, SamplingParams
 from ..engines.registry import EngineHandle
+from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
@@ -24,10 +25,22 @@ from ..rollout.trajectory import Trajectory
 @runtime_checkable
 class WeightSource(Protocol):
     """Anything with the learner's export interface: a :class:`~trainer.learner.base.Learner` or a
-    kept :class:`~trainer.orchestration.lag.WeightSnapshot`."""
+    kept :class:`~trainer.orchestration.lag.WeightSnapshot` (a LoRA one also has
+    ``export_adapter()``: :func:`~trainer.models.lora.adapter_of`)."""
 
     def export_policy_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs in Hugging Face names."""
+
+
+async def push_weights(handle: EngineHandle, source: WeightSource, version: int) -> None:
+    """Make ``handle``'s engine generate with ``source``'s policy as ``version``: a LoRA source's
+    adapter only when the engine takes adapters (``handle.sync_adapter``), else the full (for LoRA:
+    merged) weights through ``handle.sync``."""
+    adapter = adapter_of(source)
+    if adapter is not None and handle.sync_adapter is not None:
+        await handle.sync_adapter(adapter, version)
+    else:
+        await handle.sync(source.export_policy_weights(), version)
 
 
 @runtime_checkable
@@ -65,12 +78,13 @@ class LoopHooks:
 
 def engine_handle(engine: InferenceEngine) -> EngineHandle:
     """An :class:`EngineHandle` for an engine built by hand whose ``update_weights`` takes a dict
-    (e.g. an :class:`~trainer.engines.embedded.EmbeddedEngine` in a test)."""
+    (e.g. an :class:`~trainer.engines.embedded.EmbeddedEngine` in a test); adapter sync through its
+    ``update_adapter`` when it has one."""
 
     async def sync(weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         await engine.update_weights(dict(weights), version)
 
-    return EngineHandle(engine, sync, engine.close)
+    return EngineHandle(engine, sync, engine.close, sync_adapter=getattr(engine, "update_adapter", None))
 
 
 class LocalRollouts:
@@ -102,8 +116,9 @@ class LocalRollouts:
                                uid=uid)
 
     async def sync(self, source: WeightSource, version: int) -> None:
-        """Push ``source``'s weights to the engine as ``version``."""
-        await self.handle.sync(source.export_policy_weights(), version)
+        """Push ``source``'s weights (a LoRA source's adapter) to the engine as ``version``
+        (:func:`push_weights`)."""
+        await push_weights(self.handle, source, version)
 
     async def close(self) -> None:
         """Close the pooled environments (not the engine: it belongs to the caller)."""

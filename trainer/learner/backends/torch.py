@@ -7,6 +7,10 @@ AdamW or SGD, gradient clipping, linear LR warm-up, from the one
 :class:`~trainer.learner.settings.OptimizerSettings`). The step itself, and everything
 algorithmic (advantages, mini-batches, global denominators, losses, metric combination), is the
 template's and :class:`~trainer.learner.algorithm.ActorCriticAlgorithm`'s, which call :mod:`copc`.
+
+LoRA (``learner.lora`` / ``learner.critic_lora``, :mod:`trainer.learner.lora`): only the adapters (and
+the critic's value head) are optimised and checkpointed; :meth:`TorchLearner.export_adapter` is what
+weight syncs send, :meth:`TorchLearner.export_policy_weights` the merged model (export, evaluation).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from torch import nn
 import copc
 
 from ...logprobs import token_logprobs
+from ...models.lora import AdapterWeights, merged_state_dict
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
 from ..critic import ValueModel
+from ..lora import load_role_state, prepare_models, role_state, trainable_parameters
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
 
@@ -68,16 +74,22 @@ class TorchLearner(TransformersForward, TemplateLearner):
         algo: the algorithm (preset).
         cfg: :class:`LearnerConfig`.
         critic: the value model (used iff ``algo.use_critic``); default built from the actor.
+
+    With ``cfg.lora`` / ``cfg.critic_lora`` the adapters are injected into ``actor`` / ``critic`` in
+    place (:func:`~trainer.learner.lora.prepare_models`) and only their parameters are optimised.
+
+    Raises:
+        ConfigError: a LoRA target module the model does not have (naming the key).
     """
 
     def __init__(self, actor: nn.Module, algo: copc.AlgorithmConfig, cfg: LearnerConfig,
                  critic: ValueModel | None = None) -> None:
-        self.actor, self.algo, self.cfg = actor, algo, cfg
+        self.algo, self.cfg = algo, cfg
         self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
-        self.critic = (critic or ValueModel.from_causal_lm(actor)) if algo.use_critic else None
-        self.actor_opt = TorchOptimizer(actor.parameters(), cfg.optim, "actor")
-        self.critic_opt = None if self.critic is None else TorchOptimizer(self.critic.parameters(), cfg.optim,
-                                                                          "critic")
+        self.actor, self.critic = prepare_models(actor, cfg, algo.use_critic, critic)
+        self.actor_opt = TorchOptimizer(trainable_parameters(self.actor), cfg.optim, "actor")
+        self.critic_opt = None if self.critic is None else TorchOptimizer(
+            trainable_parameters(self.critic), cfg.optim, "critic")
         self.steps_done = 0
 
     @classmethod
@@ -93,31 +105,52 @@ class TorchLearner(TransformersForward, TemplateLearner):
 
     # -- the Learner protocol (step and policy_version: TemplateLearner) ----------------------
     def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The actor's ``state_dict`` items (``transformers`` names = Hugging Face names)."""
-        yield from self.actor.state_dict().items()
+        """The actor's ``state_dict`` items (``transformers`` names = Hugging Face names); a LoRA
+        actor's merged (:func:`~trainer.models.lora.merged_state_dict`, base weights untouched)."""
+        if self.cfg.lora is None:
+            yield from self.actor.state_dict().items()
+        else:
+            yield from merged_state_dict(self.actor).items()
+
+    def export_adapter(self) -> AdapterWeights | None:
+        """The actor's LoRA adapter (views of the live tensors; None without ``learner.lora``): what
+        a weight sync sends instead of :meth:`export_policy_weights`."""
+        return None if self.cfg.lora is None else AdapterWeights.of(self.actor, self.cfg.lora)
+
+    def merged_weights(self, adapter: AdapterWeights) -> dict[str, Tensor]:
+        """The full weights of the actor's base with another version's ``adapter`` merged (a kept
+        fixed-lag version for an engine that takes full weights only)."""
+        return merged_state_dict(self.actor, adapter.tensors, adapter.settings)
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: models, optimizers, schedulers, step counter, and the
+        """Everything needed to resume: models (a LoRA model's adapter, value head, settings only:
+        :func:`~trainer.learner.lora.role_state`), optimizers, schedulers, step counter, and the
         diagnostics' state (``diagnostics``: the value-bias EMA,
         :class:`~trainer.learner.step_metrics.ValueBiasTracker`)."""
-        out = {"actor": self.actor.state_dict(), "actor_opt": self.actor_opt.optimizer.state_dict(),
+        out = {**role_state("actor", self.actor, self.cfg.lora),
+               "actor_opt": self.actor_opt.optimizer.state_dict(),
                "actor_sched": self.actor_opt.scheduler.state_dict(), "steps_done": self.steps_done,
                "diagnostics": self.algorithm.value_bias.state_dict()}
         if self.critic is not None:
-            out.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.optimizer.state_dict(),
+            out.update(role_state("critic", self.critic, self.cfg.critic_lora),
+                       critic_opt=self.critic_opt.optimizer.state_dict(),
                        critic_sched=self.critic_opt.scheduler.state_dict())
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (a checkpoint from before ``diagnostics`` existed
-        loads too: the value-bias EMA then restarts, drift 0 at the next step)."""
-        self.actor.load_state_dict(state["actor"])
+        loads too: the value-bias EMA then restarts, drift 0 at the next step).
+
+        Raises:
+            ConfigError: the checkpoint's LoRA settings are not this learner's (naming the key).
+        """
+        load_role_state("actor", self.actor, self.cfg.lora, state)
         self.actor_opt.optimizer.load_state_dict(state["actor_opt"])
         self.actor_opt.scheduler.load_state_dict(state["actor_sched"])
         self.steps_done = int(state["steps_done"])
         self.algorithm.value_bias.load_state_dict(state.get("diagnostics", {"value_bias_ema": None}))
         if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
+            load_role_state("critic", self.critic, self.cfg.critic_lora, state)
             self.critic_opt.optimizer.load_state_dict(state["critic_opt"])
             self.critic_opt.scheduler.load_state_dict(state["critic_sched"])
 

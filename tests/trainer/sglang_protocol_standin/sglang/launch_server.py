@@ -1,9 +1,16 @@
 """PROTOCOL STAND-IN for ``python -m sglang.launch_server`` (tests only; see __init__).
 
 Model: 260 tokens (0..255 are bytes, 259 is EOS); next-token logits depend on the
-previous token and the loaded weights path. Sampling follows SGLang's documented rule:
+previous token, the loaded weights path and, for a request naming a LoRA adapter
+(``lora_path``), on the adapter's tensors (:func:`adapter_phase`). Sampling follows SGLang's documented rule:
 the token is drawn from softmax(logits / T) truncated by top-k/top-p, and the reported
 log-prob is log_softmax(logits / T)[token] before truncation.
+
+LoRA as SGLang serves it (docs ``advanced_features/lora``): ``--enable-lora``, ``--max-lora-rank``,
+``--lora-target-modules``, ``--lora-paths NAME=DIR``; ``/load_lora_adapter {lora_name, lora_path}``
+reads a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) and refuses
+one SGLang would refuse (LoRA not enabled, rank above the maximum, a module not enabled, a name in
+use); ``/unload_lora_adapter {lora_name}``; a ``/generate`` naming an adapter not loaded fails.
 
 Environment knobs: STANDIN_MODE=crash|hang (start-up failures), STANDIN_TOKEN_DELAY_S.
 Test-only control endpoints live under /_standin/ (``trickle_s``: the next /generate answers
@@ -40,6 +47,38 @@ def log_softmax(xs: list[float]) -> list[float]:
     return [x - z for x in xs]
 
 
+def adapter_phase(tensors: dict) -> float:
+    """The logit phase a LoRA adapter adds: 0.1 × the sum of all its tensor entries, rounded to 1e-6
+    (a test recomputes it from the tensors it sent)."""
+    return round(0.1 * sum(float(t.astype("float64").sum()) for t in tensors.values()), 6)
+
+
+def read_adapter(path: str, max_rank: int | None, modules: list[str]) -> tuple[dict, float]:
+    """``(adapter_config, phase)`` of a PEFT adapter directory, or ValueError as SGLang would refuse it."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    if max_rank is None:
+        raise ValueError("LoRA is not enabled (start the server with --enable-lora)")
+    cfg_file = os.path.join(path, "adapter_config.json")
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if not (os.path.isfile(cfg_file) and os.path.isfile(weights)):
+        raise ValueError(f"no PEFT adapter in {path}")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA" or int(cfg["r"]) > max_rank:
+        raise ValueError(f"LoRA rank {cfg.get('r')} is greater than max_lora_rank {max_rank}")
+    tensors = load_file(weights)
+    for name, t in tensors.items():
+        module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+        if not name.startswith("base_model.model.") or (modules != ["all"] and module not in modules):
+            raise ValueError(f"adapter tensor {name}: module {module!r} is not in --lora-target-modules")
+        if ".lora_A." in name and t.shape[0] != int(cfg["r"]):
+            raise ValueError(f"adapter tensor {name} has rank {t.shape[0]}, config r={cfg['r']}")
+    return cfg, adapter_phase(tensors)
+
+
 def decode(ids: list[int]) -> str:
     """Bytes 0..255 decode to latin-1 characters; specials to nothing."""
     return "".join(chr(t) for t in ids if t < 256)
@@ -57,7 +96,13 @@ def main() -> None:
     p.add_argument("--random-seed", type=int)
     p.add_argument("--sampling-backend")
     p.add_argument("--attention-backend")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="*", default=[])
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--lora-paths", nargs="*", default=[])
     args, unknown = p.parse_known_args()
+    max_rank = args.max_lora_rank if args.enable_lora else None
     print(f"stand-in argv: {sys.argv[1:]}", flush=True)
     mode = os.environ.get("STANDIN_MODE", "ok")
     # Like SGLang's scheduler/detokenizer: a child process in the same group.
@@ -72,7 +117,11 @@ def main() -> None:
 
     delay = float(os.environ.get("STANDIN_TOKEN_DELAY_S", "0"))
     state = {"model_path": args.model_path, "weight_version": "default", "running": 0,
-             "requests": [], "fail": [], "respond": [], "script": [], "trickle_s": 0.0}
+             "requests": [], "fail": [], "respond": [], "script": [], "trickle_s": 0.0, "loras": {}}
+    for spec in args.lora_paths:  # NAME=DIR, loaded at start-up
+        name, _, path = spec.partition("=")
+        phase0 = read_adapter(path, max_rank, args.lora_target_modules)[1]
+        state["loras"][name] = {"path": path, "phase": phase0}
     unpaused = asyncio.Event()
     unpaused.set()
     app = FastAPI()
@@ -98,6 +147,7 @@ def main() -> None:
     @app.get("/server_info")
     async def server_info():
         return {"version": "0.5.6", "argv": sys.argv[1:], "unknown_args": unknown,
+                "loaded_loras": {k: v["path"] for k, v in state["loras"].items()},
                 "model_path": state["model_path"], "weight_version": state["weight_version"],
                 "child_pid": child.pid, "pid": os.getpid(), "random_seed": args.random_seed}
 
@@ -114,6 +164,11 @@ def main() -> None:
             return StreamingResponse(trickle(), media_type="application/json")
         await unpaused.wait()
         ids, sp = req["input_ids"], req.get("sampling_params", {})
+        lora = req.get("lora_path")
+        if lora is not None and lora not in state["loras"]:
+            return JSONResponse({"error": {"message": f"The following requested LoRA adapters are not "
+                                                      f"loaded: {lora}"}}, status_code=400)
+        extra = state["loras"][lora]["phase"] if lora is not None else 0.0
         temp, top_p, top_k = sp.get("temperature", 1.0), sp.get("top_p", 1.0), sp.get("top_k", -1)
         max_new, stops = sp.get("max_new_tokens", 128), sp.get("stop") or []
         rng = random.Random(sp.get("sampling_seed", len(state["requests"])))
@@ -123,7 +178,7 @@ def main() -> None:
         try:
             prev = ids[-1]
             while finish is None:
-                lp = log_softmax([x / temp for x in logits(prev, phase())])
+                lp = log_softmax([x / temp for x in logits(prev, phase() + extra)])
                 if script is not None:
                     tok = script[len(out)]
                 else:
@@ -171,6 +226,30 @@ def main() -> None:
         state["model_path"] = req["model_path"]
         state["weight_version"] = req.get("weight_version") or state["weight_version"]
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        req = await request.json()
+        name, path = req.get("lora_name", ""), req.get("lora_path", "")
+        try:
+            if name in state["loras"]:
+                raise ValueError(f"LoRA adapter {name!r} is already loaded")
+            phase_ = read_adapter(path, max_rank, args.lora_target_modules)[1]
+        except (ValueError, KeyError, OSError) as e:
+            return JSONResponse({"success": False, "error_message": str(e), "loaded_adapters": None},
+                                status_code=400)
+        state["loras"][name] = {"path": path, "phase": phase_}
+        return {"success": True, "error_message": None,
+                "loaded_adapters": {k: v["path"] for k, v in state["loras"].items()}}
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        name = (await request.json()).get("lora_name", "")
+        if state["loras"].pop(name, None) is None:
+            return JSONResponse({"success": False, "error_message": f"LoRA adapter {name!r} is not loaded",
+                                 "loaded_adapters": None}, status_code=400)
+        return {"success": True, "error_message": None,
+                "loaded_adapters": {k: v["path"] for k, v in state["loras"].items()}}
 
     @app.post("/init_weights_update_group")
     async def init_group(request: Request):
