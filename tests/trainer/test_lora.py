@@ -77,7 +77,8 @@ def test_only_adapters_and_value_head_train_and_are_optimised(tiny):
     for _ in range(3):
         m = learner.step(batch)
     assert m["actor/updated"] == 1.0 and m["actor/grad_norm"] > 0 and m["critic/grad_norm"] > 0
-    now = {k.replace(".base_layer.", "."): v for k, v in learner.actor.state_dict().items() if "lora_" not in k}
+    now = {k.replace(".base_layer.", "."): v for k, v in learner.actor.state_dict().items()
+           if "lora_" not in k}
     assert now.keys() == base.keys()
     assert all(torch.equal(now[k], v) for k, v in base.items())  # the base weights did not move by one bit
     lora_b = [p.detach() for n, p in learner.actor.named_parameters() if ".lora_B." in n]
@@ -120,7 +121,8 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny, tmp_path):
     path = mgr.save(2, learner_checkpoint_state(learner))
     state = mgr.load(path)["learner"]
     assert "actor" not in state and "critic" not in state
-    saved = {**state["actor_lora"]["tensors"], **{f"c.{k}": v for k, v in state["critic_lora"]["tensors"].items()}}
+    saved = {**state["actor_lora"]["tensors"],
+             **{f"c.{k}": v for k, v in state["critic_lora"]["tensors"].items()}}
     assert all("lora_" in k or "value_head" in k for k in saved)
     full = sum(v.numel() for v in learner.actor.state_dict().values())
     assert sum(v.numel() for v in saved.values()) < full / 5
@@ -131,16 +133,16 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny, tmp_path):
     assert resumed.policy_version == 2
     for a, b in ((learner.actor_opt, resumed.actor_opt), (learner.critic_opt, resumed.critic_opt)):
         sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
-        assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
     torch.manual_seed(1)
     m1 = learner.step(batch)
     torch.manual_seed(1)
     m2 = resumed.step(batch)
     assert m1["actor/pg_loss"] == m2["actor/pg_loss"] and m1["critic/value_loss"] == m2["critic/value_loss"]
-    for (n, p), (n2, q) in zip(learner.actor.named_parameters(), resumed.actor.named_parameters(), strict=True):
-        assert n == n2 and torch.equal(p, q), n
-    for (n, p), (_, q) in zip(learner.critic.named_parameters(), resumed.critic.named_parameters(), strict=True):
-        assert torch.equal(p, q), n
+    for a, b in ((learner.actor, resumed.actor), (learner.critic, resumed.critic)):
+        for (n, p), (n2, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            assert n == n2 and torch.equal(p, q), n
     # other LoRA settings, or none, are refused naming the key
     other, _ = _learner(tiny, lora=LoraSettings(rank=8, alpha=8.0, target_modules=ACTOR.target_modules))
     with pytest.raises(ConfigError, match=r"^learner\.lora=.*'rank': 8.*the checkpoint's actor adapter has .*"
@@ -154,11 +156,13 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny, tmp_path):
 
 
 def test_critic_lora_follows_the_actor_or_trains_fully(tiny):
-    cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=2", "learner.lora.target_modules=[q_proj]"])
+    cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=2",
+                             "learner.lora.target_modules=[q_proj]"])
     learner = make_learner(cfg, tiny)
     assert learner.cfg.lora == learner.cfg.critic_lora == LoraSettings(rank=2, target_modules=("q_proj",))
     assert {n.split(".")[4] for n, p in learner.critic.named_parameters() if "lora_" in n} == {"q_proj"}
-    cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=2", "learner.critic_lora.enabled=false"])
+    cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=2",
+                             "learner.critic_lora.enabled=false"])
     learner = make_learner(cfg, tiny)
     assert learner.cfg.critic_lora is None
     assert all(p.requires_grad for p in learner.critic.parameters())  # its own full copy
@@ -178,14 +182,16 @@ def test_eval_checkpoint_reads_the_merged_policy(tiny, tmp_path):
     expected = dict(learner.export_policy_weights())
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
-    assert any(not torch.equal(v, load_model_and_tokenizer(tiny)[0].state_dict()[k]) for k, v in weights.items())
+    base = load_model_and_tokenizer(tiny)[0].state_dict()
+    assert any(not torch.equal(v, base[k]) for k, v in weights.items())
 
 
 @pytest.mark.parametrize("override, message", [
     ("learner.lora.rank=0", "learner.lora.rank=0: must be an int >= 1"),
     ("learner.lora.alpha=0", "learner.lora.alpha=0.0: must be a finite number > 0"),
     ("learner.lora.dropout=1.0", "learner.lora.dropout=1.0: must be in [0, 1)"),
-    ("learner.lora.target_modules=[]", "learner.lora.target_modules=[]: must be a non-empty list of module names"),
+    ("learner.lora.target_modules=[]",
+     "learner.lora.target_modules=[]: must be a non-empty list of module names"),
     ("learner.lora.target_modules=[all-linear,q_proj]",
      "learner.lora.target_modules=['all-linear', 'q_proj']: 'all-linear' stands alone"),
     ("learner.critic_lora.rank=-2", "learner.critic_lora.rank=-2: must be an int >= 1"),
@@ -208,7 +214,8 @@ def test_missing_target_modules_fail_at_model_load_naming_the_key(tiny):
                                           r"the model \(Qwen2ForCausalLM\); its linear layers: down_proj, "
                                           r"gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj$"):
         _learner(tiny, lora=LoraSettings(target_modules=("q_proj", "qkv", "fc1")))
-    with pytest.raises(ConfigError, match=r"^learner\.critic_lora\.target_modules: no module named 'lm_head'"):
+    with pytest.raises(ConfigError,
+                       match=r"^learner\.critic_lora\.target_modules: no module named 'lm_head'"):
         _learner(tiny, lora=None, critic_lora=LoraSettings(target_modules=("lm_head",)))
     with pytest.raises(ConfigError, match=r"^learner\.lora\.target_modules: 'lm_head' is tied to the input "
                                           r"embeddings"):
@@ -226,3 +233,27 @@ def test_cli_train_with_missing_target_modules_exits_2_with_one_line(tmp_path):
     assert last.startswith("copc train: config error: learner.lora.target_modules: no module named 'c_attn' "
                            "in the model (Qwen2ForCausalLM); its linear layers: ")
     assert "Traceback" not in res.stderr
+
+
+def test_adapters_train_under_activation_checkpointing(tiny):
+    """Activation checkpointing (``model.gradient_checkpointing``) gives the adapters exactly the updates
+    they get without it (the critic's from step 2 on: its value head starts at 0)."""
+    _, tok = load_model_and_tokenizer(tiny)
+    batch, trained = _batch(tok), {}
+    lora = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    for mode in ("off", "on"):
+        torch.manual_seed(0)  # the same random lora_A
+        actor, _ = load_model_and_tokenizer(tiny)
+        if mode == "on":
+            actor.gradient_checkpointing_enable()
+        learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
+            optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-2), micro_batch_size=6, lora=lora,
+            critic_lora=lora))
+        for _ in range(2):
+            learner.step(batch)
+        trained[mode] = {f"{role}.{n}": p.detach().clone() for role, model in (("a", learner.actor),
+                                                                               ("c", learner.critic))
+                         for n, p in model.named_parameters() if p.requires_grad}
+    assert trained["on"].keys() == trained["off"].keys()
+    assert all((trained["on"][n] - trained["off"][n]).abs().max() < 1e-6 for n in trained["off"])
+    assert all(float(v.abs().max()) > 0 for n, v in trained["off"].items() if ".lora_B." in n)

@@ -204,3 +204,33 @@ def test_ray_fixed_lag_staleness_is_exact_and_workers_end_on_the_newest(ray_clus
         assert torch.equal(_flat(eng), _flat(learned))
     # the kept snapshot of version 3 is not the final weights (the lag is real, not a re-label)
     assert not torch.equal(_flat(loop.state.history.get(3).weights), _flat(learned))
+
+
+def test_ray_lora_syncs_adapters_to_the_workers(ray_cluster, tiny32):
+    """``learner.lora`` with Ray workers: workers serve the base with the learner's adapter (started with
+    it, then adapter-only syncs through the object store, kept fixed-lag adapters included); they end
+    on the learner actor's final adapter."""
+    from trainer.models.lora import LoraSettings
+
+    k, steps = 1, 3
+    lora = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    exp = _exp(tiny32, **{"learner.lora.rank": "4", "learner.lora.alpha": "8",
+                          "learner.lora.target_modules": "[q_proj,v_proj]", "train.actor_lr": "1e-2"})
+    actor, tok = load_model_and_tokenizer(tiny32)
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
+        optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-3), micro_batch_size=4, lora=lora,
+        critic_lora=lora))
+    hooks = _Hooks()
+    cfg = LoopConfig(total_steps=steps, prompts_per_step=2, n_samples_per_prompt=1,
+                     pad_token_id=tok.pad_token_id, staleness=FixedLag(k))
+    loop, versions, engines, _ = asyncio.run(
+        _ray_run(exp, learner, tok, cfg, ray_cluster.EchoEnvFactory(0.0, dense=True), hooks))
+    assert [set(m["staleness/per_token"]) for m in hooks.seen] == [{0}, {1}, {1}]
+    assert versions == [steps, steps]
+    final = learner.export_adapter()  # the driver's learner got the actor's final state
+    assert all(float(v.abs().max()) > 0 for n, v in final.tensors.items() if ".lora_B." in n)
+    for eng in engines:
+        served = {n.replace(".default.", "."): v for n, v in eng.items() if "lora_" in n}
+        assert served.keys() == final.tensors.keys()
+        assert all(torch.equal(served[n], final.tensors[n]) for n in served)
+    assert all(loop.state.history.get(v).export_adapter() is not None for v in loop.state.history.versions())

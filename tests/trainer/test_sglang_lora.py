@@ -101,12 +101,14 @@ def test_sglang_factory_syncs_adapters_only_and_versions_follow(tmp_path, standi
                 "--max-loras-per-batch", "2", "--lora-paths", f"copc-0-v3={root / 'lora_v3'}"]
             r0 = await engine.generate([72, 105], p)
             assert r0.versions == [3] * 8
-            assert r0.logprobs == pytest.approx(_expected([72, 105], r0, _phase(str(base), a0), 0.7), abs=1e-9)
+            assert r0.logprobs == pytest.approx(_expected([72, 105], r0, _phase(str(base), a0), 0.7),
+                                                abs=1e-9)
             await handle.sync_adapter(a1, 4)
             assert engine.version == 4 and not (root / "lora_v3").exists() and (root / "lora_v4").is_dir()
             r1 = await engine.generate([72, 105], p)
             assert r1.versions == [4] * 8
-            assert r1.logprobs == pytest.approx(_expected([72, 105], r1, _phase(str(base), a1), 0.7), abs=1e-9)
+            assert r1.logprobs == pytest.approx(_expected([72, 105], r1, _phase(str(base), a1), 0.7),
+                                                abs=1e-9)
             # a request in flight keeps its adapter and version; the old adapter goes once it is done
             long = SamplingParams(temperature=0.7, max_new_tokens=60, ignore_eos=True)
             early = asyncio.create_task(engine.generate([7], long))
@@ -120,7 +122,8 @@ def test_sglang_factory_syncs_adapters_only_and_versions_follow(tmp_path, standi
             assert late.logprobs == pytest.approx(_expected([7], late, _phase(str(base), a2), 0.7), abs=1e-9)
             # refusals leave the served adapter and version as they were
             big = _adapter(3, LoraSettings(rank=8, alpha=8.0, target_modules=("q_proj",)))
-            with pytest.raises(EngineError, match=r"load_lora_adapter -> HTTP 400.*greater than max_lora_rank 4"):
+            with pytest.raises(EngineError,
+                               match=r"load_lora_adapter -> HTTP 400.*greater than max_lora_rank 4"):
                 await handle.sync_adapter(big, 6)
             other = _adapter(4, LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj")))
             with pytest.raises(EngineError, match=r"module 'o_proj' is not in --lora-target-modules"):

@@ -242,7 +242,8 @@ class SGLangEngine:
     Versions: a request carries the version current when it was admitted. Weight updates
     and :meth:`pause` first close a client-side gate and wait for this client's in-flight
     requests to finish, so every token of a request comes from one version (no updates
-    mid-request).
+    mid-request). LoRA adapter updates (:meth:`load_adapter`) need no gate: each version is an
+    adapter of its own name, which a request names when it is admitted.
 
     Raises:
         EngineError: from every call, after the last retry or on a malformed answer.

@@ -60,7 +60,7 @@ def prepare_models(actor: nn.Module, cfg: LearnerConfig, use_critic: bool,
         critic = ValueModel.from_causal_lm(actor, share_parameters=a is not None and c is not None)
     if c is not None and not is_lora_model(critic.backbone):
         inject_lora(critic.backbone, c, f"{LORA_KEYS['critic']}.target_modules")
-        if _checkpointed(critic.backbone):  # frozen inputs: checkpointed blocks would get no grad
+        if _checkpointed(critic.backbone):  # frozen inputs: reentrant checkpointed blocks need input grads
             critic.backbone.enable_input_require_grads()
     if a is not None:
         inject_lora(actor, a, f"{LORA_KEYS['actor']}.target_modules")  # after the critic's copy
