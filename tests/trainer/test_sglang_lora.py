@@ -70,6 +70,14 @@ def _expected(prompt, result, phase, temperature):
     return out
 
 
+def _tokenizer():
+    """A real tokenizer of the stand-in's 260-token vocabulary (256 bytes, 4 specials)."""
+    tok = build_byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|s258|>", "<|s259|>"]})
+    assert len(tok) == standin.VOCAB
+    return tok
+
+
 def _info(url):
     import httpx
     return httpx.get(f"{url}/server_info").json()
@@ -86,7 +94,7 @@ def test_sglang_factory_syncs_adapters_only_and_versions_follow(tmp_path, standi
     base = tmp_path / "base"
     base.mkdir()
     a0, a1, a2 = _adapter(0), _adapter(1), _adapter(2)
-    spec = EngineSpec(None, base, None, 3, adapter=a0, work_dir=tmp_path,
+    spec = EngineSpec(None, base, _tokenizer(), 3, adapter=a0, work_dir=tmp_path,
                       settings=SGLangSettings(port=free_port()))
     handle = make_engine("sglang", spec)
     engine, url = handle.engine, handle.engine.config.base_url
@@ -142,7 +150,7 @@ def test_sglang_adapter_requests_over_http_in_order(tmp_path, standin_path):
     base = tmp_path / "base"
     base.mkdir()
     a0, a1 = _adapter(0), _adapter(1)
-    handle = make_engine("sglang", EngineSpec(None, base, None, 0, adapter=a0, work_dir=tmp_path,
+    handle = make_engine("sglang", EngineSpec(None, base, _tokenizer(), 0, adapter=a0, work_dir=tmp_path,
                                               settings=SGLangSettings(port=free_port())))
     engine, url = handle.engine, handle.engine.config.base_url
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)
