@@ -6,12 +6,13 @@ decodes them together with the model's KV cache until each has finished. New
 requests join at the next round.
 
 Weight updates happen between rounds: a request is always finished on the weights
-it started with, so all tokens of one ``generate`` call carry one policy version. A LoRA
-policy's updates (:meth:`EmbeddedEngine.update_adapter`) copy the adapter's tensors only: the
-engine serves its base weights with the same peft LoRA layers as the learner (unmerged, so its
-log-probs are the learner's for that adapter version).
+it started with, so all tokens of one ``generate`` call carry one policy version.
 A multi-turn episode that spans an update therefore has the old version on its
 earlier turns and the new version on later ones (per-token versions record it).
+
+A LoRA policy's updates (:meth:`EmbeddedEngine.update_adapter`) copy the adapter's tensors only:
+the engine serves its base weights with the same peft LoRA layers as the learner (unmerged, so its
+log-probs are the learner's for that adapter version).
 """
 
 from __future__ import annotations
