@@ -29,19 +29,30 @@ from trainer.rollout.trajectory import Trajectory
 
 from .test_lora_sync import _learner_logprobs
 
-MODEL = Path(os.environ.get("COPC_SMOLLM2_DIR", "/work/models/smollm2-135m-instruct"))
-pytestmark = [pytest.mark.realmodel,
-              pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason=f"no model at {MODEL}")]
+#: The interim copy used until the ``realmodel_path`` fixture (``copc model pull``) is there.
+INTERIM = Path(os.environ.get("COPC_SMOLLM2_DIR", "/work/models/smollm2-135m-instruct"))
+pytestmark = pytest.mark.realmodel
 #: rank 8 on q/k/v/o (576 -> 576, 576 -> 192 with 3 KV heads of 64) and gate/up/down (576 <-> 1536), 30 layers
 ADAPTER_BYTES = 30 * 8 * 4 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536))
 
 
-def test_smollm2_adapter_sync_parity_and_payload():
-    exp = load_config(None, [f"model.path={MODEL}", "learner.lora.rank=8", "learner.lora.alpha=16",
+@pytest.fixture(scope="module")
+def smollm2(request) -> Path:
+    """The pulled SmolLM2-135M-Instruct (fixture ``realmodel_path``), else the interim copy."""
+    try:
+        return Path(request.getfixturevalue("realmodel_path"))
+    except pytest.FixtureLookupError:
+        if not (INTERIM / "config.json").is_file():
+            pytest.skip(f"no SmolLM2-135M-Instruct at {INTERIM} and no realmodel_path fixture")
+        return INTERIM
+
+
+def test_smollm2_adapter_sync_parity_and_payload(smollm2):
+    exp = load_config(None, [f"model.path={smollm2}", "learner.lora.rank=8", "learner.lora.alpha=16",
                              "train.actor_lr=1e-3", "train.critic_lr=1e-3", "train.micro_batch_size=2"])
-    learner = TorchLearner.from_config(exp, MODEL)
-    tok = load_tokenizer(MODEL)
-    handle = make_engine("embedded", EngineSpec(exp, MODEL, tok, 0, adapter=learner.export_adapter()))
+    learner = TorchLearner.from_config(exp, smollm2)
+    tok = load_tokenizer(smollm2)
+    handle = make_engine("embedded", EngineSpec(exp, smollm2, tok, 0, adapter=learner.export_adapter()))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        return_dict=False)
                for q in ("What is 7 times 8?", "Name a prime number above 20.")]
