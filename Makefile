@@ -12,7 +12,8 @@ main: setup
 main-search: setup
 	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml
 
-test: setup
+test:
+	@bash scripts/setup.sh --test-models
 	$(PY) -m ruff check .
 	$(PY) scripts/check_imports.py
 	$(PY) -m pytest -q

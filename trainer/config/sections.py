@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from ..models.pull.store import resolve_model_path
 from .lora import CriticLoraSection, LoraSection, resolve_lora
 
 #: Keys that moved into a plug-in's own settings: old dotted key → its new spelling. A config
@@ -96,8 +96,10 @@ class ModelConfig:
     """Policy (actor) and critic models.
 
     Attributes:
-        path: local checkpoint directory (``save_pretrained`` layout, e.g. Qwen3-4B); empty:
-            build the tiny model described by ``tiny``.
+        path: local checkpoint directory (``save_pretrained`` layout, e.g. Qwen3-4B), or the name of
+            a pulled model (``smollm2-135m-instruct``: ``copc model pull NAME``), which
+            :meth:`validate` replaces by its directory; empty: build the tiny model described by
+            ``tiny``.
         dtype: ``float32`` | ``bfloat16`` (parameters).
         attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2``.
         gradient_checkpointing: trade compute for memory in the learner.
@@ -110,7 +112,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the key on a bad value."""
+        """Raise :class:`ConfigError` naming the key on a bad value; resolve ``path``
+        (:func:`trainer.models.pull.resolve_model_path`: a directory, or a pulled model's name)."""
         _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
         _require(self.tiny.tokenizer in ("byte", "bpe"), "model.tiny.tokenizer", self.tiny.tokenizer,
@@ -118,10 +121,9 @@ class ModelConfig:
         _require(isinstance(self.tiny.vocab_size, int) and not isinstance(self.tiny.vocab_size, bool)
                  and self.tiny.vocab_size >= 512, "model.tiny.vocab_size", self.tiny.vocab_size,
                  "must be an int >= 512 (256 byte tokens, special tokens, merges)")
-        if self.path:
-            _require(Path(self.path).is_dir(), "model.path", self.path,
-                     "not a directory (fill in a local checkpoint path, or leave it empty for the "
-                     "tiny model)")
+        # a pulled model's name becomes its directory; a pulled directory is checked against its manifest
+        self.path = resolve_model_path(self.path, "model.path",
+                                       or_else=", or leave it empty for the tiny model")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Usage::
 
-    copc eval --model DIR --benchmarks aime2025,nq [--k 32] [--temperature 1.0] [--max-samples N]
+    copc eval --model DIR|NAME --benchmarks aime2025,nq [--k 32] [--temperature 1.0] [--max-samples N]
               [--out DIR] [--resume] [--engine embedded|sglang] [--retriever-url URL] [key=value ...]
     copc eval --checkpoint RUN/checkpoints/step_N --benchmarks nq
     copc eval --endpoint http://host:30000 --tokenizer DIR --benchmarks hotpotqa
@@ -31,8 +31,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--benchmarks", default=None, metavar="LIST",
                         help="comma-separated benchmarks (nq,hotpotqa,aime2025,... or "
                              "file.jsonl:env[:kind], kind = qa, math or a registered one)")
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="save_pretrained directory to evaluate")
+    parser.add_argument("--model", default=None, metavar="DIR|NAME",
+                        help="save_pretrained directory to evaluate, or a pulled model's name "
+                             "(copc model pull NAME)")
     parser.add_argument("--endpoint", default=None, metavar="URL", help="a running SGLang server to evaluate")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="tokenizer directory of the served model (with --endpoint)")
@@ -342,6 +343,10 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
     sources = [f for f in ("model", "checkpoint", "endpoint") if getattr(args, f)]
     if len(sources) != 1:
         raise ConfigError(f"--model / --checkpoint / --endpoint: give exactly one (got {sources or 'none'})")
+    if args.model:  # a pulled model's name -> its directory (checked against its manifest)
+        from ..models.pull.store import resolve_model_path
+
+        args = argparse.Namespace(**{**vars(args), "model": resolve_model_path(args.model, "--model")})
     cfg = _experiment_config(args)
     from ..rollout.agent_loop import AgentLoopConfig
     from .records import RESULTS_FILE
