@@ -44,3 +44,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(realmodel_path):
+    """SmolLM2-135M-Instruct's real tokenizer (49,152 tokens, ChatML template), from the pulled model."""
+    from trainer.models.loading import load_tokenizer
+
+    return load_tokenizer(realmodel_path)

@@ -192,6 +192,10 @@ class RolloutConfig:
             ``{port, tp, dp, base_gpu_id, mem_fraction}``); empty: its defaults.
         use_chat_template: wrap prompts with the tokenizer's chat template (real instruct
             models; the tiny byte-level models have none).
+        system_prompt: with ``use_chat_template``, a ``system`` message before each prompt.
+        observation_role: with ``use_chat_template``, ``""`` puts a tag-format environment's
+            replies inline in the model's turn; ``user`` / ``tool`` makes each a chat turn of that
+            role (:class:`~trainer.rollout.agent_loop.AgentLoopConfig`).
     """
 
     engine: str = "embedded"
@@ -207,9 +211,16 @@ class RolloutConfig:
     engine_max_batch_size: int = 32
     engine_settings: dict[str, Any] = field(default_factory=dict)
     use_chat_template: bool = False
+    system_prompt: str = ""
+    observation_role: str = ""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.observation_role in ("", "user", "tool"), "rollout.observation_role",
+                 self.observation_role, "must be '' (inline), 'user' or 'tool'")
+        for k in ("system_prompt", "observation_role"):
+            _require(self.use_chat_template or not getattr(self, k), f"rollout.{k}", getattr(self, k),
+                     "needs rollout.use_chat_template=true (it is a chat-template turn)")
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",

@@ -43,6 +43,12 @@ class AgentLoopConfig:
         use_chat_template: wrap the prompt with the tokenizer's chat template (real
             instruct models; tiny byte-level models have none); observations of native
             tool-call formats become chat turns too (:class:`~.observation.ChatTurns`).
+        system_prompt: with ``use_chat_template``, a ``system`` message before the prompt.
+        observation_role: with ``use_chat_template``, how the observations of a *tag*-format
+            environment (``<search>`` → ``<information>``, ``<code>`` → ``<interpreter>``) are
+            put: ``""`` inline, inside the model's turn (Search-R1 / ReTool style); ``"user"`` or
+            ``"tool"`` as a chat turn of that role (the model's turn closed by the template's
+            end-of-turn text, then the generation prompt), the turns the template defines.
     """
 
     max_total_tokens: int = 4096
@@ -51,16 +57,22 @@ class AgentLoopConfig:
     engine_retries: int = 3
     retry_backoff_s: float = 0.05
     use_chat_template: bool = False
+    system_prompt: str = ""
+    observation_role: str = ""
 
     @classmethod
     def from_config(cls, exp: Any) -> AgentLoopConfig:
         """Budgets of an :class:`~trainer.config.ExperimentConfig`'s ``rollout`` section."""
         r = exp.rollout
         return cls(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
-                   max_observation_tokens=r.max_observation_tokens, use_chat_template=r.use_chat_template)
+                   max_observation_tokens=r.max_observation_tokens, use_chat_template=r.use_chat_template,
+                   system_prompt=r.system_prompt, observation_role=r.observation_role)
 
     def __post_init__(self) -> None:
         """Validate."""
+        if self.observation_role not in ("", "user", "tool"):
+            raise ValueError(f"AgentLoopConfig.observation_role={self.observation_role!r}: must be '', "
+                             "'user' or 'tool'")
         for k in ("max_total_tokens", "max_turns", "max_observation_tokens"):
             if getattr(self, k) < 1:
                 raise ValueError(f"AgentLoopConfig.{k}={getattr(self, k)!r}: must be >= 1")
@@ -68,16 +80,38 @@ class AgentLoopConfig:
             raise ValueError("AgentLoopConfig.engine_retries and retry_backoff_s must be >= 0")
 
 
-def encode_prompt(tokenizer: Any, text: str, use_chat_template: bool, tools: Any = None) -> list[int]:
-    """Token ids of the prompt: plain, or through the chat template as one ``user`` message with
-    the generation prompt added and ``tools`` (OpenAI function schemas) given to the template.
+def encode_prompt(tokenizer: Any, text: str, use_chat_template: bool, tools: Any = None,
+                  system: str = "") -> list[int]:
+    """Token ids of the prompt: plain, or through the chat template as a ``system`` message (if
+    ``system``) and one ``user`` message with the generation prompt added and ``tools`` (OpenAI
+    function schemas) given to the template.
 
     Raises:
         ValueError: ``use_chat_template`` and the tokenizer has no chat template.
     """
     if use_chat_template:
-        return ChatTurns(tokenizer, tools).prompt_ids(text)
+        return ChatTurns(tokenizer, tools, system).prompt_ids(text)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def observation_ids(tokenizer: Any, chat: ChatTurns | None, cfg: AgentLoopConfig, text: str,
+                    messages: Any = None, after_token: int | None = None) -> list[int]:
+    """The ids of one observation, as every producer of trajectories puts it (the agent loop and
+    the warm-start traces).
+
+    A native tool-call format's chat ``messages``, or with ``cfg.observation_role`` a tag-format
+    observation ``text``, become a chat turn (:meth:`ChatTurns.observation_ids`, ``after_token`` =
+    the model turn's last id); otherwise ``text`` inline, cut to ``cfg.max_observation_tokens``
+    (:func:`truncate_observation_ids`). Tool output never spells special tokens in either way.
+
+    Raises:
+        ValueError: a chat template that cannot render the turn (:meth:`ChatTurns.observation_text`).
+    """
+    if chat is not None and not messages and cfg.observation_role and text:
+        messages = [{"role": cfg.observation_role, "content": text}]
+    if chat is not None and messages:
+        return chat.observation_ids(list(messages), cfg.max_observation_tokens, after_token=after_token)
+    return truncate_observation_ids(tokenizer, text, cfg.max_observation_tokens)
 
 
 async def _generate_with_retries(engine: InferenceEngine, ctx: list[int], params: SamplingParams,
@@ -143,7 +177,7 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         return Trajectory(prompt_ids=[], sample_id=sid, group_id=sid if group_id is None else group_id,
                           finish_reason=finish_text(FinishReason.INFRA_ERROR, str(e)))
     tools = reset_info.get("tools") if isinstance(reset_info, Mapping) else None
-    chat = ChatTurns(tokenizer, tools) if cfg.use_chat_template else None
+    chat = ChatTurns(tokenizer, tools, cfg.system_prompt) if cfg.use_chat_template else None
     prompt_ids = chat.prompt_ids(prompt_text) if chat else encode_prompt(tokenizer, prompt_text, False)
     traj = Trajectory(prompt_ids=prompt_ids, sample_id=sid,
                       group_id=sid if group_id is None else group_id)
@@ -189,16 +223,13 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
             traj.finish(FinishReason.TERMINATED if terminated else FinishReason.TRUNCATED)
             break
         messages = info.get("observation_messages") if chat is not None else None
-        if messages:  # a native tool-call format: the observation is a chat turn
-            try:
-                obs_ids = chat.observation_ids(list(messages), cfg.max_observation_tokens,
-                                               after_token=res.token_ids[-1] if res.token_ids else None)
-            except Exception as e:  # a template that cannot render tool turns: a setup bug
-                traj.finish(FinishReason.ENV_ERROR, f"chat template: {type(e).__name__}: {e}")
-                traj.clear_rewards()
-                break
-        else:
-            obs_ids = truncate_observation_ids(tokenizer, obs, cfg.max_observation_tokens)
+        try:  # a native tool-call format's messages, or a tag-format reply (observation_role)
+            obs_ids = observation_ids(tokenizer, chat, cfg, obs, messages,
+                                      after_token=res.token_ids[-1] if res.token_ids else None)
+        except Exception as e:  # a template that cannot render tool turns: a setup bug
+            traj.finish(FinishReason.ENV_ERROR, f"chat template: {type(e).__name__}: {e}")
+            traj.clear_rewards()
+            break
         traj.append_observation_tokens(obs_ids)
     else:
         if not traj.finish_reason:

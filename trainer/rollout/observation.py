@@ -173,15 +173,18 @@ class ChatTurns:
     Args:
         tokenizer: the policy's tokenizer with a ``chat_template``.
         tools: OpenAI function schemas for the template (``None``: none).
+        system: a ``system`` message put before the ``user`` prompt (``rollout.system_prompt``);
+            ``""``: none (a template may then add its own default system message).
 
     Raises:
         ConfigError: the tokenizer has no chat template (names ``rollout.use_chat_template``).
     """
 
-    def __init__(self, tokenizer: Any, tools: Any = None) -> None:
+    def __init__(self, tokenizer: Any, tools: Any = None, system: str = "") -> None:
         check_chat_template(tokenizer, True)
         self.tokenizer = tokenizer
         self.tools = [dict(t) for t in tools] if tools else None
+        self.head = [{"role": "system", "content": system}] if system else []
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """The template's text of ``messages`` (with :attr:`tools`)."""
@@ -193,8 +196,11 @@ class ChatTurns:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)] if text else []
 
     def prompt_ids(self, text: str) -> list[int]:
-        """Ids of the ``user`` message ``text`` with the generation prompt (the episode's prompt)."""
-        return self.encode(self.render([{"role": "user", "content": text}], add_generation_prompt=True))
+        """Ids of the ``system`` message (if any) and the ``user`` message ``text`` with the generation
+        prompt (the episode's prompt). The prompt text is the task's, not a tool's: its special-token
+        text is markup."""
+        return self.encode(self.render([*self.head, {"role": "user", "content": text}],
+                                       add_generation_prompt=True))
 
     def observation_text(self, messages: list[dict[str, Any]]) -> str:
         """The template's text between a model turn's content and the next generation prompt's end.
@@ -202,7 +208,7 @@ class ChatTurns:
         Raises:
             ValueError: the template does not render an assistant message's content verbatim.
         """
-        ctx = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_MARK}]
+        ctx = [*self.head, {"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_MARK}]
         full = self.render(ctx + [dict(m) for m in messages], add_generation_prompt=True)
         if full.count(_TURN_MARK) != 1:
             raise ValueError("the chat template does not render an assistant message's content verbatim, "

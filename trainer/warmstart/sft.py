@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..rollout.agent_loop import AgentLoopConfig, encode_prompt
-from ..rollout.observation import truncate_observation_ids
+from ..rollout.agent_loop import AgentLoopConfig, encode_prompt, observation_ids
+from ..rollout.observation import ChatTurns
 from ..rollout.trajectory import NO_VERSION, Trajectory
 
 
@@ -51,16 +51,18 @@ def trace_trajectory(tokenizer: Any, trace: tuple[str, Sequence[tuple[str, str]]
     prompt, pieces = trace
     if not pieces or pieces[-1][0] != "action":
         raise ValueError(f"trace pieces must end with an action, got kinds {[k for k, _ in pieces]}")
-    traj = Trajectory(prompt_ids=encode_prompt(tokenizer, prompt, cfg.use_chat_template))
+    chat = ChatTurns(tokenizer, system=cfg.system_prompt) if cfg.use_chat_template else None
+    traj = Trajectory(prompt_ids=chat.prompt_ids(prompt) if chat else encode_prompt(tokenizer, prompt, False))
+    last: int | None = None
     for i, (kind, text) in enumerate(pieces):
         if kind == "action":
             toks = list(tokenizer.encode(text, add_special_tokens=False))
             if i == len(pieces) - 1:
                 toks.append(tokenizer.eos_token_id)
             traj.append_model_tokens(toks, [0.0] * len(toks), NO_VERSION)
+            last = toks[-1] if toks else last
         elif kind == "observation":
-            obs = truncate_observation_ids(tokenizer, text, cfg.max_observation_tokens)
-            traj.append_observation_tokens(obs)
+            traj.append_observation_tokens(observation_ids(tokenizer, chat, cfg, text, after_token=last))
         else:
             raise ValueError(f"trace piece {i}: kind={kind!r} must be 'action' or 'observation'")
     return traj
