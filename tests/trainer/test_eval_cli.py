@@ -329,3 +329,24 @@ def test_a_second_writer_of_the_same_out_is_refused(setup, tmp_path, capsys, mon
         holder.kill()
         holder.wait()
     assert cli_main(argv) == 0
+
+
+def test_checkpoint_identity_covers_sharded_learner_state(tmp_path):
+    """Issue 21 item 10 (review): a training checkpoint of a sharded backend keeps its weights in
+    ``learner_shards/`` (DCP ``*.distcp`` files, written through the real CheckpointManager); other
+    weights there are another policy, so the recorded hash must change with them."""
+    import argparse
+
+    from trainer.evaluate.command import policy_identity
+    from trainer.outputs.checkpoint import CheckpointManager, DirectoryState
+
+    def shards(payload: bytes):
+        return DirectoryState(lambda d: (d / "__0_0.distcp").write_bytes(payload))
+
+    args = argparse.Namespace(endpoint=None, model=None, checkpoint=None)
+    ids = []
+    for payload in (b"weights of run A", b"weights of run B"):
+        mgr = CheckpointManager(tmp_path / f"run{len(ids)}" / "checkpoints", 1)
+        args.checkpoint = str(mgr.save(3, {"loop": {"step": 3}, "learner_shards": shards(payload)}))
+        ids.append(policy_identity(args)["weights_sha256"])
+    assert ids[0] != ids[1]

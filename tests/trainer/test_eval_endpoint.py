@@ -95,3 +95,25 @@ def test_request_timeout_flag_is_a_total_deadline(served, tmp_path):
 def test_request_timeout_flag_must_be_positive(served, tmp_path, capsys):
     assert _eval(served, tmp_path / "ev", "--request-timeout-s", "0") == 2
     assert "--request-timeout-s=0.0: must be > 0" in capsys.readouterr().err
+
+
+def test_resume_refuses_another_tokenizer_for_the_same_endpoint(served, tmp_path, capsys):
+    """Issue 21 item 10 (review): with ``--endpoint`` the prompts are token ids made by ``--tokenizer``;
+    resuming the same URL with another tokenizer changes every prompt, so it exits 2 naming the flag."""
+    out = tmp_path / "ev"
+    _control(served["url"])
+    assert _eval(served, out, "--max-samples", "1", "--k", "1") == 0
+    other = tmp_path / "tok2"
+    import shutil
+
+    shutil.copytree(served["tokenizer"], other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    argv = ["eval", "--endpoint", served["url"], "--tokenizer", str(other), "--benchmarks", "aime2024",
+            "--max-samples", "1", "--k", "1", "--out", str(out), "--resume", "logging.progress=false",
+            f"task.data_dir={DATA}", "rollout.max_new_tokens=8", "rollout.max_turns=1"]
+    assert cli_main(argv) == 2
+    assert "--tokenizer=" in capsys.readouterr().err.strip().splitlines()[-1]
+

@@ -178,6 +178,7 @@ def test_parse_response_fields_and_finish_reasons():
     (_resp([[-0.1, 1], ["x", 2]], {"type": "length"}), r"output_token_logprobs\[1\]\[0\]"),
     (_resp([[0.7, 1]], {"type": "length"}), r"\[0\]\[0\]=0.7"),
     (_resp([[float("nan"), 1]], {"type": "length"}), r"\[0\]\[0\]=nan"),
+    (_resp([[float("-inf"), 1]], {"type": "length"}), r"\[0\]\[0\]=-inf"),  # not a finite log-prob
     (_resp([[-0.1, -4]], {"type": "length"}), r"\[0\]\[1\]=-4"),
     (_resp([[-0.1, 1]], None), "finish_reason=None"),
     (_resp([[-0.1, 1]], {"type": "stop"}), "matched"),

@@ -209,9 +209,9 @@ def parse_generate_response(body: object, version: int, *, max_new_tokens: int |
             raise EngineError(f"SGLang response: meta_info.output_token_logprobs[{i}]={e!r}: "
                               "expected [logprob, token_id, text]")
         lp, tok = e[0], e[1]
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or math.isnan(lp) or lp > 1e-6:
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-6:
             raise EngineError(f"SGLang response: meta_info.output_token_logprobs[{i}][0]={lp!r}: "
-                              "not a log-probability (a number <= 0)")
+                              "not a log-probability (a finite number <= 0)")
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise EngineError(f"SGLang response: meta_info.output_token_logprobs[{i}][1]={tok!r}: "
                               "not a token id")

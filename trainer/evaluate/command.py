@@ -180,33 +180,53 @@ def _preflight_policy(args: argparse.Namespace) -> None:
         asyncio.run(_check_health("--endpoint", args.endpoint))
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
 
 
-def policy_identity(args: argparse.Namespace) -> dict:
-    """What is evaluated, for ``eval_settings.json``: ``{"source": "--endpoint", "url": ...}`` or
-    ``{"source": "--model" | "--checkpoint", "path": resolved dir, "weights_sha256": ...}`` where the
-    hash (hex SHA-256) covers the name and bytes of every weight file (``*.safetensors``, ``*.bin``,
-    ``*.pt``, ``*.pth``) directly in that directory, in name order (a checkpoint's step is its path)."""
+def _files_sha256(root: Path, keep: Any) -> str:
+    """Hex SHA-256 over the relative name and bytes of every file under ``root`` (recursively, in
+    name order) for which ``keep(path)`` is true."""
     import hashlib
 
-    if args.endpoint:
-        return {"source": "--endpoint", "url": str(args.endpoint)}
-    flag, path = ("--model", args.model) if args.model else ("--checkpoint", args.checkpoint)
-    path = Path(path).resolve()
     digest = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
-        digest.update(f.name.encode() + b"\0")
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and keep(p)):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
-    return {"source": flag, "path": str(path), "weights_sha256": digest.hexdigest()}
+    return digest.hexdigest()
 
 
-def _check_policy(out: Path, old: dict | None, new: dict, shown: str) -> None:
-    """Refuse resuming ``out`` (recorded policy ``old``) with the policy ``new`` (``shown`` as given)."""
+def policy_identity(args: argparse.Namespace) -> dict:
+    """What is evaluated, for ``eval_settings.json``.
+
+    ``{"source": "--endpoint", "url": ..., "tokenizer": resolved dir, "tokenizer_sha256": ...}``
+    (the tokenizer makes the prompt ids the server sees; its hash covers every file directly in
+    that directory but weight files), or ``{"source": "--model" | "--checkpoint", "path": resolved
+    dir, "weights_sha256": ...}`` where the hash covers the relative name and bytes of every weight
+    file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.distcp``) under that directory,
+    sub-directories included (sharded learner state), in name order (a checkpoint's step is its path).
+    """
+    if args.endpoint:
+        tok = Path(args.tokenizer).resolve() if args.tokenizer else None
+        return {"source": "--endpoint", "url": str(args.endpoint).rstrip("/"), "tokenizer": str(tok),
+                "tokenizer_sha256": None if tok is None else _files_sha256(
+                    tok, lambda f: f.parent == tok and f.suffix not in _WEIGHT_SUFFIXES)}
+    flag, path = ("--model", args.model) if args.model else ("--checkpoint", args.checkpoint)
+    path = Path(path).resolve()
+    return {"source": flag, "path": str(path),
+            "weights_sha256": _files_sha256(path, lambda f: f.suffix in _WEIGHT_SUFFIXES)}
+
+
+def _check_policy(out: Path, old: dict | None, new: dict, shown: str, tokenizer: str | None) -> None:
+    """Refuse resuming ``out`` (recorded policy ``old``) with the policy ``new`` (``shown`` as given;
+    ``tokenizer`` = ``--tokenizer`` as given)."""
     if not old or old == new:
         return
+    if new["source"] == "--endpoint" and old.get("source") == new["source"] and old.get("url") == new["url"]:
+        raise _fail("--tokenizer", tokenizer, f"the run in {out} evaluated {new['url']} with the tokenizer "
+                    f"{old.get('tokenizer')} (tokenizer_sha256 {old.get('tokenizer_sha256')}); --resume must "
+                    "build the same prompts")
     if old.get("source") == new["source"] and old.get("path") == new.get("path"):
         why = f"its weights changed since the run in {out} (weights_sha256 {old.get('weights_sha256')} → " \
               f"{new.get('weights_sha256')}); --resume must evaluate the same policy"
@@ -224,7 +244,7 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
         before = json.loads(path.read_text())
         new = settings["policy"]
         _check_policy(out, before.get("policy"), new,
-                      settings.get("_shown", new.get("url") or new.get("path")))
+                      settings.get("_shown", new.get("url") or new.get("path")), settings.get("_tokenizer"))
         for key in ("seed", "temperature", "k", "max_new_tokens", "agent", "benchmarks"):
             old, new = before.get(key), settings.get(key)
             if key == "benchmarks":  # a resumed run may evaluate fewer or more benchmarks
@@ -237,7 +257,7 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
                         "max_new_tokens": "rollout.max_new_tokens"}.get(key, f"--{key}")
                 raise _fail(flag, new, f"the run in {out} used {old!r}; --resume must use the same settings")
         settings = {**settings, "benchmarks": {**before.get("benchmarks", {}), **settings["benchmarks"]}}
-    return {k: v for k, v in settings.items() if k != "_shown"}
+    return {k: v for k, v in settings.items() if not k.startswith("_")}
 
 
 async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
@@ -372,7 +392,8 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
                                  "max_new_tokens": settings.max_new_tokens, "agent": repr(settings.agent),
                                  "benchmarks": {s.name: f"{s!r} {k.settings!r}" for s, k, _ in benchmarks},
                                  "policy": policy_identity(args),
-                                 "_shown": str(args.endpoint or args.model or args.checkpoint)},
+                                 "_shown": str(args.endpoint or args.model or args.checkpoint),
+                                 "_tokenizer": args.tokenizer},
                            args.resume)
     out.mkdir(parents=True, exist_ok=True)
     try:
