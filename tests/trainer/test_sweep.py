@@ -427,3 +427,27 @@ def test_spec_numbers_parse_as_on_the_command_line(tmp_path):
     assert [r.run_dir for r in from_spec.runs] == [r.run_dir for r in from_cli.runs]
     assert [r.cell.label("algorithm.eta_p") for r in from_spec.runs] == ["0.0001", "0.25"]
     assert from_spec.base.algorithm["eta_a"] == 0.5 == from_cli.base.algorithm["eta_a"]
+
+
+def test_a_second_sweep_on_the_same_out_is_refused(tmp_path, capsys):
+    """Issue 21 item 12 (review): the cells' status files and logs and the sweep's report live in
+    ``--out`` outside every run's own lock, so a second ``copc sweep`` on the same ``--out`` (here a
+    real second process holds it) exits 2 naming ``--out`` and the holder's pid, running nothing."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep"
+    code = ("import time\nfrom trainer.outputs.lock import lock_output_dir\n"
+            f"held = lock_output_dir({str(out)!r})\nprint('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc = main(["sweep", "--config", TINY, "--grid", "algorithm.eta_a=0.25", "--out", str(out), *CHEAP])
+        assert rc == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--out={str(out)!r}: another copc process (pid {holder.pid}) is writing there" in err
+        assert sorted(p.name for p in out.iterdir()) == [".copc.lock"]
+    finally:
+        holder.kill()
+        holder.wait()

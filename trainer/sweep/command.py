@@ -138,11 +138,20 @@ def sweep_command(args: argparse.Namespace) -> int:
         for r in plan.runs:
             print(("# done: " if r.done() else "") + shlex.join(r.train_command(resume=False)))
         return 0
-    plan.out.mkdir(parents=True, exist_ok=True)
-    (plan.out / "sweep.yaml").write_text(_spec_yaml(plan.spec))
-    from .execute import execute_and_report
+    from ..outputs.lock import lock_output_dir
 
-    return execute_and_report(plan, cmd)
+    try:  # one sweep per --out: the cells' status files, logs and the report live outside their runs
+        lock = lock_output_dir(plan.out, "--out")
+    except ConfigError as e:
+        print(f"copc sweep: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        (plan.out / "sweep.yaml").write_text(_spec_yaml(plan.spec))
+        from .execute import execute_and_report
+
+        return execute_and_report(plan, cmd)
+    finally:
+        lock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
