@@ -340,6 +340,28 @@ def test_resume_skips_a_torn_checkpoint_with_one_warning(tmp_path, caplog, damag
         mgr.load(mgr.directory / "step_00000003")
 
 
+@pytest.mark.parametrize("marker, why", [
+    ("[]", "is list, not a JSON object"), ("null", "is NoneType, not a JSON object"),
+    ("{}", "has no field 'keys'"), ('{"keys": ["model.pt"]}', "field 'keys' is not an object"),
+    ('{"keys": {"model": "model.pt"}, "files": {"model.pt": 5}}', "field 'files' is not an object"),
+])
+def test_resume_skips_a_checkpoint_whose_marker_is_altered(tmp_path, caplog, marker, why):
+    """Issue 21 item 13 (review): a ``COMPLETE`` marker that is valid JSON of the wrong shape (an
+    altered marker) is a torn checkpoint like any other: skipped with one warning, the previous
+    one loaded, ``load`` refusing it by name — never an AttributeError/KeyError traceback, never
+    an empty state."""
+    mgr = _three_checkpoints(tmp_path)
+    (mgr.directory / "step_00000003" / MARKER).write_text(marker)
+    with caplog.at_level("WARNING"):
+        path, state = mgr.load_latest()
+    assert path.name == "step_00000002" and state["cursor"] == 2
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"step_00000003: its {MARKER} marker {why}" in warning
+    assert [p.name for p in mgr.checkpoints()] == ["step_00000001", "step_00000002"]
+    with pytest.raises(CheckpointError, match=f"its {MARKER} marker"):
+        mgr.load(mgr.directory / "step_00000003")
+
+
 def test_no_intact_checkpoint_is_one_error_naming_the_directory(tmp_path):
     mgr = _three_checkpoints(tmp_path)
     for step in (1, 2, 3):

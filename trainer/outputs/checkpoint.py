@@ -122,6 +122,26 @@ def _manifest(root: Path) -> dict[str, dict]:
     return out
 
 
+def _malformed(meta: Any) -> str | None:
+    """What is wrong with the shape of a parsed ``COMPLETE`` marker, or None: a JSON object with
+    ``keys`` (required) and optional ``dirs`` mapping names to relative paths, and optional ``files``
+    mapping relative paths to ``{"size": int, "sha256": str}``."""
+    if not isinstance(meta, dict):
+        return f"is {type(meta).__name__}, not a JSON object"
+    if "keys" not in meta:
+        return "has no field 'keys'"
+    for field in ("keys", "dirs"):
+        value = meta.get(field, {})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            return f"field {field!r} is not an object of file names"
+    files = meta.get("files", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("sha256"), str)
+            for r in files.values()):
+        return "field 'files' is not an object of {size, sha256} records"
+    return None
+
+
 def _missing_or_resized(path: Path, meta: dict) -> str | None:
     """The first file the marker ``meta`` lists that is absent under ``path`` or has another size."""
     listed = {**{n: {} for n in meta.get("keys", {}).values()}, **meta.get("files", {})}
@@ -201,13 +221,12 @@ class CheckpointManager:
             meta = json.loads(marker.read_text())
         except (OSError, ValueError):
             return False
-        files = meta.get("keys", {}) if isinstance(meta, dict) else {}
-        dirs = meta.get("dirs", {}) if isinstance(meta, dict) else {}
-        sizes = meta.get("files", {}) if isinstance(meta, dict) else {}
-        return (isinstance(files, dict) and all((path / name).is_file() for name in files.values())
-                and isinstance(dirs, dict) and all((path / name).is_dir() for name in dirs.values())
-                and isinstance(sizes, dict)
-                and all((path / rel).is_file() and (path / rel).stat().st_size == rec.get("size")
+        if _malformed(meta) is not None:
+            return False
+        files, dirs, sizes = meta.get("keys", {}), meta.get("dirs", {}), meta.get("files", {})
+        return (all((path / name).is_file() for name in files.values())
+                and all((path / name).is_dir() for name in dirs.values())
+                and all((path / rel).is_file() and (path / rel).stat().st_size == rec["size"]
                         for rel, rec in sizes.items()))
 
     @staticmethod
@@ -223,6 +242,8 @@ class CheckpointManager:
             meta = json.loads((path / MARKER).read_text())
         except (OSError, ValueError) as e:
             return f"{path}: no readable {MARKER} marker ({type(e).__name__})"
+        if (bad := _malformed(meta)) is not None:
+            return f"{path}: its {MARKER} marker {bad}"
         if not CheckpointManager.is_complete(path):
             bad = _missing_or_resized(path, meta) or "a listed file or directory"
             return f"{path}: {bad} is missing or has another size than in {MARKER}"
@@ -359,7 +380,7 @@ class CheckpointManager:
         if why is not None:
             raise CheckpointError(why)
         meta = json.loads((path / MARKER).read_text())
-        files, dirs = meta["keys"], meta.get("dirs", {})
+        files, dirs = meta.get("keys", {}), meta.get("dirs", {})
         wanted = [*files, *dirs] if keys is None else list(keys)
         missing = [k for k in wanted if k not in files and k not in dirs]
         if missing:
