@@ -51,10 +51,13 @@ def test_few_step_run_per_preset(tmp_path, preset, bound):
         assert r["staleness/max"] <= bound and len(r["staleness/hist"]) - 1 <= bound
         assert sum(r["staleness/hist"]) > 0
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+        # where rollout time went (sums over the step's episodes): the model and the sandbox both took some
+        assert r["time/rollout_llm_s"] > 0 and r["time/rollout_env_s"] > 0 and r["time/rollout_other_s"] >= 0
     ckpt = CheckpointManager(tmp_path / preset / "checkpoints")
     assert CheckpointManager.step_of(ckpt.latest()) == 3
     assert (tmp_path / preset / "summary.json").exists()
     assert any(p.endswith(".png") for p in summary.get("plots", []))
+    assert any(p.endswith("rollout_time.png") for p in summary["plots"])
 
 
 KILL_SCRIPT = """

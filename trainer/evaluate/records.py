@@ -52,6 +52,9 @@ class EpisodeRecord:
         finish_reason: how the episode ended (``terminated``, ``max_turns``, ``infra_error: ...``).
         failed: an infrastructure failure (after retries): excluded from every metric, counted.
         attempts: plays of this episode (1 + retries used).
+        llm_s / env_s / other_s: the episode's wall time in generation, in the environment
+            (``reset`` / ``step``: sandbox, retriever, remote env, tools) and the rest, in seconds
+            (:class:`~trainer.rollout.timing.EpisodeClock`; None when not measured).
     """
 
     benchmark: str | None
@@ -73,6 +76,9 @@ class EpisodeRecord:
     finish_reason: str = ""
     failed: bool = False
     attempts: int = 1
+    llm_s: float | None = None
+    env_s: float | None = None
+    other_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-able dict (field order as declared)."""
@@ -121,7 +127,13 @@ def record_of(tr: Trajectory, kind: BenchmarkKind, *, index: int, benchmark: str
         score_components=comps, correct=bool(correct and not tr.infra_failed),
         response_tokens=int(tr.num_model_tokens), turns=int(tr.turns),
         tool_calls=int(tr.info.get("tool_calls", 0)), invalid_actions=int(tr.info.get("invalid_actions", 0)),
-        finish_reason=tr.finish_reason, failed=bool(tr.infra_failed), attempts=attempts)
+        finish_reason=tr.finish_reason, failed=bool(tr.infra_failed), attempts=attempts,
+        **{k: _seconds(tr.info.get(k)) for k in ("llm_s", "env_s", "other_s")})
+
+
+def _seconds(v: Any) -> float | None:
+    """A timing of ``info`` as a float rounded to microseconds; None when absent."""
+    return None if v is None else round(float(v), 6)
 
 
 def is_failed(r: Mapping[str, Any]) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..rollout.timing import TIME_KEYS
 from ..rollout.trajectory import Trajectory, split_finish
 
 
@@ -31,8 +32,9 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
         ``rollout/model_tokens`` (tokens), ``rollout/turns``, ``rollout/tool_calls`` (executed
         tool calls per episode), ``rollout/invalid_action_rate`` (share of model turns the
         environment rejected as invalid), ``rollout/episodes``,
-        ``rollout/finish_<reason>`` fractions, and ``staleness/per_token``: a list of ints, one per
-        loss-mask-1 token (policy versions behind), when any.
+        ``rollout/finish_<reason>`` fractions, ``time/rollout_llm_s``, ``time/rollout_env_s``,
+        ``time/rollout_other_s`` (:func:`rollout_time_metrics`), and ``staleness/per_token``: a
+        list of ints, one per loss-mask-1 token (policy versions behind), when any.
     """
     n = len(trajs)
     rewards = [t.reward for t in trajs]
@@ -51,6 +53,22 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
                                            / max(1, sum(t.turns for t in trajs))),
            "rollout/episodes": float(n)}
     out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
+    out.update(rollout_time_metrics(trajs))
     if vers:
         out["staleness/per_token"] = [version - 1 - v for v in vers]  # type: ignore[assignment]
     return out
+
+
+def rollout_time_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Where the step's rollout time went: ``time/rollout_{llm,env,other}_s``.
+
+    Each is the **sum over the step's episodes** of that episode's ``info["llm_s"]`` /
+    ``["env_s"]`` / ``["other_s"]`` (seconds, :class:`~trainer.rollout.timing.EpisodeClock`):
+    episode-seconds, not the step's wall time, since episodes overlap (they run concurrently,
+    and asynchronously with training). Their ratio says what rollouts wait on: ``env_s`` ≫
+    ``llm_s`` means the tools (sandbox, retriever, remote env) are the bottleneck. Episodes
+    without timings (none recorded) count 0; empty when no episode has any.
+    """
+    if not any(k in t.info for t in trajs for k in TIME_KEYS):
+        return {}
+    return {f"time/rollout_{k}": float(sum(float(t.info.get(k, 0.0)) for t in trajs)) for k in TIME_KEYS}

@@ -20,6 +20,10 @@ tool_calls.png        tool use vs step: executed tool calls per episode (``rollo
                       ``eval/mean_tool_calls``), share of episodes with a tool call
                       (``eval/tool_call_rate``) and of turns rejected as invalid
                       (``rollout/invalid_action_rate``, ``eval/invalid_action_rate``)
+rollout_time.png      where rollout time goes vs step: seconds summed over the step's episodes in
+                      generation, in the environment (tools, sandbox, retriever, remote env) and
+                      the rest (``time/rollout_llm_s``, ``time/rollout_env_s``,
+                      ``time/rollout_other_s``), stacked
 diagnostics.png       off-policy diagnostics vs step, one panel per group present:
                       (1) fraction masked/clipped below and above each channel's interval
                       (``diag/policy_masked_{low,high}_frac``, else ``actor/dis_masked_*``;
@@ -63,6 +67,9 @@ VALUE_BIAS_KEYS = ("critic/value_bias", "critic/value_bias_abs", "critic/value_b
 #: ``tool_calls.png`` curves, in legend order.
 TOOL_KEYS = ("rollout/tool_calls", "eval/mean_tool_calls", "eval/tool_call_rate",
              "rollout/invalid_action_rate", "eval/invalid_action_rate")
+
+#: ``rollout_time.png`` areas, bottom to top.
+TIME_KEYS = ("time/rollout_llm_s", "time/rollout_env_s", "time/rollout_other_s")
 
 
 def _is_number(v: Any) -> bool:
@@ -245,6 +252,30 @@ def diagnostics_figure(metrics: list[dict]) -> Figure | None:
     return fig
 
 
+def _plot_rollout_time(metrics: list[dict], path: Path) -> Path | None:
+    """Stacked areas of :data:`TIME_KEYS` vs step (a missing value counts 0); None if all absent."""
+    keys = _present(metrics, TIME_KEYS)
+    if not keys:
+        return None
+    steps = sorted({int(r["step"]) for r in metrics if any(_is_number(r.get(k)) for k in keys)})
+    by_step = {int(r["step"]): r for r in metrics}
+
+    def val(st: int, k: str) -> float:
+        v = by_step[st].get(k)
+        return float(v) if _is_number(v) and math.isfinite(float(v)) else 0.0
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot(1, 1, 1)
+    ax.stackplot(steps, *[[val(st, k) for st in steps] for k in keys],
+                 labels=[k.removeprefix("time/rollout_").removesuffix("_s") for k in keys], alpha=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds (sum over the step's episodes)")
+    ax.set_title("where rollout time goes: model (llm) vs environment (env) vs other")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
     """Write :func:`diagnostics_figure` to ``path``; None (nothing written) if it has no panel."""
     fig = diagnostics_figure(metrics)
@@ -302,6 +333,7 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
         _simple(metrics, out / "value_loss.png", value, "value loss", "critic value loss"),
         _simple(metrics, out / "tool_calls.png", tools, "per episode / share",
                 "tool calls per episode, tool-call rate, invalid actions"),
+        _plot_rollout_time(metrics, out / "rollout_time.png"),
         _plot_diagnostics(metrics, out / "diagnostics.png"),
     ]
     return [p for p in written if p is not None]

@@ -22,6 +22,7 @@ from environments.errors import InfrastructureError
 
 from ..engines.base import EngineError, InferenceEngine, SamplingParams
 from .observation import ChatTurns, truncate_observation_ids
+from .timing import EpisodeClock
 from .trajectory import FinishReason, Trajectory, finish_text
 
 log = logging.getLogger(__name__)
@@ -168,11 +169,24 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         A turn cut by ``max_total_tokens`` is not passed to the environment (it is incomplete):
         ``finish_reason = "max_total_tokens"``; it earns no reward, the rewards of earlier
         steps are kept.
+        Every trajectory's ``info`` has ``llm_s`` / ``env_s`` / ``other_s``: the episode's wall
+        time in generation (retries included), in ``env.reset`` / ``env.step``, and the rest
+        (:class:`~trainer.rollout.timing.EpisodeClock`).
     """
-    cfg = cfg or AgentLoopConfig()
+    clock = EpisodeClock()
+    traj = await _play(engine, env, tokenizer, sample, sampling, cfg or AgentLoopConfig(), group_id, clock)
+    clock.stamp(traj.info)
+    return traj
+
+
+async def _play(engine: InferenceEngine, env: Any, tokenizer: Any, sample: Mapping[str, Any],
+                sampling: SamplingParams, cfg: AgentLoopConfig, group_id: Any,
+                clock: EpisodeClock) -> Trajectory:
+    """The body of :func:`run_episode`, its engine and env calls timed by ``clock``."""
     sid = sample.get("id")
     try:
-        prompt_text, reset_info = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
+        with clock.env():
+            prompt_text, reset_info = await asyncio.to_thread(env.reset, options={"sample": dict(sample)})
     except InfrastructureError as e:  # e.g. a remote env / service that cannot start the episode
         return Trajectory(prompt_ids=[], sample_id=sid, group_id=sid if group_id is None else group_id,
                           finish_reason=finish_text(FinishReason.INFRA_ERROR, str(e)))
@@ -189,7 +203,8 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
             break
         params = replace(sampling, stop=stop, max_new_tokens=min(sampling.max_new_tokens, budget))
         try:
-            res = await _generate_with_retries(engine, traj.prompt_ids + traj.response_ids, params, cfg)
+            with clock.llm():
+                res = await _generate_with_retries(engine, traj.prompt_ids + traj.response_ids, params, cfg)
         except EngineError as e:
             traj.finish(FinishReason.ENGINE_ERROR, str(e))
             break
@@ -201,7 +216,8 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
             break
         action = tokenizer.decode(res.token_ids, skip_special_tokens=True)
         try:
-            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, action)
+            with clock.env():
+                obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, action)
         except InfrastructureError as e:  # the env's machinery failed, not the policy
             traj.finish(FinishReason.INFRA_ERROR, str(e))
             traj.clear_rewards()
