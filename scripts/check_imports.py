@@ -30,7 +30,8 @@ no prefix names is reported too, so the list stays complete.
   5  trainer.models        tiny / Hugging Face models, tokenizers, export
   6  trainer.engines       generation engines (embedded, SGLang) and their registry
   7  trainer.rollout       trajectories, the agent loop over an engine and an environment
-  8  trainer.learner       learners (torch / FSDP / Megatron) and the algorithm step
+  8  trainer.learner       learners (torch / FSDP / Megatron) and the algorithm step;
+     trainer.harness       the OpenAI-compatible rollout endpoint for user agents
   9  trainer.config        the typed config schema; it checks names against the engine and learner
                            registries below it, and nothing below it reads a config object
   10 trainer.warmstart     task-agnostic warm start (SFT, trace cache, trace playing)
@@ -69,7 +70,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.models",),
     ("trainer.engines",),
     ("trainer.rollout",),
-    ("trainer.learner",),
+    ("trainer.learner", "trainer.harness"),
     ("trainer.config",),
     ("trainer.warmstart",),
     ("trainer.tasks",),

@@ -20,8 +20,8 @@ from trainer.rollout.trajectory import (
 def test_values_are_the_strings_records_carry():
     assert [r.value for r in FinishReason] == [
         "terminated", "truncated", "max_turns", "max_total_tokens",
-        "infra_error", "engine_error", "env_error"]
-    assert INFRA_FAILURE_REASONS == ("infra_error", "engine_error")
+        "infra_error", "engine_error", "env_error", "history_edited"]
+    assert INFRA_FAILURE_REASONS == ("infra_error", "engine_error", "history_edited")
     # a str enum: equal to its value and written as the value by json
     assert FinishReason.TERMINATED == "terminated"
     record = {"finish_reason": finish_text(FinishReason.TERMINATED)}

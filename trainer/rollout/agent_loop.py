@@ -115,8 +115,14 @@ def observation_ids(tokenizer: Any, chat: ChatTurns | None, cfg: AgentLoopConfig
     return truncate_observation_ids(tokenizer, text, cfg.max_observation_tokens)
 
 
-async def _generate_with_retries(engine: InferenceEngine, ctx: list[int], params: SamplingParams,
-                                 cfg: AgentLoopConfig):
+async def generate_with_retries(engine: InferenceEngine, ctx: list[int], params: SamplingParams,
+                                cfg: AgentLoopConfig):
+    """``engine.generate(ctx, params)``, retried ``cfg.engine_retries`` times on :class:`EngineError`
+    (delays ``cfg.retry_backoff_s``, doubling).
+
+    Raises:
+        EngineError: the last failure, once the retries are spent.
+    """
     delay = cfg.retry_backoff_s
     for attempt in range(cfg.engine_retries + 1):
         try:
@@ -204,7 +210,7 @@ async def _play(engine: InferenceEngine, env: Any, tokenizer: Any, sample: Mappi
         params = replace(sampling, stop=stop, max_new_tokens=min(sampling.max_new_tokens, budget))
         try:
             with clock.llm():
-                res = await _generate_with_retries(engine, traj.prompt_ids + traj.response_ids, params, cfg)
+                res = await generate_with_retries(engine, traj.prompt_ids + traj.response_ids, params, cfg)
         except EngineError as e:
             traj.finish(FinishReason.ENGINE_ERROR, str(e))
             break

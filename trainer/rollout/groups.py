@@ -91,7 +91,10 @@ async def run_group(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, samp
     same seeds).
 
     Episode ``k`` samples with :func:`episode_sampling` (``seed + 7919·uid + k``), takes an
-    environment from ``pool`` and returns it afterwards. Each trajectory gets
+    environment from ``pool`` and returns it afterwards; an environment with an async
+    ``play_episode(engine, tokenizer, sample, sampling, agent_cfg, group_id=...)`` method plays the
+    episode itself (the ``harness`` environment), any other one through
+    :func:`~trainer.rollout.agent_loop.run_episode`. Each trajectory gets
     ``info["uid"] = uid`` and ``group_id`` (default ``uid``).
 
     Returns:
@@ -107,9 +110,13 @@ async def run_group(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, samp
 
     async def one(k: int) -> Trajectory:
         env = await pool.acquire()
+        # an environment that plays its own episodes (the harness: a user agent drives the calls)
+        play = getattr(env, "play_episode", None)
         try:
-            tr = await run_episode(engine, env, tokenizer, sample, episode_sampling(sampling, uid, k),
-                                   agent_cfg, group_id=uid if group_id is None else group_id)
+            args = (tokenizer, sample, episode_sampling(sampling, uid, k), agent_cfg)
+            gid = uid if group_id is None else group_id
+            tr = await (play(engine, *args, group_id=gid) if play is not None
+                        else run_episode(engine, env, *args, group_id=gid))
         finally:
             pool.release(env)
         tr.info["uid"] = uid

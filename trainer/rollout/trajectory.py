@@ -48,11 +48,15 @@ class FinishReason(str, Enum):
     INFRA_ERROR = "infra_error"
     ENGINE_ERROR = "engine_error"
     ENV_ERROR = "env_error"
+    HISTORY_EDITED = "history_edited"
 
     @property
     def infra(self) -> bool:
-        """True for a failure of the infrastructure (``infra_error``, ``engine_error``)."""
-        return self in (FinishReason.INFRA_ERROR, FinishReason.ENGINE_ERROR)
+        """True for an episode that is excluded and counted like a failure of the infrastructure:
+        ``infra_error``, ``engine_error``, and ``history_edited`` (a harness agent sent back a history
+        other than the one the model produced, so its sampled tokens are no longer the context:
+        ``trainer/harness``, ``docs/harness.md``)."""
+        return self in (FinishReason.INFRA_ERROR, FinishReason.ENGINE_ERROR, FinishReason.HISTORY_EDITED)
 
 
 #: ``finish_reason`` prefixes of episodes ended by a failure of the infrastructure (see

@@ -32,6 +32,7 @@ from environments.data import data_root
 from ..errors import ConfigError
 from .base import DrillPlan, Task, check_env_settings
 from .generic import GenericTask
+from .harness import HarnessTask
 from .math_tool import MathToolTask
 from .math_tool.settings import MathToolSettings
 from .registry import TASK_METADATA, TASKS, register_task, task_class, unregister_task
@@ -114,6 +115,9 @@ def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 register_task("math_tool", MathToolTask)
 register_task("search", SearchTask, headline_metric="em")
 register_task("remote", RemoteTask, delegated_settings=True)
+if "harness" not in environments.names():
+    environments.register("harness", entry_point="trainer.harness.env:HarnessEnv")
+register_task("harness", HarnessTask)
 
 __all__ = [
     "TASKS",
