@@ -24,7 +24,7 @@ def run_tool(name: str, args: dict) -> str:
 async def run(base_url: str, api_key: str, row: dict) -> dict:
     """Play one episode; the reward components are ``correct`` (0/1) and ``tool_bonus``."""
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": row["question"]}]
+    messages = [{"role": "user", "content": row["problem"]}]
     used = 0
     try:
         for _ in range(6):

@@ -31,7 +31,7 @@ from trainer.rollout.groups import EnvPool, run_group
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 AGENT = "tests/trainer/harness_agent.py:run"
-ROW = {"id": "q0", "question": "What is (2+3)*5?", "answer": "25"}
+ROW = {"id": "q0", "problem": "What is (2+3)*5?", "answer": "25"}
 ACTIONS = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
            'Now multiply.\n<tool_call>\n{"name": "mul", "arguments": {"a": 5, "b": 5}}\n</tool_call>', "25"]
 
@@ -90,7 +90,7 @@ def test_openai_agent_episode_is_the_sampled_tokens(chat_model_tok):
     turn = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert [tok.decode(r) for r in runs(tr, masked=False)] == [turn.format("5"), turn.format("25")]
     # parity with the chat template's rendering of the whole conversation tokenised at once
-    msgs = [{"role": "user", "content": ROW["question"]}]
+    msgs = [{"role": "user", "content": ROW["problem"]}]
     for a, result in zip(ACTIONS, ["5", "25", None], strict=True):
         msgs.append({"role": "assistant", "content": a})
         if result is not None:
@@ -112,7 +112,7 @@ import json
 
 async def run(base_url, api_key, row):
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": row["question"]}]
+    messages = [{"role": "user", "content": row["problem"]}]
     for turn in range(3):
         reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
         msg = reply.choices[0].message
@@ -183,7 +183,7 @@ KEYS_AGENT = '''
 import httpx
 
 async def run(base_url, api_key, row):
-    body = {"model": "m", "messages": [{"role": "user", "content": row["question"]}]}
+    body = {"model": "m", "messages": [{"role": "user", "content": row["problem"]}]}
     async with httpx.AsyncClient() as c:
         codes = [(await c.post(base_url + "/chat/completions", json=body,
                                headers={"Authorization": "Bearer " + k})).status_code

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 from pathlib import Path
@@ -138,13 +139,16 @@ def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[A
         ConfigError: naming ``--benchmarks`` (unknown, duplicate name, missing file, rows the
             kind cannot read) or ``eval.kind_settings.<kind>.<key>`` (a setting the kind rejects).
     """
-    from .benchmarks import load_rows, resolve_benchmark
+    from .benchmarks import BENCHMARKS, load_rows, resolve_benchmark
 
     out: list[tuple[Any, Any, list[dict]]] = []
     names: set[str] = set()
     for ref in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
         try:
             spec = resolve_benchmark(ref)
+            if spec.env == cfg.task.env and cfg.task.env_kwargs and not spec.env_kwargs and ref not in BENCHMARKS:
+                # a user benchmark on the config's environment gets its settings (the harness: the agent)
+                spec = dataclasses.replace(spec, env_kwargs=dict(cfg.task.env_kwargs))
             if spec.name in names:
                 raise ValueError(f"a benchmark named {spec.name!r} is already in the list (each name once; "
                                  "rename a user file whose stem clashes)")

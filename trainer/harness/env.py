@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import json
 import math
 import traceback
 from collections.abc import Callable, Mapping
@@ -116,12 +117,16 @@ class HarnessEnv(gymnasium.Env):
         self.server = server if server is not None else HarnessServer()
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
-        """Not used: the agent drives the episode (:meth:`play_episode`).
+        """The row as JSON text (what probes and a run-time tokenizer read; episodes are played by
+        :meth:`play_episode`, the agent building its own messages).
 
         Raises:
-            NotImplementedError: always.
+            ValueError: ``options["sample"]`` is not a mapping.
         """
-        raise NotImplementedError("the harness environment is played by play_episode (the agent drives it)")
+        sample = (options or {}).get("sample")
+        if not isinstance(sample, Mapping):
+            raise ValueError(f"harness: the row must be a JSON object, got {type(sample).__name__}")
+        return json.dumps(dict(sample), ensure_ascii=False, default=str), {}
 
     def step(self, action: str) -> tuple:
         """Not used (see :meth:`reset`).
@@ -171,7 +176,7 @@ def _trajectory(ep: Episode, sid: Any, gid: Any, outcome: Any, raised: str, time
     module docstring, first match wins: engine failure, timeout, used-up budget, the agent raised,
     edited history, no call, bad reward, success)."""
     tr = ep.trajectory if ep.trajectory is not None else Trajectory(prompt_ids=[], sample_id=sid, group_id=gid)
-    tr.info["harness_calls"], tr.info["harness_history_edits"] = ep.calls, ep.edits
+    tr.info.update(harness_calls=ep.calls, harness_history_edits=ep.edits, tool_calls=ep.tool_calls)
     failure = ep.failure
     if failure.startswith(FinishReason.ENGINE_ERROR.value):
         tr.finish_reason = failure

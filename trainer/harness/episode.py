@@ -54,7 +54,8 @@ class Episode:
 
     Attributes:
         trajectory: the tokens so far (``None`` before the first call).
-        calls: calls answered. edits: calls whose history was edited.
+        calls: calls answered. edits: calls whose history was edited. tool_calls: tool calls
+            returned to the agent (parsed from the completions).
         failure: the ``finish_reason`` that ends the episode regardless of the agent's outcome
             (an engine failure, a budget the agent ran into, an edited history), or ``""``.
     """
@@ -64,7 +65,7 @@ class Episode:
         self.engine, self.tok, self.sampling, self.cfg = engine, tokenizer, sampling, cfg
         self.tool_format, self.sample_id, self.group_id = tool_format, sample_id, group_id
         self.trajectory: Trajectory | None = None
-        self.calls = self.edits = 0
+        self.calls = self.edits = self.tool_calls = 0
         self.failure = ""
         self._chat: ChatTurns | None = None
         self._known: list[tuple] = []
@@ -115,6 +116,7 @@ class Episode:
                 self._limit(FinishReason.MAX_TOTAL_TOKENS)  # cut by the episode's budget: no reward
             text = self.tok.decode(res.token_ids, skip_special_tokens=True)
             msg = assistant_message(text, self.tool_format, f"call_{self.calls}")
+            self.tool_calls += len(msg.get("tool_calls") or ())
             self._known = norm + [normalize_message(msg)]
             self._last_token = res.token_ids[-1] if res.token_ids else None
             return completion(msg, res.finish_reason, str(body.get("model") or "copc-policy"),
