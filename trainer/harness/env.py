@@ -150,9 +150,9 @@ class HarnessEnv(gymnasium.Env):
         cfg = cfg or AgentLoopConfig()
         sid = sample.get("id")
         gid = sid if group_id is None else group_id
-        await asyncio.to_thread(self.server.start)
+        await self.server.start()
         ep = Episode(engine, tokenizer, sampling, cfg, self.tool_format, sid, gid)
-        key = self.server.open(ep, asyncio.get_running_loop())
+        key = self.server.open(ep)
         outcome: Any = None
         raised = ""
         try:

@@ -1,9 +1,9 @@
 """The harness endpoint: ``POST /v1/chat/completions`` on 127.0.0.1, one API key per episode.
 
-A Starlette app served by uvicorn in a thread of its own (its own event loop), bound to loopback
-on a free port. Each request is routed by its bearer key to its :class:`~.episode.Episode`, whose
-:meth:`~.episode.Episode.complete` runs on the event loop of the engine that plays the episode
-(``asyncio.run_coroutine_threadsafe``), so the engine is only ever called from its own loop.
+A Starlette app served by uvicorn on the event loop that plays the episodes (the engine's and the
+agents'), bound to loopback on a free port. Each request is routed by its bearer key to its
+:class:`~.episode.Episode`, whose :meth:`~.episode.Episode.complete` the handler awaits: no thread
+hand-off per call (``benchmarks/bench_harness.py``).
 
 Answers: ``200`` a ``chat.completion``; ``400`` a malformed request or a used-up budget; ``401``
 an unknown key; ``410`` the key of a finished episode; ``503`` the engine failed (the episode is
@@ -13,9 +13,9 @@ an infrastructure failure). Non-streaming only (``stream: true`` is refused with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import socket
-import threading
 from typing import Any
 
 from .episode import Episode, EpisodeInfraError
@@ -25,8 +25,27 @@ from .wire import RequestError, error_body
 _FINISHED_KEPT = 4096
 
 
+class _LoopServer:
+    """Factory of a uvicorn server that leaves the process's signal handlers alone (the trainer's
+    Ctrl-C stays the trainer's)."""
+
+    @staticmethod
+    def make(app: Any) -> Any:
+        """A ``uvicorn.Server`` for ``app`` on loopback, quiet, without signal capture."""
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # noqa: D401 - uvicorn's hook
+                yield
+
+        return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+
+
 class HarnessServer:
-    """The endpoint of one process (started on first use, stopped by :meth:`close`).
+    """The endpoint of one process, served on the event loop that plays the episodes (the engine's
+    and the agents' loop: no thread hand-off per call). Started by :meth:`start` from that loop
+    (again on a new loop when the previous one is gone), stopped by :meth:`close`.
 
     Attributes:
         base_url: ``http://127.0.0.1:<port>/v1`` once started (``""`` before).
@@ -34,72 +53,72 @@ class HarnessServer:
 
     def __init__(self) -> None:
         self.base_url = ""
-        self._episodes: dict[str, tuple[Episode, asyncio.AbstractEventLoop]] = {}
+        self._episodes: dict[str, Episode] = {}
         self._finished: dict[str, None] = {}
-        self._lock = threading.Lock()
         self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: socket.socket | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> HarnessServer:
-        """Start serving (idempotent; blocks until the port accepts connections).
+    async def start(self) -> HarnessServer:
+        """Serve on the running event loop (idempotent on the same loop; returns once the port
+        accepts connections).
 
         Raises:
             RuntimeError: uvicorn did not start within 30 s.
         """
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        with self._lock:
-            if self._thread is not None:
-                return self
-            app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", 0))
-            config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-            self._server = uvicorn.Server(config)
-            self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                            name="copc-harness", daemon=True)
-            self._thread.start()
-            for _ in range(3000):
-                if self._server.started:
-                    break
-                if not self._thread.is_alive():
-                    raise RuntimeError("the harness endpoint did not start (see the log above)")
-                threading.Event().wait(0.01)
-            else:
-                raise RuntimeError("the harness endpoint did not start within 30 s")
-            self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return self
+        self.close()
+        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+        # without it a response written in two segments waits ~40 ms for the client's delayed ACK
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        server = _LoopServer.make(app)
+        self._server, self._loop, self._sock = server, loop, sock
+        self._task = loop.create_task(server.serve(sockets=[sock]), name="copc-harness-endpoint")
+        for _ in range(3000):
+            if server.started:
+                break
+            if self._task.done():
+                raise RuntimeError(f"the harness endpoint did not start: {self._task.exception()!r}")
+            await asyncio.sleep(0.01)
+        else:
+            raise RuntimeError("the harness endpoint did not start within 30 s")
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         return self
 
     def close(self) -> None:
-        """Stop serving and forget every episode (idempotent)."""
-        with self._lock:
-            server, thread, self._server, self._thread = self._server, self._thread, None, None
-            self._episodes.clear()
-            self.base_url = ""
+        """Stop serving (idempotent; from any thread: the server's loop finishes it, or it went with
+        its loop) and release the port."""
+        server, loop, sock = self._server, self._loop, self._sock
+        self._server = self._task = self._loop = self._sock = None
+        self.base_url = ""
         if server is not None:
             server.should_exit = True
-        if thread is not None:
-            thread.join(timeout=10)
+        if sock is not None and (loop is None or loop.is_closed()):
+            sock.close()
 
     # -- episodes ----------------------------------------------------------------------------
-    def open(self, episode: Episode, loop: asyncio.AbstractEventLoop) -> str:
-        """Serve ``episode`` (its calls run on ``loop``) under a new key; returns the key."""
+    def open(self, episode: Episode) -> str:
+        """Serve ``episode`` under a new key; returns the key."""
         key = "copc-" + secrets.token_urlsafe(18)
-        with self._lock:
-            self._episodes[key] = (episode, loop)
+        self._episodes[key] = episode
         return key
 
     def finish(self, key: str) -> None:
         """Stop serving ``key``'s episode: later calls with it get ``410``."""
-        with self._lock:
-            self._episodes.pop(key, None)
-            self._finished[key] = None
-            while len(self._finished) > _FINISHED_KEPT:
-                self._finished.pop(next(iter(self._finished)))
+        self._episodes.pop(key, None)
+        self._finished[key] = None
+        while len(self._finished) > _FINISHED_KEPT:
+            self._finished.pop(next(iter(self._finished)))
 
     # -- the route ---------------------------------------------------------------------------
     async def _chat(self, request: Any) -> Any:
@@ -108,11 +127,9 @@ class HarnessServer:
 
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        with self._lock:
-            entry = self._episodes.get(key)
-            finished = key in self._finished
-        if entry is None:
-            if finished:
+        episode = self._episodes.get(key)
+        if episode is None:
+            if key in self._finished:
                 return JSONResponse(error_body("this episode has finished; its key is no longer served",
                                                "episode_finished"), status_code=410)
             return JSONResponse(error_body("unknown API key: each episode has its own (the agent's "
@@ -124,10 +141,8 @@ class HarnessServer:
         if not isinstance(body, dict) or body.get("stream") or body.get("n", 1) != 1:
             return JSONResponse(error_body("the body must be a JSON object; stream and n > 1 are not "
                                            "supported", "invalid_request_error"), status_code=400)
-        episode, loop = entry
         try:
-            fut = asyncio.run_coroutine_threadsafe(episode.complete(body), loop)
-            return JSONResponse(await asyncio.wrap_future(fut))
+            return JSONResponse(await episode.complete(body))
         except RequestError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error"), status_code=400)
         except EpisodeInfraError as e:
