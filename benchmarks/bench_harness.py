@@ -27,17 +27,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainer"))
 
-from bpe_tokenizer import bpe_tokenizer  # noqa: E402  (test helpers: an offline chat tokenizer)
-from chat_tokenizer import chat_tokenizer  # noqa: E402
-from scripted import scripted  # noqa: E402
+from bpe_tokenizer import bpe_tokenizer
+from chat_tokenizer import chat_tokenizer
+from scripted import scripted
 
-from trainer.engines.base import SamplingParams  # noqa: E402
-from trainer.engines.embedded import EmbeddedEngine  # noqa: E402
-from trainer.harness.episode import Episode  # noqa: E402
-from trainer.harness.server import HarnessServer  # noqa: E402
-from trainer.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
-from trainer.rollout.agent_loop import AgentLoopConfig  # noqa: E402
-from trainer.rollout.observation import ChatTurns  # noqa: E402
+from trainer.engines.base import SamplingParams
+from trainer.engines.embedded import EmbeddedEngine
+from trainer.harness.episode import Episode
+from trainer.harness.server import HarnessServer
+from trainer.models.tiny import TinyModelConfig, build_tiny_model
+from trainer.rollout.agent_loop import AgentLoopConfig
+from trainer.rollout.observation import ChatTurns
 
 REPLY = "The answer is 25."
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {

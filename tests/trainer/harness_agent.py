@@ -35,8 +35,9 @@ async def run(base_url: str, api_key: str, row: dict) -> dict:
                 break
             for call in msg.tool_calls:
                 used += 1
+                result = run_tool(call.function.name, json.loads(call.function.arguments))
                 messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
-                                 "content": run_tool(call.function.name, json.loads(call.function.arguments))})
+                                 "content": result})
     finally:
         await client.close()
     return {"correct": float((msg.content or "").strip() == row["answer"]), "tool_bonus": 0.1 * (used > 0)}

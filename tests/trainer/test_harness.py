@@ -52,7 +52,8 @@ def chat_model_tok():
 def play(model, tok, agent=AGENT, timeout_s=60.0, engine=None, cfg=None):
     """One episode through run_group (the group runner the loop and evaluation use)."""
     async def main():
-        eng = engine or EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of), version=3)
+        eng = engine or EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of),
+                                       version=3)
         pool = EnvPool(lambda: HarnessEnv(agent=agent, timeout_s=timeout_s), 1)
         try:
             [tr] = await run_group(eng, pool, tok, ROW, 1, SamplingParams(max_new_tokens=120, seed=5),
@@ -82,10 +83,12 @@ def test_openai_agent_episode_is_the_sampled_tokens(chat_model_tok):
     tr = play(model, tok)
     assert (tr.finish_reason, tr.turns, tr.info["harness_calls"], tr.info["harness_history_edits"]) == \
         ("terminated", 3, 3, 0)
-    assert tr.reward == pytest.approx(1.1) and tr.info["reward_components"] == {"correct": 1.0, "tool_bonus": 0.1}
+    assert tr.reward == pytest.approx(1.1)
+    assert tr.info["reward_components"] == {"correct": 1.0, "tool_bonus": 0.1}
     assert tr.token_rewards() == {len(tr.response_ids) - 1: pytest.approx(1.1)}  # on the last model token
     # model tokens: exactly what was sampled (each action's ids, then EOS <|im_end|>)
-    assert runs(tr, masked=True) == [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ACTIONS]
+    want = [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ACTIONS]
+    assert runs(tr, masked=True) == want
     # everything else masked: the tool results as the template's tool turns
     turn = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert [tok.decode(r) for r in runs(tr, masked=False)] == [turn.format("5"), turn.format("25")]
@@ -151,8 +154,8 @@ FAILING_AGENTS = {
     ("raises", "env_error: harness agent raised: KeyError: 'no such column: question2'", False, True),
     ("sleeps", "infra_error: harness agent timed out after 0.5 s", True, False),
     ("silent", "env_error: harness agent returned without calling the model", False, True),
-    ("bad_reward", "env_error: bad reward: the agent returned nan: expected a finite number or a dict of them",
-     False, True),
+    ("bad_reward", "env_error: bad reward: the agent returned nan: expected a finite number or a dict "
+     "of them", False, True),
 ])
 def test_agent_failures(chat_model_tok, tmp_path, name, want, infra, env_bug):
     model, tok = chat_model_tok

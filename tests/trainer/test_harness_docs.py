@@ -46,7 +46,8 @@ def test_the_pages_example_agent_trains_through_the_endpoint(tmp_path):
         env = HarnessEnv(agent=f"{tmp_path / 'calc_agent.py'}:run", timeout_s=60)
         try:
             row = {"id": "r0", "problem": "What is (2+3)*5?", "answer": "25"}
-            return await env.play_episode(eng, tok, row, SamplingParams(max_new_tokens=100), AgentLoopConfig())
+            return await env.play_episode(eng, tok, row, SamplingParams(max_new_tokens=100),
+                                          AgentLoopConfig())
         finally:
             env.close()
             await eng.close()

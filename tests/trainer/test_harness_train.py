@@ -54,7 +54,8 @@ def scripted_embedded(spec):
 class RecordingLearner(TorchLearner):
     def recompute(self, batch):
         logp_old, values = super().recompute(batch)
-        torch.save({{"input_ids": batch.input_ids, "prompt_len": batch.prompt_len, "loss_mask": batch.loss_mask,
+        torch.save({{"input_ids": batch.input_ids, "prompt_len": batch.prompt_len,
+                    "loss_mask": batch.loss_mask,
                     "logp_mu": batch.logp_mu, "versions": batch.versions, "rewards": batch.rewards,
                     "logp_old": logp_old, "version": self.policy_version}},
                    os.path.join(os.environ["COPC_TEST_BATCHES"], f"step{{self.policy_version}}.pt"))
@@ -69,7 +70,8 @@ register_learner("recording", RecordingLearner.from_config, overwrite=True)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("harness_train")
-    model = save_tiny_checkpoint(d / "model", TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1),
+    model = save_tiny_checkpoint(d / "model",
+                                 TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1),
                                  tokenizer=chat_tokenizer(bpe_tokenizer()))
     (d / "plugin.py").write_text(PLUGIN)
     data = d / "data"
@@ -129,7 +131,8 @@ def test_train_two_steps_then_eval(setup, tmp_path, monkeypatch):
     assert (summary["task"], summary["steps"], summary["episodes_trained"], summary["infra_failed"]) == \
         ("harness", 2, 4, 0)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["rollout/reward_mean"] for m in metrics if "rollout/reward_mean" in m] == [pytest.approx(1.1)] * 2
+    rewards = [m["rollout/reward_mean"] for m in metrics if "rollout/reward_mean" in m]
+    assert rewards == [pytest.approx(1.1)] * 2
 
     # copc eval: the same agent on the rows, as a user benchmark on the config's environment
     ev = tmp_path / "eval"

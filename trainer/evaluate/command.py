@@ -146,7 +146,8 @@ def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[A
     for ref in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
         try:
             spec = resolve_benchmark(ref)
-            if spec.env == cfg.task.env and cfg.task.env_kwargs and not spec.env_kwargs and ref not in BENCHMARKS:
+            user = ref not in BENCHMARKS and not spec.env_kwargs
+            if user and spec.env == cfg.task.env and cfg.task.env_kwargs:
                 # a user benchmark on the config's environment gets its settings (the harness: the agent)
                 spec = dataclasses.replace(spec, env_kwargs=dict(cfg.task.env_kwargs))
             if spec.name in names:

@@ -1,1 +1,2 @@
-"""The harness: train an agent of your own through an OpenAI-compatible rollout endpoint (``task.env: harness``; ``docs/harness.md``)."""
+"""The harness: train an agent of your own through an OpenAI-compatible rollout endpoint
+(``task.env: harness``; ``docs/harness.md``)."""

@@ -28,7 +28,7 @@ import math
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium
 
@@ -63,7 +63,8 @@ def load_agent(ref: str) -> Callable[..., Any]:
         else:
             mod = importlib.import_module(module)
     except (ImportError, OSError) as e:
-        raise ValueError(f"HarnessEnv.agent={ref!r}: cannot import {module!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"HarnessEnv.agent={ref!r}: cannot import {module!r}: "
+                         f"{type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
     if fn is None or not asyncio.iscoroutinefunction(fn):
         raise ValueError(f"HarnessEnv.agent={ref!r}: {module!r} has no async function {name!r} "
@@ -103,7 +104,7 @@ class HarnessEnv(gymnasium.Env):
         ValueError: a bad setting, naming it (``HarnessEnv.timeout_s=0: must be > 0``).
     """
 
-    metadata: dict[str, Any] = {}
+    metadata: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, agent: str = "", timeout_s: float = 600.0, tool_format: str = "hermes",
                  server: HarnessServer | None = None) -> None:
@@ -156,7 +157,8 @@ class HarnessEnv(gymnasium.Env):
         outcome: Any = None
         raised = ""
         try:
-            outcome = await asyncio.wait_for(self.agent(self.server.base_url, key, dict(sample)), self.timeout_s)
+            run = self.agent(self.server.base_url, key, dict(sample))
+            outcome = await asyncio.wait_for(run, self.timeout_s)
         except TimeoutError:
             raised = "timeout"
         except Exception as e:  # the agent's own error: reported by its traceback's last line
@@ -175,7 +177,9 @@ def _trajectory(ep: Episode, sid: Any, gid: Any, outcome: Any, raised: str, time
     """The episode's trajectory from its recorded calls and the agent's outcome (the rules of the
     module docstring, first match wins: engine failure, timeout, used-up budget, the agent raised,
     edited history, no call, bad reward, success)."""
-    tr = ep.trajectory if ep.trajectory is not None else Trajectory(prompt_ids=[], sample_id=sid, group_id=gid)
+    tr = ep.trajectory
+    if tr is None:
+        tr = Trajectory(prompt_ids=[], sample_id=sid, group_id=gid)
     tr.info.update(harness_calls=ep.calls, harness_history_edits=ep.edits, tool_calls=ep.tool_calls)
     failure = ep.failure
     if failure.startswith(FinishReason.ENGINE_ERROR.value):

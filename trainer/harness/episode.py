@@ -31,7 +31,14 @@ from ..engines.base import EngineError, InferenceEngine, SamplingParams
 from ..rollout.agent_loop import AgentLoopConfig, generate_with_retries
 from ..rollout.observation import ChatTurns
 from ..rollout.trajectory import FinishReason, Trajectory, finish_text
-from .wire import RequestError, assistant_message, completion, normalize_message, stop_strings, template_message
+from .wire import (
+    RequestError,
+    assistant_message,
+    completion,
+    normalize_message,
+    stop_strings,
+    template_message,
+)
 
 #: Seed stride between the calls of one episode (a prime).
 CALL_SEED_STRIDE = 104729
@@ -117,7 +124,7 @@ class Episode:
             text = self.tok.decode(res.token_ids, skip_special_tokens=True)
             msg = assistant_message(text, self.tool_format, f"call_{self.calls}")
             self.tool_calls += len(msg.get("tool_calls") or ())
-            self._known = norm + [normalize_message(msg)]
+            self._known = [*norm, normalize_message(msg)]
             self._last_token = res.token_ids[-1] if res.token_ids else None
             return completion(msg, res.finish_reason, str(body.get("model") or "copc-policy"),
                               f"chatcmpl-{self.calls}", len(ctx), len(res.token_ids))

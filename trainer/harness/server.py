@@ -36,7 +36,8 @@ class _LoopServer:
 
         class Server(uvicorn.Server):
             @contextlib.contextmanager
-            def capture_signals(self):  # noqa: D401 - uvicorn's hook
+            def capture_signals(self):
+                """Install no signal handler (uvicorn's would take the trainer's SIGINT / SIGTERM)."""
                 yield
 
         return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))

@@ -18,7 +18,6 @@ from typing import Any
 
 from environments.tool_formats import call_format
 
-
 #: A closed ``<tool_call>`` block (every block is closed when the hermes parser found no error).
 _HERMES_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -35,7 +34,8 @@ def _text(content: Any) -> str:
         return content
     if isinstance(content, list):
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-    raise RequestError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+    raise RequestError("message content must be a string or a list of text parts, got "
+                       f"{type(content).__name__}")
 
 
 def _arguments(raw: Any) -> Any:
@@ -108,7 +108,8 @@ def assistant_message(text: str, tool_format: str, call_prefix: str) -> dict[str
         content = _HERMES_BLOCK.sub("", text).strip() or None
     return {"role": "assistant", "content": content,
             "tool_calls": [{"id": f"{call_prefix}_{i}", "type": "function",
-                            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                            "function": {"name": c.name,
+                                         "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                            for i, c in enumerate(calls)]}
 
 
