@@ -73,28 +73,26 @@ class HarnessServer:
         from starlette.routing import Route
 
         loop = asyncio.get_running_loop()
-        if self._loop is loop and self._task is not None and not self._task.done():
-            return self
-        self.close()
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
-        # without it a response written in two segments waits ~40 ms for the client's delayed ACK
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        server = _LoopServer.make(app)
-        self._server, self._loop, self._sock = server, loop, sock
-        self._task = loop.create_task(server.serve(sockets=[sock]), name="copc-harness-endpoint")
+        if not (self._loop is loop and self._task is not None and not self._task.done()):
+            self.close()  # not started, or on a loop that is gone: serve on this one
+            app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+            # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+            # without it a response written in two segments waits ~40 ms for the client's delayed ACK
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))
+            server = _LoopServer.make(app)
+            self._server, self._loop, self._sock = server, loop, sock
+            self._task = loop.create_task(server.serve(sockets=[sock]), name="copc-harness-endpoint")
+            self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        server, task = self._server, self._task  # episodes starting together all wait for it
         for _ in range(3000):
             if server.started:
-                break
-            if self._task.done():
-                raise RuntimeError(f"the harness endpoint did not start: {self._task.exception()!r}")
+                return self
+            if task.done():
+                raise RuntimeError(f"the harness endpoint did not start: {task.exception()!r}")
             await asyncio.sleep(0.01)
-        else:
-            raise RuntimeError("the harness endpoint did not start within 30 s")
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        return self
+        raise RuntimeError("the harness endpoint did not start within 30 s")
 
     def close(self) -> None:
         """Stop serving (idempotent; from any thread: the server's loop finishes it, or it went with
