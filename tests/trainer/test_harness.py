@@ -106,6 +106,9 @@ def test_openai_agent_episode_is_the_sampled_tokens(chat_model_tok):
     mask = torch.tensor(tr.loss_mask, dtype=torch.bool)
     assert (lp - torch.tensor(tr.logp_mu))[mask].abs().max().item() < 1e-5
     assert {v for v, m in zip(tr.versions, tr.loss_mask, strict=True) if m} == {3}
+    # where the time went: the engine's calls, the agent's side, the endpoint's own work
+    assert all(isinstance(tr.info[k], float) and tr.info[k] >= 0 for k in ("llm_s", "env_s", "other_s"))
+    assert tr.info["llm_s"] > 0 and tr.info["env_s"] > 0
 
 
 EDITING_AGENT = '''

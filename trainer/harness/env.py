@@ -181,6 +181,7 @@ def _trajectory(ep: Episode, sid: Any, gid: Any, outcome: Any, raised: str, time
     if tr is None:
         tr = Trajectory(prompt_ids=[], sample_id=sid, group_id=gid)
     tr.info.update(harness_calls=ep.calls, harness_history_edits=ep.edits, tool_calls=ep.tool_calls)
+    ep.stamp_time(tr.info)
     failure = ep.failure
     if failure.startswith(FinishReason.ENGINE_ERROR.value):
         tr.finish_reason = failure

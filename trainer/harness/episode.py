@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..engines.base import EngineError, InferenceEngine, SamplingParams
 from ..rollout.agent_loop import AgentLoopConfig, generate_with_retries
 from ..rollout.observation import ChatTurns
+from ..rollout.timing import EpisodeClock
 from ..rollout.trajectory import FinishReason, Trajectory, finish_text
 from .wire import (
     RequestError,
@@ -79,6 +81,8 @@ class Episode:
         self._tools = ""
         self._pending: list[int] = []
         self._last_token: int | None = None
+        self.clock = EpisodeClock()
+        self._inside_s = 0.0  # seconds inside complete() (the endpoint's own time, generation included)
         self._lock = asyncio.Lock()
 
     async def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -92,42 +96,60 @@ class Episode:
             EpisodeInfraError: the engine failed (``503``); the episode ends ``engine_error``.
         """
         async with self._lock:  # calls of one episode are answered one at a time
-            if self.failure.startswith(FinishReason.ENGINE_ERROR.value):
-                raise EpisodeInfraError(self.failure)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("messages: must be a non-empty list")
-            norm = [normalize_message(m) for m in messages]
-            tools = body.get("tools") or None
-            ctx = self._context(messages, norm, tools)
-            if self.calls >= self.cfg.max_turns:
-                self._limit(FinishReason.MAX_TURNS)
-                raise RequestError(f"the episode's max_turns={self.cfg.max_turns} calls are used up")
-            budget = self.cfg.max_total_tokens - len(ctx)
-            if budget < 1:
-                self._limit(FinishReason.MAX_TOTAL_TOKENS)
-                raise RequestError(f"context_length_exceeded: {len(ctx)} tokens, the episode's "
-                                   f"max_total_tokens is {self.cfg.max_total_tokens}")
-            params = self._params(body, budget)
+            t0 = time.perf_counter()
             try:
+                return await self._complete(body)
+            finally:
+                self._inside_s += time.perf_counter() - t0
+
+    def stamp_time(self, info: dict[str, Any]) -> None:
+        """Write the episode's time split into ``info`` (:class:`~trainer.rollout.timing.EpisodeClock`):
+        ``llm_s`` the engine's calls, ``other_s`` the endpoint's own work (rendering, parsing), ``env_s``
+        everything else of the episode's wall time: the agent's side (its tools, its logic, the HTTP
+        round trips)."""
+        wall = sum(self.clock.split()[k] for k in ("llm_s", "env_s", "other_s"))
+        self.clock.env_s = max(0.0, wall - self._inside_s)
+        self.clock.stamp(info)
+
+    async def _complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`complete` under the episode's lock."""
+        if self.failure.startswith(FinishReason.ENGINE_ERROR.value):
+            raise EpisodeInfraError(self.failure)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages: must be a non-empty list")
+        norm = [normalize_message(m) for m in messages]
+        tools = body.get("tools") or None
+        ctx = self._context(messages, norm, tools)
+        if self.calls >= self.cfg.max_turns:
+            self._limit(FinishReason.MAX_TURNS)
+            raise RequestError(f"the episode's max_turns={self.cfg.max_turns} calls are used up")
+        budget = self.cfg.max_total_tokens - len(ctx)
+        if budget < 1:
+            self._limit(FinishReason.MAX_TOTAL_TOKENS)
+            raise RequestError(f"context_length_exceeded: {len(ctx)} tokens, the episode's "
+                               f"max_total_tokens is {self.cfg.max_total_tokens}")
+        params = self._params(body, budget)
+        try:
+            with self.clock.llm():
                 res = await generate_with_retries(self.engine, ctx, params, self.cfg)
-            except EngineError as e:
-                self.failure = finish_text(FinishReason.ENGINE_ERROR, str(e))
-                raise EpisodeInfraError(self.failure) from e
-            if self._chat is not None and self.trajectory is not None and not self.edits:
-                if self.calls:
-                    self.trajectory.append_observation_tokens(self._pending)
-                self.trajectory.append_model_tokens(res.token_ids, res.logprobs, res.versions)
-            self.calls += 1
-            if res.finish_reason == "length" and len(res.token_ids) >= budget:
-                self._limit(FinishReason.MAX_TOTAL_TOKENS)  # cut by the episode's budget: no reward
-            text = self.tok.decode(res.token_ids, skip_special_tokens=True)
-            msg = assistant_message(text, self.tool_format, f"call_{self.calls}")
-            self.tool_calls += len(msg.get("tool_calls") or ())
-            self._known = [*norm, normalize_message(msg)]
-            self._last_token = res.token_ids[-1] if res.token_ids else None
-            return completion(msg, res.finish_reason, str(body.get("model") or "copc-policy"),
-                              f"chatcmpl-{self.calls}", len(ctx), len(res.token_ids))
+        except EngineError as e:
+            self.failure = finish_text(FinishReason.ENGINE_ERROR, str(e))
+            raise EpisodeInfraError(self.failure) from e
+        if self._chat is not None and self.trajectory is not None and not self.edits:
+            if self.calls:
+                self.trajectory.append_observation_tokens(self._pending)
+            self.trajectory.append_model_tokens(res.token_ids, res.logprobs, res.versions)
+        self.calls += 1
+        if res.finish_reason == "length" and len(res.token_ids) >= budget:
+            self._limit(FinishReason.MAX_TOTAL_TOKENS)  # cut by the episode's budget: no reward
+        text = self.tok.decode(res.token_ids, skip_special_tokens=True)
+        msg = assistant_message(text, self.tool_format, f"call_{self.calls}")
+        self.tool_calls += len(msg.get("tool_calls") or ())
+        self._known = [*norm, normalize_message(msg)]
+        self._last_token = res.token_ids[-1] if res.token_ids else None
+        return completion(msg, res.finish_reason, str(body.get("model") or "copc-policy"),
+                          f"chatcmpl-{self.calls}", len(ctx), len(res.token_ids))
 
     def _context(self, messages: list, norm: list[tuple], tools: Any) -> list[int]:
         """The ids to generate from: the first call's rendering, the known ids extended by the new
