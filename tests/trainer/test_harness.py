@@ -23,6 +23,7 @@ from scripted import scripted
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.harness.env import HarnessEnv, reward_of
+from trainer.harness.wire import assistant_message
 from trainer.logprobs import sequence_logprobs
 from trainer.models.tiny import TinyModelConfig, build_tiny_model
 from trainer.rollout.agent_loop import AgentLoopConfig
@@ -247,3 +248,28 @@ def test_reward_of_and_settings():
     with pytest.raises(ValueError, match=r"HarnessEnv.timeout_s=0: must be a number > 0"):
         HarnessEnv(agent=AGENT, timeout_s=0)
     assert json.loads(json.dumps(TOOLS))[0]["function"]["name"] == "add"
+
+
+def test_budgets_end_the_episode_without_reward(chat_model_tok):
+    model, tok = chat_model_tok
+    # the agent's third call is refused (400): the episode ends max_turns, reward 0, not an agent bug
+    tr = play(model, tok, cfg=AgentLoopConfig(max_turns=2))
+    assert (tr.finish_reason, tr.reward, tr.turns, tr.env_failed) == ("max_turns", 0.0, 2, False)
+    # the episode's token budget runs out in the second turn (the prompt alone is ~760 tokens)
+    limit = len(play(model, tok).prompt_ids) + 40
+    tr = play(model, tok, cfg=AgentLoopConfig(max_total_tokens=limit))
+    assert (tr.finish_reason, tr.reward, tr.env_failed) == ("max_total_tokens", 0.0, False)
+    assert 1 <= tr.turns < 3 and len(tr.prompt_ids) + len(tr.response_ids) <= limit
+
+
+def test_openai_format_tool_calls_and_malformed_calls():
+    call = ('{"tool_calls": [{"id": "x", "type": "function", '
+            '"function": {"name": "add", "arguments": "{\\"a\\": 1}"}}]}')
+    msg = assistant_message(call, "openai", "call_1")
+    assert msg == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}
+    hermes = 'I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert assistant_message(hermes, "hermes", "call_2")["content"] == "I will add."
+    broken = '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'  # invalid JSON: kept as text
+    assert assistant_message(broken, "hermes", "call_3") == {"role": "assistant", "content": broken}
+    assert assistant_message("25", "openai", "call_4") == {"role": "assistant", "content": "25"}
