@@ -52,6 +52,8 @@ GROUPS: tuple[Group, ...] = (
     Group("env", "serve an env over OpenEnv: copc env serve --env NAME --port N", "environments.remote.cli"),
     Group("model", "pretrained models: copc model pull NAME (then model.path: NAME / --model NAME), "
           "copc model list", "trainer.models.pull.cli"),
+    Group("view", "trajectory viewer: copc view RUN_OR_EVAL_DIR [--out FILE.html] [--serve]",
+          "trainer.outputs.viewer.cli"),
 )
 
 

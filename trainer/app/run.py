@@ -33,12 +33,14 @@ from ..models.lora import adapter_of
 from ..orchestration.launchers import LaunchSpec, launch
 from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
 from ..orchestration.rollouts import LoopHooks
+from ..orchestration.samples import step_samples
 from ..orchestration.state import LoopState
 from ..outputs.checkpoint import CheckpointManager, rng_state
 from ..outputs.lock import lock_output_dir
 from ..outputs.metrics_log import write_summary
 from ..outputs.progress import TrainProgress
 from ..outputs.report import print_report
+from ..outputs.viewer.samples import write_step_samples
 from .context import RunContext, build_context, initial_model_dir
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,15 @@ class RunHooks(LoopHooks):
             scalars["staleness/hist"] = np.bincount(np.asarray(per_token, dtype=np.int64)).tolist()
         self.ctx.logger.log(step, scalars)
         self.progress.update(step, scalars, time.time() - self.t0)
+
+    def on_trained(self, step: int, trajs: list, learner: Any) -> None:
+        """Write ``logging.samples_per_step`` of the step's episodes with their per-token tensors to
+        ``samples/step_N.jsonl`` (:func:`~trainer.orchestration.samples.step_samples`), capped at
+        ``logging.samples_max_bytes``."""
+        log_cfg = self.ctx.cfg.logging
+        if log_cfg.samples_per_step:
+            recs = step_samples(step, trajs, learner, self.ctx.tokenizer, log_cfg.samples_per_step)
+            write_step_samples(self.ctx.cfg.output_dir, step, recs, log_cfg.samples_max_bytes)
 
     def save_checkpoint(self, step: int, loop_state: dict) -> bool:
         """Write checkpoint ``step``: learner, loop state, RNG states, trained draws, summary."""

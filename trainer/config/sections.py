@@ -437,11 +437,30 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics JSONL (always), TensorBoard, end-of-run PNG plots, live progress bar."""
+    """Metrics JSONL (always), TensorBoard, end-of-run PNG plots, live progress bar, and the
+    per-step training samples that ``copc view`` shows.
+
+    Attributes:
+        samples_per_step: trained episodes per step written with their per-token tensors (loss
+            mask, advantage, ratio ρ = π_old/µ, the channels' intervals) to
+            ``samples/step_N.jsonl`` in the run directory (:mod:`trainer.outputs.viewer.samples`);
+            0: none.
+        samples_max_bytes: the most bytes one step's sample file may hold (episodes beyond it
+            are left out; one episode larger than it is cut to its first tokens).
+    """
 
     tensorboard: bool = True
     plots: bool = True
     progress: bool = True
+    samples_per_step: int = 4
+    samples_max_bytes: int = 262144
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(self.samples_per_step >= 0, "logging.samples_per_step", self.samples_per_step,
+                 "must be >= 0")
+        _require(self.samples_max_bytes >= 4096, "logging.samples_max_bytes", self.samples_max_bytes,
+                 "must be >= 4096")
 
 
 @dataclass

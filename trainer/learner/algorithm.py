@@ -387,6 +387,9 @@ class TemplateLearner(abc.ABC):
     actor_opt: Any
     critic_opt: Any
     steps_done: int
+    #: the last :meth:`step`'s :class:`StepInputs` (``logp_old``, ``advantages``: ``(B, T)``, rows
+    #: in batch order, before the update); read by ``copc train``'s per-step samples.
+    last_step_inputs: StepInputs | None = None
 
     @property
     def policy_version(self) -> int:
@@ -409,6 +412,7 @@ class TemplateLearner(abc.ABC):
         x, metrics = self.algorithm.advantages(batch, logp_old, values_old,
                                                self.policy_version if version is None else version,
                                                steps_done=self.steps_done)
+        self.last_step_inputs = x  # the step's per-token tensors, for the run's training samples
         updates, update_actor = self.algorithm.mini_batch_updates(
             batch, x, self.steps_done, has_critic=self.critic is not None, update=self.update)
         lr = self.schedule(update_actor)

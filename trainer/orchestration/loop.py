@@ -308,6 +308,9 @@ class AsyncTrainingLoop:
         wait_s = time.perf_counter() - t_wait
         trajs = [t for g in groups for t in g.trajs]
         metrics = await self._learner_step(to_batch(trajs, self.cfg.pad_token_id))
+        t_samples = time.perf_counter()
+        self.hooks.on_trained(st.step + 1, trajs, self.learner)
+        metrics["perf/samples_s"] = time.perf_counter() - t_samples
         t_sync = time.perf_counter()
         await strategy.before_new_version(self)
         st.version += 1

@@ -69,6 +69,10 @@ class LoopHooks:
     def on_step(self, step: int, metrics: dict, uids: list[int]) -> None:
         """Called after step ``step`` with its metrics and the prompt draws it trained."""
 
+    def on_trained(self, step: int, trajs: list[Trajectory], learner: Any) -> None:
+        """Called right after the learner trained step ``step`` on ``trajs`` (batch order), before
+        :meth:`on_step`; ``copc train`` writes the step's training samples here."""
+
     def save_checkpoint(self, step: int, loop_state: dict) -> bool:
         """Write a checkpoint of step ``step`` (``loop_state``: :meth:`LoopState.checkpoint
         <trainer.orchestration.state.LoopState.checkpoint>` output); return whether one was
