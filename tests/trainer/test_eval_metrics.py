@@ -167,6 +167,8 @@ def test_summarize_math_excludes_and_counts_failures():
         assert low <= s[m] <= high
     assert s["mean_turns"] == pytest.approx((7 * 1 + 4 * 3) / 11)
     assert s["mean_tool_calls"] == pytest.approx(8 / 11)
+    assert s["tool_call_rate"] == pytest.approx(4 / 11)  # q3's 4 scored episodes called a tool
+    assert s["answer_rate"] == pytest.approx(1.0)
     assert s["mean_response_tokens"] == pytest.approx(10.0)
     assert s["finish/stop"] == pytest.approx(10 / 11) and s["finish/length"] == pytest.approx(1 / 11)
     assert "finish/error" not in s and s["failed/error"] == 5

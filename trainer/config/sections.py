@@ -196,6 +196,8 @@ class RolloutConfig:
         observation_role: with ``use_chat_template``, ``""`` puts a tag-format environment's
             replies inline in the model's turn; ``user`` / ``tool`` makes each a chat turn of that
             role (:class:`~trainer.rollout.agent_loop.AgentLoopConfig`).
+        stop: extra stop strings ending every model turn, after the environment's own (a
+            few-shot prompt's example separator, e.g. ``["\nProblem:"]``).
     """
 
     engine: str = "embedded"
@@ -213,9 +215,12 @@ class RolloutConfig:
     use_chat_template: bool = False
     system_prompt: str = ""
     observation_role: str = ""
+    stop: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
+        _require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop),
+                 "rollout.stop", self.stop, "must be a list of non-empty strings")
         _require(self.observation_role in ("", "user", "tool"), "rollout.observation_role",
                  self.observation_role, "must be '' (inline), 'user' or 'tool'")
         for k in ("system_prompt", "observation_role"):

@@ -210,6 +210,57 @@ def resolve_benchmark(ref: str) -> BenchmarkSpec:
     return BenchmarkSpec(name=file.stem, env=env, data=str(file), kind=kind or infer_kind(file))
 
 
+#: ``task.env_kwargs`` keys that choose rows, never applied to a benchmark (its rows are its own).
+ROW_SOURCE_KEYS = ("dataset", "data_dir", "limit")
+
+
+def _merged(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top`` over it; a mapping in both is merged key by key (recursively)."""
+    out = dict(base)
+    for key, value in top.items():
+        old = out.get(key)
+        out[key] = _merged(old, value) if isinstance(old, Mapping) and isinstance(value, Mapping) else value
+    return out
+
+
+def with_task_env_kwargs(spec: BenchmarkSpec, task_env: str, env_kwargs: Mapping[str, Any]) -> BenchmarkSpec:
+    """``spec`` played with the experiment config's environment settings.
+
+    A benchmark on the config's own environment (``task.env``, compared as registered ids) is
+    built with ``task.env_kwargs`` (the prompt template, tool format, limits, top-k a model was
+    trained or tuned with: ``configs/eval/*.yaml``), less the row-source keys
+    :data:`ROW_SOURCE_KEYS`; the benchmark's own ``env_kwargs`` are merged over them (they define
+    the benchmark: the math benchmarks' ``reward.mode: math_verify`` stays). A benchmark on another
+    environment is returned unchanged.
+
+    Args:
+        spec: the benchmark. task_env: ``task.env``. env_kwargs: ``task.env_kwargs``.
+
+    Returns:
+        ``spec``, or a copy with the merged ``env_kwargs`` (so ``eval_settings.json`` records them).
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError, KeyError: an environment does not resolve
+            (see :func:`environments.resolve`).
+    """
+    if not task_env_applies(spec, task_env, env_kwargs):
+        return spec
+    kwargs = {k: v for k, v in env_kwargs.items() if k not in ROW_SOURCE_KEYS}
+    return dataclasses.replace(spec, env_kwargs=_merged(kwargs, spec.env_kwargs))
+
+
+def task_env_applies(spec: BenchmarkSpec, task_env: str, env_kwargs: Mapping[str, Any]) -> bool:
+    """Whether :func:`with_task_env_kwargs` changes ``spec``: ``env_kwargs`` has a key besides
+    :data:`ROW_SOURCE_KEYS` and ``spec.env`` is ``task_env`` (as registered ids).
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError, KeyError: see :func:`environments.resolve`.
+    """
+    if not any(k not in ROW_SOURCE_KEYS for k in env_kwargs):
+        return False
+    return environments.resolve(spec.env) == environments.resolve(task_env)
+
+
 def load_rows(spec: BenchmarkSpec, data_dir: str = "", max_samples: int = 0) -> list[dict[str, Any]]:
     """The benchmark's rows, read by its kind (:meth:`~trainer.evaluate.kinds.BenchmarkKind.load_rows`:
     ``qa`` with :func:`environments.search.env.load_qa`, ``math`` with
@@ -402,5 +453,6 @@ class BenchmarkServices:
         self.close()
 
 
-__all__ = ["BENCHMARKS", "DEFAULT_INDEX_DIR", "BenchmarkServices", "BenchmarkSpec", "benchmark_names",
-           "infer_kind", "load_rows", "register_benchmark", "resolve_benchmark", "service_of"]
+__all__ = ["BENCHMARKS", "DEFAULT_INDEX_DIR", "ROW_SOURCE_KEYS", "BenchmarkServices", "BenchmarkSpec",
+           "benchmark_names", "infer_kind", "load_rows", "register_benchmark", "resolve_benchmark",
+           "service_of", "task_env_applies", "with_task_env_kwargs"]

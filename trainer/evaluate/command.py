@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import datetime
 import json
 from pathlib import Path
@@ -139,17 +138,13 @@ def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[A
         ConfigError: naming ``--benchmarks`` (unknown, duplicate name, missing file, rows the
             kind cannot read) or ``eval.kind_settings.<kind>.<key>`` (a setting the kind rejects).
     """
-    from .benchmarks import BENCHMARKS, load_rows, resolve_benchmark
+    from .benchmarks import load_rows, resolve_benchmark, with_task_env_kwargs
 
     out: list[tuple[Any, Any, list[dict]]] = []
     names: set[str] = set()
     for ref in [b.strip() for b in args.benchmarks.split(",") if b.strip()]:
         try:
-            spec = resolve_benchmark(ref)
-            user = ref not in BENCHMARKS and not spec.env_kwargs
-            if user and spec.env == cfg.task.env and cfg.task.env_kwargs:
-                # a user benchmark on the config's environment gets its settings (the harness: the agent)
-                spec = dataclasses.replace(spec, env_kwargs=dict(cfg.task.env_kwargs))
+            spec = with_task_env_kwargs(resolve_benchmark(ref), cfg.task.env, cfg.task.env_kwargs)
             if spec.name in names:
                 raise ValueError(f"a benchmark named {spec.name!r} is already in the list (each name once; "
                                  "rename a user file whose stem clashes)")
@@ -268,7 +263,8 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
 async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
                benchmarks: list[tuple[Any, Any, list[dict]]], record: dict) -> dict:
     """Start the benchmarks' services and the engine, play every benchmark, write the report."""
-    from .benchmarks import BenchmarkServices
+    from ..tasks.base import check_env_settings
+    from .benchmarks import BenchmarkServices, task_env_applies
     from .records import RESULTS_FILE, RecordWriter, latest_records, read_results
 
     done = latest_records(read_results(out / RESULTS_FILE)) if args.resume else {}
@@ -287,6 +283,9 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
     try:
         await asyncio.to_thread(services.start)
         for spec, _, rows in benchmarks:  # before anything is written: rows the env cannot read
+            if task_env_applies(spec, cfg.task.env, cfg.task.env_kwargs):  # bad task.env_kwargs, named
+                await asyncio.to_thread(check_env_settings, services.env_factory(spec), spec.env,
+                                        cfg.task.env_kwargs)
             await asyncio.to_thread(_probe, services.env_factory(spec), spec, rows)
         (out / SETTINGS_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
         writer = RecordWriter(out / RESULTS_FILE, append=True)
@@ -373,6 +372,10 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
 
         args = argparse.Namespace(**{**vars(args), "model": resolve_model_path(args.model, "--model")})
     cfg = _experiment_config(args)
+    if cfg.train.torch_threads:  # as copc train: 1 on a busy 2-core machine (docs/evaluation.md)
+        import torch
+
+        torch.set_num_threads(cfg.train.torch_threads)
     from ..rollout.agent_loop import AgentLoopConfig
     from .records import RESULTS_FILE
     from .runner import EvalSettings

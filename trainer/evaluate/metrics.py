@@ -60,11 +60,16 @@ def group_by_question(records: Sequence[Record]) -> tuple[list[list[Record]], in
 
 def episode_statistics(scored: Sequence[Record], failed: Sequence[Record]) -> dict[str, Any]:
     """``mean_turns`` / ``mean_tool_calls`` / ``mean_response_tokens`` (over the scored records
-    carrying the number), ``finish/<reason>`` (fraction of scored records; the part of
-    ``finish_reason`` before ``':'``, ``unknown`` when absent) and ``failed/<reason>`` (counts)."""
+    carrying the number), ``tool_call_rate`` (fraction of those with at least one tool call),
+    ``answer_rate`` (fraction of scored records with an extracted ``answer``), ``finish/<reason>``
+    (fraction of scored records; the part of ``finish_reason`` before ``':'``, ``unknown`` when
+    absent) and ``failed/<reason>`` (counts)."""
     out: dict[str, Any] = {}
     for key in ("turns", "tool_calls", "response_tokens"):
         out[f"mean_{key}"] = _mean([float(r[key]) for r in scored if _number(r.get(key))])
+    calls = [float(r["tool_calls"] > 0) for r in scored if _number(r.get("tool_calls"))]
+    out["tool_call_rate"] = _mean(calls)
+    out["answer_rate"] = _mean([float(r.get("answer") is not None) for r in scored])
     reasons = Counter(split_finish(str(r.get("finish_reason") or "unknown"))[0] for r in scored)
     for reason in sorted(reasons):
         out[f"finish/{reason}"] = reasons[reason] / len(scored)

@@ -50,6 +50,9 @@ class AgentLoopConfig:
             put: ``""`` inline, inside the model's turn (Search-R1 / ReTool style); ``"user"`` or
             ``"tool"`` as a chat turn of that role (the model's turn closed by the template's
             end-of-turn text, then the generation prompt), the turns the template defines.
+        stop: extra strings that end every model turn, after the environment's own stop strings
+            (``rollout.stop``; e.g. ``"\nProblem:"``, where a few-shot prompt's next example
+            begins, so a small model stops after its answer instead of writing another problem).
     """
 
     max_total_tokens: int = 4096
@@ -60,6 +63,7 @@ class AgentLoopConfig:
     use_chat_template: bool = False
     system_prompt: str = ""
     observation_role: str = ""
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, exp: Any) -> AgentLoopConfig:
@@ -67,7 +71,7 @@ class AgentLoopConfig:
         r = exp.rollout
         return cls(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
                    max_observation_tokens=r.max_observation_tokens, use_chat_template=r.use_chat_template,
-                   system_prompt=r.system_prompt, observation_role=r.observation_role)
+                   system_prompt=r.system_prompt, observation_role=r.observation_role, stop=tuple(r.stop))
 
     def __post_init__(self) -> None:
         """Validate."""
@@ -79,6 +83,8 @@ class AgentLoopConfig:
                 raise ValueError(f"AgentLoopConfig.{k}={getattr(self, k)!r}: must be >= 1")
         if self.engine_retries < 0 or self.retry_backoff_s < 0:
             raise ValueError("AgentLoopConfig.engine_retries and retry_backoff_s must be >= 0")
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"AgentLoopConfig.stop={self.stop!r}: must be non-empty strings")
 
 
 def encode_prompt(tokenizer: Any, text: str, use_chat_template: bool, tools: Any = None,
@@ -201,7 +207,7 @@ async def _play(engine: InferenceEngine, env: Any, tokenizer: Any, sample: Mappi
     prompt_ids = chat.prompt_ids(prompt_text) if chat else encode_prompt(tokenizer, prompt_text, False)
     traj = Trajectory(prompt_ids=prompt_ids, sample_id=sid,
                       group_id=sid if group_id is None else group_id)
-    stop = tuple(dict.fromkeys((*sampling.stop, *getattr(env, "stop_strings", ()))))
+    stop = tuple(dict.fromkeys((*sampling.stop, *getattr(env, "stop_strings", ()), *cfg.stop)))
     for _ in range(cfg.max_turns):
         budget = cfg.max_total_tokens - len(traj.prompt_ids) - len(traj.response_ids)
         if budget < 1:

@@ -1,0 +1,75 @@
+"""The shipped SmolLM2 evaluation configs (configs/eval/smollm2_*.yaml) through ``copc eval``
+(issue 22 item 6): one greedy episode per benchmark kind with the pulled model, the real BM25
+retriever and the real sandbox. The episode must be well formed: the model calls the tool in
+its first turn, reads the real tool output, and its last turn gives an answer the environment
+parses (``<answer>`` / ``\\boxed{}``). The config's prompt (``task.env_kwargs``) and stop string
+(``rollout.stop``) must be what the benchmark was played with.
+
+Also, without a model: how ``task.env_kwargs`` reach a benchmark (``with_task_env_kwargs``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import main as cli_main
+from trainer.config import load_config
+from trainer.evaluate.benchmarks import resolve_benchmark, task_env_applies, with_task_env_kwargs
+from trainer.rollout.agent_loop import AgentLoopConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path("../shared/data").resolve()
+REALMODEL = "smollm2-135m-instruct"
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("config, benchmark, observation", [
+    ("smollm2_search.yaml", "nq", "<information>Doc 1(Title: "),
+    ("smollm2_math.yaml", "math500", "<interpreter>\n"),
+])
+def test_shipped_config_plays_a_well_formed_episode(realmodel_path, tmp_path, capsys, config, benchmark,
+                                                    observation):
+    out = tmp_path / "ev"
+    argv = ["eval", "--model", REALMODEL, "--config", str(ROOT / "configs/eval" / config), "--benchmarks",
+            benchmark, "--max-samples", "1", "--k", "1", "--temperature", "0", "--out", str(out),
+            "logging.progress=false", f"task.data_dir={DATA}",
+            f"task.retriever_index_dir={tmp_path / 'bm25'}"]
+    assert cli_main(argv) == 0, capsys.readouterr().err[-3000:]
+    (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert not rec["failed"] and rec["finish_reason"] == "terminated", rec
+    assert rec["tool_calls"] >= 1 and rec["turns"] == rec["tool_calls"] + 1, rec
+    assert rec["turns_text"][0]["observation"].lstrip("\n").startswith(observation.lstrip("\n")), rec
+    assert rec["answer"] is not None and rec["answer"].strip(), rec
+    # the config's few-shot prompt was the one played (plain text, no chat template)
+    cfg = load_config(str(ROOT / "configs/eval" / config), [])
+    assert rec["prompt"].startswith(cfg.task.env_kwargs["prompt_template"].split("{")[0][:40])
+    metrics = json.loads((out / "report.json").read_text())["benchmarks"][benchmark]
+    assert metrics["tool_call_rate"] == 1.0 and metrics["answer_rate"] == 1.0, metrics
+
+
+def test_task_env_kwargs_reach_the_benchmarks_of_the_same_env():
+    math500, nq = resolve_benchmark("math500"), resolve_benchmark("nq")
+    kwargs = {"prompt_template": "P: {problem}", "reward": {"mode": "dapo_strict", "timeout_s": 3.0},
+              "dataset": "math_train", "limit": 5}
+    got = with_task_env_kwargs(math500, "math_tool", kwargs)
+    # the benchmark's own settings win (its reward mode defines it); row sources never apply
+    assert got.env_kwargs == {"prompt_template": "P: {problem}",
+                              "reward": {"mode": "math_verify", "timeout_s": 3.0}}
+    assert got.name == "math500" and math500.env_kwargs == {"reward": {"mode": "math_verify"}}
+    assert with_task_env_kwargs(nq, "math_tool", kwargs) is nq  # another environment: unchanged
+    assert with_task_env_kwargs(nq, "search", {"dataset": "nq"}) is nq  # only row sources: unchanged
+    assert task_env_applies(nq, "search", {"topk": 1}) and not task_env_applies(nq, "math_tool", {"topk": 1})
+
+
+def test_no_tool_configs_keep_the_tool_config_budgets():
+    for tool, notool in (("smollm2_search.yaml", "smollm2_search_notool.yaml"),
+                         ("smollm2_math.yaml", "smollm2_math_notool.yaml")):
+        a, b = (load_config(str(ROOT / "configs/eval" / f), []) for f in (tool, notool))
+        assert b.task.env_kwargs["limits"]["max_turns"] == b.rollout.max_turns == 1
+        assert a.task.env_kwargs["prompt_template"] != b.task.env_kwargs["prompt_template"]
+        for key in ("max_new_tokens", "max_total_tokens", "use_chat_template", "stop", "temperature"):
+            assert getattr(a.rollout, key) == getattr(b.rollout, key), key
+        assert AgentLoopConfig.from_config(a).stop == tuple(a.rollout.stop)
