@@ -243,7 +243,7 @@ def test_unsupported_settings_are_refused_naming_the_key(pool, tiny, extra, tp, 
 
 
 def test_gradient_checkpointing_is_megatron_activation_recompute_with_the_same_gradients(pool, tiny):
-    """``model.gradient_checkpointing=true`` (set by the paper configs) turns on Megatron's full
+    """``learner.gradient_checkpointing=true`` (set by the paper configs) turns on Megatron's full
     recompute: each layer re-runs in the backward pass, and the step (metrics, actor and critic
     gradients, SGD-updated weights) is bit-identical to the step without recompute (TP = 2).
 
@@ -252,7 +252,7 @@ def test_gradient_checkpointing_is_megatron_activation_recompute_with_the_same_g
     recompute each of the 6 training passes re-runs the layer once more in backward = 18."""
     batch = multiturn_batch()
     plain_cfg = load_config(None, overrides("copc", "sgd"))
-    rc_cfg = load_config(None, overrides("copc", "sgd", **{"model.gradient_checkpointing": "true"}))
+    rc_cfg = load_config(None, overrides("copc", "sgd", **{"learner.gradient_checkpointing": "true"}))
     out = {}
     for key, cfg in (("plain", plain_cfg), ("recompute", rc_cfg)):
         build(pool, key, cfg, tiny, 2)

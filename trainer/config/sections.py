@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ..models.pull.store import resolve_model_path
 from .lora import CriticLoraSection, LoraSection, resolve_lora
 
@@ -23,6 +24,7 @@ MOVED_KEYS: dict[str, str] = {
     "rollout.sglang_dp": "rollout.engine_settings.dp (with rollout.engine: sglang)",
     "rollout.sglang_base_gpu_id": "rollout.engine_settings.base_gpu_id (with rollout.engine: sglang)",
     "rollout.sglang_mem_fraction": "rollout.engine_settings.mem_fraction (with rollout.engine: sglang)",
+    "model.gradient_checkpointing": "learner.gradient_checkpointing",
 }
 #: Keys that were removed: old dotted key → why (a config that sets one is refused).
 REMOVED_KEYS: dict[str, str] = {
@@ -102,14 +104,12 @@ class ModelConfig:
             ``tiny``.
         dtype: ``float32`` | ``bfloat16`` (parameters).
         attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2``.
-        gradient_checkpointing: trade compute for memory in the learner.
     """
 
     path: str = ""
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
     dtype: str = "float32"
     attn_implementation: str = "eager"
-    gradient_checkpointing: bool = False
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value; resolve ``path``
@@ -491,6 +491,12 @@ class LearnerSection:
             cross-backend parity checks, where Adam amplifies rounding differences).
         timeout_s: seconds a collective or a rank's reply may take before the run fails
             (a crashed or hung rank raises in the driver instead of hanging it).
+        gradient_checkpointing: activation checkpointing of the actor's and the critic's decoder
+            layers (recomputed in backward instead of kept: less memory, ~1/3 more compute per
+            update; ``megatron``: its full activation recompute).
+        logprob_chunk_tokens: tokens whose logits the LM head computes at a time for the actor's
+            log-probs (``torch`` / ``fsdp``: the full-vocabulary logits are never held; peak
+            extra memory ~3 × chunk × vocabulary × 4 bytes), >= 1.
         backend_settings: the backend's own settings, validated by the settings dataclass it
             was registered with (none of the built-in backends has any yet); empty: defaults.
         lora: the actor's LoRA adapter (:class:`~trainer.config.lora.LoraSection`: ``rank``,
@@ -514,6 +520,8 @@ class LearnerSection:
     cpu_offload: bool = False
     optimizer: str = "adamw"
     timeout_s: float = 1800.0
+    gradient_checkpointing: bool = False
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     backend_settings: dict[str, Any] = field(default_factory=dict)
     lora: LoraSection | None = None
     critic_lora: CriticLoraSection | None = None
@@ -550,6 +558,8 @@ class LearnerSection:
                  "must be 'adamw' or 'sgd'")
         _require(self.timeout_s > 0, "learner.timeout_s", self.timeout_s, "must be > 0")
         self.lora_settings()
+        _require(isinstance(self.logprob_chunk_tokens, int) and self.logprob_chunk_tokens >= 1,
+                 "learner.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an int >= 1")
 
     def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
         """Check the rank layout against the backend's capability metadata (called by

@@ -371,7 +371,7 @@ class TemplateLearner(abc.ABC):
     :meth:`schedule` (learning rates) → version + 1 → metrics. :meth:`update` is
     ``zero_grad`` → :meth:`backward` (the backend's micro-batch passes, metrics of every rank) →
     the optimizer's ``step`` (clip + update); micro-batch losses come from :meth:`micro_loss`
-    over the forward hooks :meth:`logprobs` / :meth:`values`.
+    over the forward hooks :meth:`logprobs` (through :meth:`logprobs_and_entropy`) / :meth:`values`.
 
     A subclass sets ``algorithm`` (:class:`ActorCriticAlgorithm`), ``cfg``
     (:class:`~trainer.learner.settings.LearnerConfig`), ``actor`` / ``critic`` (None without a
@@ -448,6 +448,12 @@ class TemplateLearner(abc.ABC):
     def values(self, mb: RolloutBatch) -> Tensor:
         """``(b, T)`` float32 critic values of a micro-batch (with grad)."""
 
+    def logprobs_and_entropy(self, mb: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+        """:meth:`logprobs` and, when the backend computes it, the ``(b, T)`` float32 entropy (nats)
+        of the actor's distribution at each response token (for the ``actor/entropy`` metric only;
+        the loss does not use it). Default: no entropy."""
+        return self.logprobs(mb), None
+
     def update(self, role: str, mini: RolloutBatch, x: StepInputs, den: MiniBatchDenominators,
                acc: MetricAccumulator) -> None:
         """One optimizer update of ``role`` (``"actor"`` | ``"critic"``) on mini-batch ``mini``:
@@ -475,10 +481,15 @@ class TemplateLearner(abc.ABC):
     def micro_loss(self, role: str, mb: RolloutBatch, x: StepInputs, den: MiniBatchDenominators
                    ) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch (a share of the mini-batch loss) and its metrics: the policy
-        loss (+ ``actor/total_loss``) for ``"actor"``, the value loss for ``"critic"``."""
+        loss (+ ``actor/total_loss``, and ``actor/entropy`` when the backend computes the entropy:
+        :func:`entropy_metric`) for ``"actor"``, the value loss for ``"critic"``."""
         if role == "actor":
-            loss, met = self.algorithm.policy_loss(self.logprobs(mb), mb, x, den)
-            return loss, {**met, "actor/total_loss": float(loss.detach())}
+            logp, entropy = self.logprobs_and_entropy(mb)
+            loss, met = self.algorithm.policy_loss(logp, mb, x, den)
+            met = {**met, "actor/total_loss": float(loss.detach())}
+            if entropy is not None:
+                met["actor/entropy"] = entropy_metric(entropy, mb.loss_mask)
+            return loss, met
         return self.algorithm.value_loss(self.values(mb), mb, x, den)
 
     def models(self) -> list[tuple[str, Any, Any]]:
@@ -487,6 +498,14 @@ class TemplateLearner(abc.ABC):
         if self.critic is not None:
             out.append(("critic", self.critic, self.critic_opt))
         return out
+
+
+def entropy_metric(entropy: Tensor, loss_mask: Tensor) -> float:
+    """Mean per-token entropy (nats) over the action tokens of a micro-batch (0 without any); the
+    step's ``actor/entropy`` is its action-token-weighted mean over micro-batches
+    (:class:`~trainer.learner.step_metrics.MetricAccumulator`)."""
+    m = loss_mask.bool()
+    return float(entropy.detach()[m].mean()) if m.any() else 0.0
 
 
 def _input_rows(x: copc.AdvantageInputs, rows: Tensor) -> copc.AdvantageInputs:

@@ -5,8 +5,9 @@
   the linear warm-up (``train.*``). Every backend builds its optimizers and schedules from it
   (:mod:`trainer.learner.optim`; Megatron's own optimizer on GPU); none reads the config itself.
 * :class:`LearnerConfig` — the step settings (mini-batches, micro-batch size, critic warm-up,
-  sampling temperature, seed) plus the :class:`OptimizerSettings` and the LoRA adapters of the
-  actor and the critic (:class:`~trainer.models.lora.LoraSettings`, None: full fine-tuning).
+  sampling temperature, seed, log-prob chunk size) plus the :class:`OptimizerSettings` and the LoRA
+  adapters of the actor and the critic (:class:`~trainer.models.lora.LoraSettings`, None: full
+  fine-tuning).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ..models.lora import LoraSettings
 
 #: ``learner.optimizer`` values.
@@ -98,6 +100,11 @@ class LearnerConfig:
         seed: mini-batch permutation seed.
         lora / critic_lora: the actor's / critic's LoRA adapter (``learner.lora`` /
             ``learner.critic_lora``), None: the model is fully fine-tuned.
+        logprob_chunk_tokens: tokens whose logits the LM head computes at a time in the actor's
+            log-probs (``learner.logprob_chunk_tokens``; :mod:`trainer.models.chunked_logprobs`).
+
+    Raises:
+        ValueError: ``logprob_chunk_tokens`` not an int >= 1 (naming the key).
     """
 
     optim: OptimizerSettings = field(default_factory=OptimizerSettings)
@@ -108,13 +115,21 @@ class LearnerConfig:
     seed: int = 0
     lora: LoraSettings | None = None
     critic_lora: LoraSettings | None = None
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        n = self.logprob_chunk_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"learner.logprob_chunk_tokens={n!r}: must be an int >= 1")
 
     @classmethod
     def from_config(cls, exp: Any) -> LearnerConfig:
         """From an :class:`~trainer.config.ExperimentConfig` (``train``, ``learner.optimizer``,
-        ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature``)."""
+        ``learner.lora`` / ``learner.critic_lora``, ``learner.logprob_chunk_tokens`` and
+        ``rollout.temperature``)."""
         t = exp.train
         lora, critic_lora = exp.learner.lora_settings()
         return cls(optim=OptimizerSettings.from_config(exp), critic_warmup_steps=t.critic_warmup_steps,
                    num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
-                   temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora)
+                   temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
+                   logprob_chunk_tokens=exp.learner.logprob_chunk_tokens)

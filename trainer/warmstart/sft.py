@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..models.lm_head import token_scores
 from ..rollout.agent_loop import AgentLoopConfig, encode_prompt, observation_ids
 from ..rollout.observation import ChatTurns
 from ..rollout.trajectory import NO_VERSION, Trajectory
@@ -105,36 +106,20 @@ def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Ten
                       loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats per token) over positions with ``loss_mask == 1``.
 
-    Token ``i`` is predicted from the logits at ``i - 1``. Args are ``(B, L)`` int64 tensors
-    (right padding); returns a scalar float32 tensor (differentiable). The output head is applied
-    only at the predicting positions of loss tokens (:func:`masked_logits`): with long tool
-    observations, most positions need no logits.
+    Token ``i`` is predicted from the model's distribution at ``i - 1``. Args are ``(B, L)`` int64
+    tensors (right padding); returns a scalar float32 tensor (differentiable). The output head is
+    applied only at the predicting positions of loss tokens, in chunks of tokens
+    (:func:`trainer.models.lm_head.token_scores` at temperature 1): with long tool observations,
+    most positions need no logits, and the ``(N, V)`` logits of the others are never held at once.
+
+    Raises:
+        ValueError: a model the chunked head cannot score (:func:`trainer.models.lm_head.output_head`).
     """
-    m = loss_mask[:, 1:].bool()
-    logits = masked_logits(model, ids, attn, m)
-    nll = torch.nn.functional.cross_entropy(logits, ids[:, 1:][m], reduction="sum")
-    return nll / m.sum().clamp(min=1)
-
-
-def masked_logits(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
-                  keep: torch.Tensor) -> torch.Tensor:
-    """Float32 logits ``(N, V)`` of the positions ``i`` (predicting token ``i + 1``) where
-    ``keep[:, i]`` is true, ``N = keep.sum()``, in row-major order.
-
-    A ``transformers`` causal LM with a ``base_model`` and an output embedding is run as
-    ``head(base_model(...).last_hidden_state[keep])`` (the same numbers as the full logits at those
-    positions, for heads without logit soft-capping or scaling: Qwen2 / Llama); any other model
-    computes the full ``(B, L, V)`` logits and selects.
-
-    Args:
-        model: causal LM. ids / attn: ``(B, L)`` int64. keep: ``(B, L - 1)`` bool.
-    """
-    base, head = getattr(model, "base_model", None), model.get_output_embeddings()
-    arch = type(model).__name__
-    if base is None or base is model or head is None or not arch.startswith(("Qwen2", "Llama")):
-        return model(input_ids=ids, attention_mask=attn).logits[:, :-1][keep].float()
-    hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
-    return head(hidden[keep]).float()
+    keep = loss_mask.bool().clone()
+    keep[:, 0] = False  # nothing predicts the first token
+    pos = (attn.long().cumsum(1) - 1).clamp(min=0)
+    logp, _ = token_scores(model, ids, attn, pos, keep)
+    return -logp.sum() / keep.sum().clamp(min=1)
 
 
 def _check_sft_args(traces: Sequence[Any], steps: Any, batch_size: Any, lr: Any, schedule: str) -> None:

@@ -18,13 +18,18 @@ every mini-batch split over the data-parallel ranks in the hooks:
 * metrics of every rank's micro-batches are all-gathered and combined by the same
   :class:`~trainer.learner.step_metrics.MetricAccumulator` rules.
 
-Forward passes (:func:`~trainer.learner.backends.torch.response_logprobs`,
+Forward passes (:func:`~trainer.learner.backends.torch.response_scores`,
 :func:`~trainer.learner.backends.torch.mb_values`) and the critic
-(:class:`~trainer.learner.critic.ValueModel`) are the torch backend's; no RL maths here.
+(:class:`~trainer.learner.critic.ValueModel`) are the torch backend's; no RL maths here. The
+actor's log-probs run the decoder and the chunked LM head directly, not the model's ``forward``;
+they are registered as an FSDP forward method of the root unit (:data:`SCORES_FORWARD`), so the
+root's parameters (embeddings, final norm, LM head) are all-gathered for them and their gradients
+reduce-scattered after backward, as for ``forward``.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,11 +46,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 import copc
 
+from ...models.lm_head import check_output_head, token_scores
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
 from ..critic import ValueModel
@@ -54,12 +66,15 @@ from ..distributed.collectives import all_gather_objects
 from ..distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
-from .torch import TransformersForward
+from .torch import TransformersForward, enable_activation_checkpointing
 
 Tensor = torch.Tensor
 
 #: DCP sub-directory and the small (replicated) state file inside a rank learner's save directory.
 DCP_DIR, SMALL_STATE = "dcp", "learner_state.pt"
+#: The sharded actor's attribute that runs :func:`~trainer.models.lm_head.token_scores` on it as an
+#: FSDP forward method (``register_fsdp_forward_method``).
+SCORES_FORWARD = "copc_token_scores"
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -117,6 +132,7 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
         self.ctx, self.algo, self.cfg = ctx, algo, cfg
         # ValueModel returns a (read-only) view of the head output; nothing here writes into it in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        check_output_head(actor)  # before sharding: the chunked log-prob path scores this model exactly
         self.export_dtype = param_dtype or next(actor.parameters()).dtype
         self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
         self.critic = (critic or ValueModel.from_causal_lm(actor)) if algo.use_critic else None
@@ -127,6 +143,9 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
                           "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
                           if cpu_offload else OffloadPolicy()}
         self.actor = self._shard(actor.to(ctx.device))
+        setattr(self.actor, SCORES_FORWARD, functools.partial(token_scores, self.actor))
+        register_fsdp_forward_method(self.actor, SCORES_FORWARD)
+        self.scorer = getattr(self.actor, SCORES_FORWARD)  # the actor's log-probs: response_scores through it
         if self.critic is not None:
             self.critic = self._shard(self.critic.to(ctx.device))
         self.actor_opt = TorchOptimizer(self.actor.parameters(), cfg.optim, "actor",
@@ -271,16 +290,19 @@ def build_fsdp_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> 
     :func:`~trainer.learner.distributed.registry.register_rank_learner`).
 
     Loads the actor from ``model_dir`` (float32 master weights; ``model.dtype`` bfloat16/float16
-    becomes the compute dtype through FSDP mixed precision), gradient checkpointing as
-    ``model.gradient_checkpointing``, the critic from the actor (as the torch backend).
+    becomes the compute dtype through FSDP mixed precision), the critic from the actor (as the
+    torch backend); ``learner.gradient_checkpointing`` checkpoints both models' decoder layers
+    (before sharding).
     """
     from ...models.loading import load_model_and_tokenizer
 
     dtype = getattr(torch, exp_cfg.model.dtype)
     actor, _ = load_model_and_tokenizer(model_dir, dtype=torch.float32,
                                         attn_implementation=exp_cfg.model.attn_implementation)
-    if exp_cfg.model.gradient_checkpointing:
-        actor.gradient_checkpointing_enable()
-    return FSDPRankLearner(actor, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg), ctx,
+    algo = exp_cfg.algorithm_config()
+    critic = ValueModel.from_causal_lm(actor) if algo.use_critic else None
+    if exp_cfg.learner.gradient_checkpointing:
+        enable_activation_checkpointing(actor, critic)
+    return FSDPRankLearner(actor, algo, LearnerConfig.from_config(exp_cfg), ctx, critic,
                            cpu_offload=exp_cfg.learner.cpu_offload,
                            param_dtype=None if dtype == torch.float32 else dtype)

@@ -1,21 +1,27 @@
 """The plain-torch learner backend (``learner.backend: torch``): one process, one device.
 
 The backend part only: the hooks of :class:`~trainer.learner.algorithm.TemplateLearner`
-(forward passes: per-token log-probs and values of a micro-batch; the whole-batch recompute;
-the micro-batch backward passes) and its optimizers (:class:`~trainer.learner.optim.TorchOptimizer`:
-AdamW or SGD, gradient clipping, linear LR warm-up, from the one
-:class:`~trainer.learner.settings.OptimizerSettings`). The step itself, and everything
-algorithmic (advantages, mini-batches, global denominators, losses, metric combination), is the
+(forward passes: per-token log-probs, entropies and values of a micro-batch; the whole-batch
+recompute; the micro-batch backward passes) and its optimizers
+(:class:`~trainer.learner.optim.TorchOptimizer`: AdamW or SGD, gradient clipping, linear LR
+warm-up, from the one :class:`~trainer.learner.settings.OptimizerSettings`). The step itself, and
+everything algorithmic (advantages, mini-batches, global denominators, losses, metric combination), is the
 template's and :class:`~trainer.learner.algorithm.ActorCriticAlgorithm`'s, which call :mod:`copc`.
 
 LoRA (``learner.lora`` / ``learner.critic_lora``, :mod:`trainer.learner.lora`): only the adapters (and
 the critic's value head) are optimised and checkpointed; :meth:`TorchLearner.export_adapter` is what
 weight syncs send, :meth:`TorchLearner.export_policy_weights` the merged model (export, evaluation).
+
+The actor's log-probs never materialise the full-vocabulary logits: hidden states are taken at the
+model tokens only and the LM head + log-softmax run in chunks of ``learner.logprob_chunk_tokens``
+with recomputation in backward (:func:`response_scores`; shared with the fsdp backend).
+``learner.gradient_checkpointing`` adds activation checkpointing of the decoder layers
+(:func:`enable_activation_checkpointing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +30,8 @@ from torch import nn
 
 import copc
 
-from ...logprobs import token_logprobs
+from ...models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+from ...models.lm_head import check_output_head, token_scores
 from ...models.lora import AdapterWeights, merged_state_dict
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
@@ -36,12 +43,57 @@ from ..settings import LearnerConfig
 Tensor = torch.Tensor
 
 
-def response_logprobs(model: nn.Module, b: RolloutBatch, temperature: float) -> Tensor:
-    """``(B, T)`` float32 log-probs of the response tokens: token ``t`` scored by logits at ``P + t − 1``."""
-    P = b.prompt_len
-    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                   position_ids=b.position_ids).logits
-    return token_logprobs(logits[:, P - 1:-1], b.input_ids[:, P:], temperature)
+def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy: bool = False,
+                    scorer: Callable[..., tuple[Tensor, Tensor | None]] | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
+    """``(B, T)`` float32 log-probs (and entropies) of the response's model tokens: token ``t`` (column
+    ``P + t``) scored by the distribution at column ``P + t − 1``, ``log softmax(logits / temperature)``
+    (:mod:`trainer.logprobs`); 0 at columns with ``loss_mask`` 0 (observation and padding tokens).
+
+    The hidden states are taken at the model tokens only and the LM head is applied in chunks of
+    ``chunk_tokens`` with recomputation in backward (:func:`trainer.models.lm_head.token_scores`): no
+    ``(B, P + T, V)`` logits.
+
+    Args:
+        model: the actor (a ``transformers`` causal LM, or a ``peft`` model wrapping one).
+        b: the (micro-)batch. temperature: > 0. chunk_tokens: rows of logits at a time.
+        entropy: also the entropy (nats) of each model token's distribution at ``temperature``.
+        scorer: what runs :func:`~trainer.models.lm_head.token_scores` on ``model`` with the remaining
+            arguments (default: that function; the fsdp backend passes the actor's FSDP forward method).
+
+    Returns:
+        ``(logp, entropy)``, ``(B, T)`` float32 each (entropy None when not asked for).
+    """
+    mask = b.loss_mask.bool()
+    score_mask = torch.zeros(b.input_ids.shape, dtype=torch.bool, device=mask.device)
+    score_mask[:, b.prompt_len:] = mask
+    fn = scorer or (lambda *a, **k: token_scores(model, *a, **k))
+    lp, ent = fn(b.input_ids, b.attention_mask, b.position_ids, score_mask, temperature=temperature,
+                 chunk_tokens=chunk_tokens, entropy=entropy)
+    lp = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
+    return lp, None if ent is None else ent.new_zeros(mask.shape).masked_scatter(mask, ent)
+
+
+def response_logprobs(model: nn.Module, b: RolloutBatch, temperature: float, *,
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """``(B, T)`` float32 log-probs of the response's model tokens (:func:`response_scores`)."""
+    return response_scores(model, b, temperature, chunk_tokens=chunk_tokens)[0]
+
+
+def enable_activation_checkpointing(*models: nn.Module | None) -> None:
+    """Activation checkpointing of every decoder layer of each model (``learner.gradient_checkpointing``):
+    ``transformers``' own (non-reentrant :func:`torch.utils.checkpoint.checkpoint`), so a layer's
+    activations are recomputed in backward instead of kept. A :class:`ValueModel` gets it on its
+    backbone; None is skipped."""
+    for m in models:
+        if m is None:
+            continue
+        target = m.backbone if isinstance(m, ValueModel) else m
+        if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5
+            target.activation_checkpointing_enable()
+        else:
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def mb_values(critic: ValueModel, b: RolloutBatch) -> Tensor:
@@ -56,10 +108,22 @@ class TransformersForward:
     actor: nn.Module
     critic: ValueModel | None
     cfg: LearnerConfig
+    #: :func:`response_scores`'s ``scorer`` (None: :func:`~trainer.models.lm_head.token_scores`).
+    scorer: Callable[..., tuple[Tensor, Tensor | None]] | None = None
+
+    def scores(self, mb: RolloutBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """The actor's response log-probs (and entropies) of ``mb`` (:func:`response_scores`, chunks of
+        ``cfg.logprob_chunk_tokens``)."""
+        return response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy, scorer=self.scorer,
+                               chunk_tokens=self.cfg.logprob_chunk_tokens)
 
     def logprobs(self, mb: RolloutBatch) -> Tensor:
-        """The actor's response log-probs of ``mb`` (:func:`response_logprobs`)."""
-        return response_logprobs(self.actor, mb, self.cfg.temperature)
+        """The actor's response log-probs of ``mb`` (:meth:`scores`)."""
+        return self.scores(mb, False)[0]
+
+    def logprobs_and_entropy(self, mb: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+        """The actor's response log-probs and per-token entropies of ``mb`` (:meth:`scores`)."""
+        return self.scores(mb, True)
 
     def values(self, mb: RolloutBatch) -> Tensor:
         """The critic's values of ``mb`` (:func:`mb_values`)."""
@@ -84,6 +148,7 @@ class TorchLearner(TransformersForward, TemplateLearner):
 
     def __init__(self, actor: nn.Module, algo: copc.AlgorithmConfig, cfg: LearnerConfig,
                  critic: ValueModel | None = None) -> None:
+        check_output_head(actor)  # the chunked log-prob path scores this model exactly
         self.algo, self.cfg = algo, cfg
         self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
         self.actor, self.critic = prepare_models(actor, cfg, algo.use_critic, critic)
@@ -99,9 +164,10 @@ class TorchLearner(TransformersForward, TemplateLearner):
 
         actor, _ = load_model_and_tokenizer(model_dir, dtype=getattr(torch, exp.model.dtype),
                                             attn_implementation=exp.model.attn_implementation)
-        if exp.model.gradient_checkpointing:
-            actor.gradient_checkpointing_enable()
-        return cls(actor, exp.algorithm_config(), LearnerConfig.from_config(exp))
+        learner = cls(actor, exp.algorithm_config(), LearnerConfig.from_config(exp))
+        if exp.learner.gradient_checkpointing:
+            enable_activation_checkpointing(learner.actor, learner.critic)
+        return learner
 
     # -- the Learner protocol (step and policy_version: TemplateLearner) ----------------------
     def export_policy_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -92,7 +92,7 @@ class MegatronRankLearner(TemplateLearner):
         algo: the preset. cfg: :class:`LearnerConfig` (the torch backend's settings).
         ctx: this rank's :class:`RankContext` (``torch.distributed`` initialised).
         dtype: parameter dtype (float32 only on CPU).
-        recompute: activation recompute (``model.gradient_checkpointing``): Megatron's full,
+        recompute: activation recompute (``learner.gradient_checkpointing``): Megatron's full,
             uniform recompute of every transformer layer (``recompute_granularity="full"``,
             ``recompute_method="uniform"``, ``recompute_num_layers=1``): each layer keeps only its
             input and is re-run in the backward pass. Same gradients, less activation memory.
@@ -286,7 +286,7 @@ def build_megatron_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext)
     """The ``megatron`` rank-learner factory
     (:func:`~trainer.learner.distributed.registry.register_rank_learner`).
 
-    ``model.gradient_checkpointing`` turns on Megatron's activation recompute (see
+    ``learner.gradient_checkpointing`` turns on Megatron's activation recompute (see
     :class:`MegatronRankLearner`).
 
     Raises:
@@ -297,4 +297,4 @@ def build_megatron_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext)
                           "optimizer state over data parallel on GPU instead (set it to false)")
     return MegatronRankLearner(model_dir, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg), ctx,
                                dtype=getattr(torch, exp_cfg.model.dtype),
-                               recompute=bool(exp_cfg.model.gradient_checkpointing))
+                               recompute=bool(exp_cfg.learner.gradient_checkpointing))
