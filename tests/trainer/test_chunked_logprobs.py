@@ -65,7 +65,8 @@ def padded_batch(vocab: int = VOCAB, seed: int = 0, prompt_lens=(3, 7, 5), turn_
     return to_batch(trs, pad_id)
 
 
-def full_logits_scores(model: nn.Module, b: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def full_logits_scores(model: nn.Module, b: RolloutBatch, temperature: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Today's path (the reference): the full ``(B, P + T, V)`` logits, then the response columns;
     ``(log-probs, entropies)`` ``(B, T)``."""
     logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
@@ -118,7 +119,7 @@ def check_against_reference(model: nn.Module, b: RolloutBatch, temperature: floa
 @pytest.mark.parametrize("chunk", [1, 5, 512])
 def test_log_probs_entropies_and_gradients_equal_the_full_logits_path(arch, tied, temperature, chunk):
     b = padded_batch()
-    assert b.loss_mask.sum() == 27 and b.loss_mask.shape[1] == 14  # 27 model tokens: no chunk size divides them
+    assert b.loss_mask.sum() == 27 and b.loss_mask.shape[1] == 14  # 27 model tokens: no chunk divides them
     assert int((b.attention_mask == 0).sum()) > 0  # left and right padding
     check_against_reference(tiny_model(arch, tied=tied).train(), b, temperature, chunk)
 
@@ -162,7 +163,8 @@ def test_pure_tensor_scores_with_bias_scale_and_bfloat16():
         lp, ent, ref_lp, ref_ent = (x.detach() for x in (lp, ent, ref_lp, ref_ent))
         assert float((lp - ref_lp).abs().max()) <= 1e-5 and float((ent - ref_ent).abs().max()) <= 1e-4
         for a, e in zip(got, want, strict=True):
-            assert a.dtype == e.dtype and float((a.float() - e.float()).norm()) <= rel * float(e.float().norm())
+            assert a.dtype == e.dtype
+            assert float((a.float() - e.float()).norm()) <= rel * float(e.float().norm())
     with pytest.raises(ValueError, match="chunk_tokens must be an int >= 1"):
         chunked_token_scores(h, w, t, chunk_tokens=0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
@@ -182,7 +184,7 @@ def test_a_peft_lora_model_scores_as_its_own_forward():
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     on_head = peft.get_peft_model(tiny_model("llama", tied=False),
                                   peft.LoraConfig(r=2, target_modules=["lm_head"]))
-    with pytest.raises(ValueError, match="is not a plain nn.Linear"):
+    with pytest.raises(ValueError, match=r"is not a plain nn\.Linear"):
         output_head(on_head)
 
 
@@ -259,11 +261,11 @@ def test_gradient_checkpointing_recomputes_the_decoder_with_the_same_update(tiny
     out = {}
     for gc in ("false", "true"):
         learner = make_learner(load_config(None, [*common, f"learner.gradient_checkpointing={gc}"]), tiny_dir)
-        calls = []
+        calls: list[int] = []
         for model in (learner.actor.get_decoder(), learner.critic.backbone):
             assert all(layer.gradient_checkpointing == (gc == "true") for layer in model.layers)
             mlp = model.layers[0].mlp  # runs inside the checkpoint (module hooks do not rerun there)
-            mlp.forward = (lambda f: lambda *a, **k: calls.append(1) or f(*a, **k))(mlp.forward)
+            mlp.forward = (lambda f, c: lambda *a, **k: c.append(1) or f(*a, **k))(mlp.forward, calls)
         out[gc] = (learner.step(b), learner.actor.state_dict(), len(calls))
     (m0, w0, n0), (m1, w1, n1) = out["false"], out["true"]
     assert n1 == n0 + 4  # 2 micro-batches x (actor + critic) layer-0 recomputations in backward
@@ -274,7 +276,8 @@ def test_gradient_checkpointing_recomputes_the_decoder_with_the_same_update(tiny
 
 
 @pytest.mark.parametrize("override,match", [
-    (["model.gradient_checkpointing=true"], r"^model.gradient_checkpointing: moved to learner.gradient_checkpointing$"),
+    (["model.gradient_checkpointing=true"],
+     r"^model.gradient_checkpointing: moved to learner.gradient_checkpointing$"),
     (["learner.logprob_chunk_tokens=0"], r"^learner.logprob_chunk_tokens=0: must be an int >= 1$"),
 ])
 def test_config_keys_name_the_new_spelling(override, match, tmp_path):

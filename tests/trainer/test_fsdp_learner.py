@@ -112,6 +112,22 @@ def test_fsdp_dp2_sgd_step_equals_the_torch_backend(tiny, preset):
     assert max_diff(init, ref_w) > 1e-4  # the step moved the weights
 
 
+def test_fsdp_dp2_gradient_checkpointing_step_equals_the_torch_backend(tiny):
+    """``learner.gradient_checkpointing=true`` on both backends (checkpointed decoder layers inside their
+    FSDP units; the actor's chunked LM head through the root unit's registered forward method): the
+    same metrics (``actor/entropy`` included), gradients and SGD-updated weights."""
+    batch, gc = multiturn_batch(), {"learner.gradient_checkpointing": "true"}
+    ref = make_learner(load_config(None, overrides("copc", "sgd", **gc)), tiny)
+    m_ref = ref.step(batch)
+    with make_learner(load_config(None, fsdp_overrides("copc", "sgd", **gc)), tiny) as lrn:
+        m = lrn.step(batch)
+        grads, weights = lrn.named_gradients(), dict(lrn.export_policy_weights())
+    assert m_ref["actor/entropy"] > 1.0  # the byte model's entropy, logged by both backends
+    assert_same_metrics(m_ref, m)
+    assert max_diff(grads, torch_gradients(ref)) < 1e-5
+    assert max_diff(weights, ref.actor.state_dict()) < 1e-5
+
+
 def test_fsdp_adamw_cpu_offload_step_and_sharded_checkpoint_round_trip(tiny, tmp_path):
     """AdamW with CPU offload: weights after one step equal the torch backend's within 1e-4; the DCP
     checkpoint restores model, Adam moments, schedulers and the step count exactly: step 2 after

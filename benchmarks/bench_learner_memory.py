@@ -1,0 +1,157 @@
+"""Benchmark: peak memory and speed of one actor + critic learner step on SmolLM2-135M-Instruct,
+today's full-logits path (the reference) vs the chunked log-prob path.
+
+One step of the torch learner (preset ``copc``: actor + critic, AdamW, one mini-batch, one
+micro-batch of all rows, float32, eager attention, the defaults) over ``--rows`` episodes of
+``--prompt-tokens`` prompt + ``--response-tokens`` model tokens (default 8 × (64 + 512)), each row
+of the table in its own fresh process:
+
+* ``full logits`` (reference): the actor's log-probs from ``model(...).logits``, the whole
+  ``(B, P + T, V)`` float tensor, then the response tokens (:class:`FullLogitsLearner`, the torch
+  learner's path before the chunked one; kept here only, as the reference);
+* ``chunked``: the learner as shipped (hidden states at the model tokens, LM head + log-softmax in
+  chunks of ``learner.logprob_chunk_tokens`` with recomputation in backward, plus the entropy
+  metric);
+* ``chunked + ckpt``: the same with ``learner.gradient_checkpointing=true``.
+
+Measured: the child's peak RSS (its ``resource.getrusage`` ``ru_maxrss``: model, optimizer state,
+activations, interpreter), its RSS before the step, and response tokens per second of the
+step. Goals (issue 22): peak RSS ≤ 0.35 × the reference's, tokens/s ≥ 0.9 × the reference's, for
+the row named by ``--gate`` (default ``chunked + ckpt``). The reference peaks near 14 GB at the
+default size: on a shared machine run it under ``flock`` (``make bench`` does not).
+
+Allocator retention: with glibc's default (dynamic) mmap threshold, tensors of up to 32 MB come
+from the heap after the first large frees, and freed heap memory mostly stays resident; at the
+default size that keeps ~1.5 GB more RSS than the live tensors in the chunked rows (measured
+6.1–6.6 GB vs 4.7 GB). ``--mmap-threshold 1048576`` sets ``MALLOC_MMAP_THRESHOLD_`` in every
+row's process (reference included) so that RSS follows the live tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: Where the pulled SmolLM2 lives (``copc model pull smollm2-135m-instruct``); override with ``--model``.
+DEFAULT_MODEL = os.environ.get("COPC_SMOLLM2_PATH", "/work/models/smollm2-135m-instruct")
+MEMORY_GOAL, SPEED_GOAL = 0.35, 0.9
+#: Table rows: label -> (learner class, gradient checkpointing).
+ROWS = {"full logits": ("full", False), "chunked": ("chunked", False), "chunked + ckpt": ("chunked", True)}
+
+
+def rss_bytes() -> int:
+    """This process's current resident set (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one learner step in this process; print a JSON line (tokens, seconds, RSS before)."""
+    import torch
+
+    from trainer.config import load_config
+    from trainer.learner.backends.torch import TorchLearner
+    from trainer.logprobs import token_logprobs
+    from trainer.rollout.batch import to_batch
+    from trainer.rollout.trajectory import Trajectory
+
+    class FullLogitsLearner(TorchLearner):
+        """The reference: the actor's log-probs from the full ``(B, P + T, V)`` logits, no entropy."""
+
+        def scores(self, mb, entropy):
+            logits = self.actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                position_ids=mb.position_ids).logits
+            lp = token_logprobs(logits[:, mb.prompt_len - 1:-1], mb.response_ids, self.cfg.temperature)
+            return lp, None
+
+    kind, ckpt = ROWS[args.child]
+    cfg = load_config(None, ["preset=copc", f"train.micro_batch_size={args.rows}", "train.num_mini_batches=1",
+                             "train.actor_lr=1e-6", f"learner.gradient_checkpointing={str(ckpt).lower()}",
+                             f"learner.logprob_chunk_tokens={args.chunk}"])
+    learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_config(cfg, args.model)
+    g = torch.Generator().manual_seed(0)
+    V = learner.actor.config.vocab_size
+    trs = []
+    for i in range(args.rows):
+        tr = Trajectory(prompt_ids=torch.randint(0, V, (args.prompt_tokens,), generator=g).tolist(),
+                        sample_id=i, group_id=i)
+        tr.append_model_tokens(torch.randint(0, V, (args.response_tokens,), generator=g).tolist(),
+                               [-3.0] * args.response_tokens, 0)
+        tr.reward = float(i % 2)
+        trs.append(tr)
+    batch = to_batch(trs, 0)
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    metrics = learner.step(batch)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print(json.dumps({"tokens": int(batch.loss_mask.sum()), "seconds": seconds, "rss_before": before,
+                      "peak_rss": peak, "pg_loss": metrics["actor/pg_loss"]}), flush=True)
+
+
+def run_row(label: str, args: argparse.Namespace) -> dict:
+    """One row in a fresh child process: its JSON line (``peak_rss``: the child's own
+    ``resource.getrusage`` peak, bytes)."""
+    cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--rows", str(args.rows),
+           "--prompt-tokens", str(args.prompt_tokens), "--response-tokens", str(args.response_tokens),
+           "--chunk", str(args.chunk)]
+    env = dict(os.environ)
+    if args.mmap_threshold:  # glibc: allocations from this size up are mmap-ed, so freed memory leaves RSS
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    """Run the rows, print the table; non-zero exit when the gated row misses a goal."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--response-tokens", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=512, help="learner.logprob_chunk_tokens")
+    ap.add_argument("--gate", default="chunked + ckpt", choices=[r for r in ROWS if r != "full logits"])
+    ap.add_argument("--mmap-threshold", type=int, default=0,
+                    help="MALLOC_MMAP_THRESHOLD_ of every row's process (bytes; 0: glibc's dynamic default)")
+    ap.add_argument("--child", choices=list(ROWS), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"skipped: no SmolLM2 at {args.model} (copc model pull smollm2-135m-instruct, or --model DIR)")
+        return 0
+    print(f"model: {args.model}; one actor + critic step (copc, AdamW), {args.rows} x ({args.prompt_tokens} "
+          f"prompt + {args.response_tokens} model tokens), float32, eager attention, chunk {args.chunk}, "
+          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, malloc mmap threshold "
+          f"{args.mmap_threshold or 'glibc default'}")
+    results = {label: run_row(label, args) for label in ROWS}
+    ref = results["full logits"]
+    ref_tps = ref["tokens"] / ref["seconds"]
+    print(f"{'path':<16}{'peak RSS GiB':>13}{'x ref':>7}{'RSS before GiB':>16}{'step s':>9}{'tok/s':>8}"
+          f"{'x ref':>7}")
+    for label, r in results.items():
+        tps = r["tokens"] / r["seconds"]
+        print(f"{label:<16}{r['peak_rss'] / 2**30:13.2f}{r['peak_rss'] / ref['peak_rss']:7.2f}"
+              f"{r['rss_before'] / 2**30:16.2f}{r['seconds']:9.1f}{tps:8.1f}{tps / ref_tps:7.2f}")
+    gated = results[args.gate]
+    mem = gated["peak_rss"] / ref["peak_rss"]
+    speed = gated["tokens"] / gated["seconds"] / ref_tps
+    ok_mem, ok_speed = mem <= MEMORY_GOAL, speed >= SPEED_GOAL
+    print(f"goals ({args.gate}): peak RSS {mem:.2f} x (<= {MEMORY_GOAL}): {'PASS' if ok_mem else 'FAIL'}; "
+          f"tokens/s {speed:.2f} x (>= {SPEED_GOAL}): {'PASS' if ok_speed else 'FAIL'}")
+    return 0 if ok_mem and ok_speed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
