@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: Where the pulled SmolLM2 lives (``copc model pull smollm2-135m-instruct``); override with ``--model``.
-DEFAULT_MODEL = os.environ.get("COPC_SMOLLM2_PATH", "/work/models/smollm2-135m-instruct")
+#: The model (a pulled name, ``copc model pull smollm2-135m-instruct``, or a directory: ``--model``).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 MEMORY_GOAL, SPEED_GOAL = 0.35, 0.9
 #: Table rows: label -> (learner class, gradient checkpointing).
 ROWS = {"full logits": ("full", False), "chunked": ("chunked", False), "chunked + ckpt": ("chunked", True)}
@@ -128,8 +128,13 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
-    if not (Path(args.model) / "config.json").is_file():
-        print(f"skipped: no SmolLM2 at {args.model} (copc model pull smollm2-135m-instruct, or --model DIR)")
+    from trainer.errors import ConfigError
+    from trainer.models.pull.store import resolve_model_path
+
+    try:
+        args.model = resolve_model_path(args.model, "--model")
+    except ConfigError as e:
+        print(f"skipped: {e}")
         return 0
     print(f"model: {args.model}; one actor + critic step (copc, AdamW), {args.rows} x ({args.prompt_tokens} "
           f"prompt + {args.response_tokens} model tokens), float32, eager attention, chunk {args.chunk}, "

@@ -10,7 +10,6 @@ parameter tensor, ``‖Δg‖ / ‖g‖``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -33,8 +32,6 @@ from trainer.rollout.trajectory import Trajectory
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 300
-#: The real model (``copc model pull smollm2-135m-instruct``); override with ``COPC_SMOLLM2_PATH``.
-SMOLLM2 = Path(os.environ.get("COPC_SMOLLM2_PATH", "/work/models/smollm2-135m-instruct"))
 
 
 def tiny_model(arch: str = "qwen2", seed: int = 1, tied: bool = True) -> nn.Module:
@@ -292,11 +289,10 @@ def test_config_keys_name_the_new_spelling(override, match, tmp_path):
 
 
 @pytest.mark.realmodel
-@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason=f"no pulled SmolLM2 at {SMOLLM2}")
-def test_smollm2_chunked_path_equals_the_full_logits_path():
+def test_smollm2_chunked_path_equals_the_full_logits_path(realmodel_path: Path):
     """SmolLM2-135M-Instruct (vocabulary 49,152, tied embeddings): 2 rows of up to 64 tokens, left
     padding, T = 0.7, a chunk of 24 tokens (not dividing the 47 model tokens)."""
-    model, tok = load_model_and_tokenizer(SMOLLM2)
+    model, tok = load_model_and_tokenizer(realmodel_path)
     check_output_head(model)
     b = padded_batch(vocab=tok.vocab_size, seed=7, prompt_lens=(12, 16), turn_lens=((20, 4), (17, 6)),
                      pad_id=tok.pad_token_id)

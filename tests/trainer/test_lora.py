@@ -236,7 +236,7 @@ def test_cli_train_with_missing_target_modules_exits_2_with_one_line(tmp_path):
 
 
 def test_adapters_train_under_activation_checkpointing(tiny):
-    """Activation checkpointing (``model.gradient_checkpointing``) gives the adapters exactly the updates
+    """Activation checkpointing (``learner.gradient_checkpointing``) gives the adapters exactly the updates
     they get without it (the critic's from step 2 on: its value head starts at 0)."""
     _, tok = load_model_and_tokenizer(tiny)
     batch, trained = _batch(tok), {}
