@@ -113,7 +113,7 @@ def test_episode_records_fields_order_and_atomic_round_trip(tmp_path):
                        "prompt": None, "response": None, "turns_text": None, "answer": "Paris", "reward": 1.0,
                        "score_components": {"em": 1.0}, "correct": True, "response_tokens": 0, "turns": 2,
                        "tool_calls": 2, "invalid_actions": 1, "finish_reason": "terminated", "failed": False,
-                       "attempts": 1}
+                       "attempts": 1, "llm_s": None, "env_s": None, "other_s": None}  # no clock on these
     assert recs[1]["score_components"].get("em") is None and recs[1]["answer"] is None
     assert recs[2]["failed"] is True and recs[3]["answer"] == "Rome"
     path = write_records(tmp_path / "eval" / "before_rl.jsonl", recs)
