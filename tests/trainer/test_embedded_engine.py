@@ -149,28 +149,23 @@ def test_pause_blocks_new_rounds_until_resume(model_tok):
 
 def test_requests_are_batched_and_errors_are_clear(model_tok):
     model, tok = model_tok
-    sizes = []
-    real_decode = EmbeddedEngine._decode
-
-    def spy(self, batch):
-        sizes.append(len(batch))
-        return real_decode(self, batch)
 
     async def main():
         eng = EmbeddedEngine(model, tok, EmbeddedEngineConfig(max_batch_size=16, batch_wait_s=0.05))
-        eng._decode = spy.__get__(eng)
         p = tok.encode("b", add_special_tokens=False)
         await asyncio.gather(*(eng.generate(p, SamplingParams(max_new_tokens=3)) for _ in range(16)))
         with pytest.raises(EngineError, match="empty"):
             await eng.generate([], SamplingParams())
         with pytest.raises(EngineError, match="does not fit"):
             await eng.generate([1] * 5000, SamplingParams())
+        stats = eng.stats
         await eng.close()
         with pytest.raises(EngineError, match="closed"):
             await eng.generate(p, SamplingParams())
+        return stats
 
-    asyncio.run(main())
-    assert max(sizes) > 1 and sum(sizes) == 16
+    stats = asyncio.run(main())
+    assert stats.admitted == 16 and stats.max_rows > 1
 
 
 def test_sampling_params_validation():
@@ -315,12 +310,12 @@ def test_a_dead_worker_thread_fails_callers_instead_of_hanging(model_tok):
     class Fatal(BaseException):  # not an Exception: escapes the per-batch handler
         pass
 
-    def die(self, batch):
+    def die(self, new_rows):
         raise Fatal("out of host memory")
 
     async def main():
         eng = EmbeddedEngine(model, tok)
-        eng._decode = die.__get__(eng)
+        eng._step = die.__get__(eng)
         p = tok.encode("b", add_special_tokens=False)
         calls = (eng.generate(p, SamplingParams(max_new_tokens=3)) for _ in range(3))
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)

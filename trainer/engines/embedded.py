@@ -1,27 +1,30 @@
-"""The embedded engine: in-process, batched generation with a KV cache (the CPU default).
+"""The embedded engine: in-process generation with continuous batching (the CPU default).
 
-Concurrent :meth:`EmbeddedEngine.generate` calls are queued; a worker thread takes
-up to ``max_batch_size`` waiting requests, left-pads them into one batch and
-decodes them together with the model's KV cache until each has finished. New
-requests join at the next round.
+Concurrent :meth:`EmbeddedEngine.generate` calls are queued; one worker thread drives a
+:class:`~trainer.engines.continuous.ContinuousBatcher`: at every decode step it admits waiting
+requests into the free slots of the running batch (prefill, first token), decodes one token
+for every running row, and returns each request the step it finishes. Requests of different
+lengths therefore never wait for one another.
 
-Weight updates happen between rounds: a request is always finished on the weights
-it started with, so all tokens of one ``generate`` call carry one policy version.
-A multi-turn episode that spans an update therefore has the old version on its
-earlier turns and the new version on later ones (per-token versions record it).
+Weight updates drain the batch: :meth:`EmbeddedEngine.pause` stops admissions and waits until
+every running request has finished, so a request is always finished on the weights it started
+with and all tokens of one ``generate`` call carry one policy version (exactly the weights that
+produced them). A multi-turn episode that spans an update has the old version on its earlier
+turns and the new version on later ones (per-token versions record it).
 
 A LoRA policy's updates (:meth:`EmbeddedEngine.update_adapter`) copy the adapter's tensors only:
 the engine serves its base weights with the same peft LoRA layers as the learner (unmerged, so its
-log-probs are the learner's for that adapter version).
+log-probs are the learner's for that adapter version); they drain the batch the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ import torch
 from ..errors import ConfigError
 from ..models.lora import AdapterWeights, LoraSettings, inject_lora, load_adapter_tensors
 from .base import EngineError, GenerationResult, SamplingParams
-from .sampling import sample_next
+from .continuous import BatchStats, ContinuousBatcher, Row
 from .stop_strings import STOP_CONTEXT_TOKENS, STOP_MAX_PENDING_TOKENS, StopStringMatcher
 
 #: ``f(prompt_ids, new_ids, logits (V,)) -> logits (V,)`` — sampling-only logits hook.
@@ -44,14 +47,28 @@ class EmbeddedEngineConfig:
     """Settings of :class:`EmbeddedEngine` (validated).
 
     Attributes:
-        max_batch_size: most requests decoded together (sequences).
-        batch_wait_s: how long a new round waits for more requests to arrive (seconds).
+        max_batch_size: most requests decoded together (sequences; the KV cache's slots).
+        batch_wait_s: how long an idle engine waits for more requests before its first prefill
+            (seconds); a running batch admits new requests at every step without waiting.
         device: torch device string.
+        prefill_tokens: most padded prompt tokens in one prefill forward pass (tokens); more
+            new requests are prefilled in several passes, grouped by length.
+        reuse_prefix: keep finished requests' KV in their slots and reuse it for prompts that
+            start with the same tokens (the next turn of an episode, a shared system prompt).
+        park_slots: KV-cache slots kept beyond ``max_batch_size`` for such finished requests
+            (each holds up to the longest sequence seen: memory, not compute).
+        attn_implementation: attention kernel of the engine's own model copy (``"sdpa"`` or
+            ``"eager"``; log-probs agree with either learner setting within 1e-5 in float32),
+            or None to keep the model's (which must then be one of the two).
     """
 
     max_batch_size: int = 32
     batch_wait_s: float = 0.002
     device: str = "cpu"
+    prefill_tokens: int = 8192
+    reuse_prefix: bool = True
+    park_slots: int = 8
+    attn_implementation: str | None = "sdpa"
 
     def __post_init__(self) -> None:
         """Validate."""
@@ -59,6 +76,13 @@ class EmbeddedEngineConfig:
             raise ValueError(f"EmbeddedEngineConfig.max_batch_size={self.max_batch_size!r}: must be >= 1")
         if self.batch_wait_s < 0:
             raise ValueError(f"EmbeddedEngineConfig.batch_wait_s={self.batch_wait_s!r}: must be >= 0")
+        if self.park_slots < 0:
+            raise ValueError(f"EmbeddedEngineConfig.park_slots={self.park_slots!r}: must be >= 0")
+        if self.prefill_tokens < 1:
+            raise ValueError(f"EmbeddedEngineConfig.prefill_tokens={self.prefill_tokens!r}: must be >= 1")
+        if self.attn_implementation not in (None, "sdpa", "eager"):
+            raise ValueError(f"EmbeddedEngineConfig.attn_implementation={self.attn_implementation!r}: "
+                             "must be 'sdpa', 'eager' or None")
 
 
 @dataclass
@@ -67,9 +91,6 @@ class _Request:
     params: SamplingParams
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    new_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None
 
 
 class EmbeddedEngine:
@@ -95,23 +116,29 @@ class EmbeddedEngine:
                  adapter: AdapterWeights | None = None) -> None:
         self.config = config or EmbeddedEngineConfig()
         self.model = model.to(self.config.device).eval()
+        if self.config.attn_implementation is not None:
+            try:
+                self.model.set_attn_implementation(self.config.attn_implementation)
+            except (ValueError, ImportError) as e:
+                raise EngineError(f"EmbeddedEngineConfig.attn_implementation="
+                                  f"{self.config.attn_implementation!r}: {e}") from e
         #: the settings of the LoRA adapter served, None while the engine serves full weights
         self.lora: LoraSettings | None = None
         if adapter is not None:
             self._install_adapter(adapter)
         self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
-        self.max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self._batcher = ContinuousBatcher(self.model, tokenizer, self.config.max_batch_size,
+                                          self.config.device, self.config.prefill_tokens, logits_processor,
+                                          self.config.reuse_prefix, self.config.park_slots)
+        self.max_len = self._batcher.max_len
         self._version = version
-        self.logits_processor = logits_processor
         self._queue: list[_Request] = []
         self._cv = threading.Condition()
         self._paused = False
         self._busy = False
         self._closed = False
         self._dead: EngineError | None = None  # set if the worker thread died
-        self._current: list[_Request] = []  # the batch being decoded
+        self._taken: list[_Request] = []  # taken off the queue by the step in progress
         self._worker = threading.Thread(target=self._run, name="copc-embedded-engine", daemon=True)
         self._worker.start()
 
@@ -119,6 +146,11 @@ class EmbeddedEngine:
     def version(self) -> int:
         """Policy version used for new tokens."""
         return self._version
+
+    @property
+    def stats(self) -> BatchStats:
+        """A copy of the batcher's counters (requests admitted, forward passes, rows per step)."""
+        return dataclasses.replace(self._batcher.stats)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
         """Queue one request and wait for its result (see :class:`~trainer.engines.base.InferenceEngine`).
@@ -146,15 +178,16 @@ class EmbeddedEngine:
         return await req.future
 
     async def pause(self) -> None:
-        """Admit no new round and wait until the current one (if any) has finished."""
+        """Admit no new request and wait until every running one has finished (the batch drains)."""
         def _wait() -> None:
             with self._cv:
                 self._paused = True
+                self._cv.notify_all()  # an idle worker wakes to free the cache
                 self._cv.wait_for(lambda: not self._busy)
         await asyncio.to_thread(_wait)
 
     async def resume(self) -> None:
-        """Allow new rounds again."""
+        """Admit requests again."""
         with self._cv:
             self._paused = False
             self._cv.notify_all()
@@ -162,7 +195,7 @@ class EmbeddedEngine:
     async def update_weights(self, source: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
         """Copy new weights in (a state dict, or a checkpoint directory) as policy ``version``.
 
-        Pauses between rounds, so no request mixes weights.
+        Drains the batch first (:meth:`pause`), so no request mixes weights.
 
         Raises:
             EngineError: if the state dict does not match the model, or the engine serves a LoRA
@@ -191,7 +224,7 @@ class EmbeddedEngine:
         """Serve the base weights with LoRA ``adapter`` as policy ``version``; only the adapter's
         tensors are copied (the first update injects its layers: :func:`~trainer.models.lora.inject_lora`).
 
-        Pauses between rounds, so no request mixes adapter versions.
+        Drains the batch first (:meth:`pause`), so no request mixes adapter versions.
 
         Raises:
             EngineError: the adapter's settings differ from those served, or its tensors do not fit.
@@ -205,7 +238,7 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _install_adapter(self, adapter: AdapterWeights) -> None:
-        """Inject ``adapter``'s layers (first time) and copy its tensors in (between rounds)."""
+        """Inject ``adapter``'s layers (first time) and copy its tensors in (batch drained)."""
         if self.lora is None:
             try:
                 inject_lora(self.model, adapter.settings, key="adapter target_modules")
@@ -223,7 +256,8 @@ class EmbeddedEngine:
             raise EngineError(f"update_adapter: {e}") from e
 
     async def close(self) -> None:
-        """Stop the worker; pending requests fail with :class:`EngineError`."""
+        """Stop the worker after its current step; queued and running requests fail with
+        :class:`EngineError`."""
         with self._cv:
             self._closed = True
             pending, self._queue = self._queue, []
@@ -243,103 +277,60 @@ class EmbeddedEngine:
                 pending, self._queue = self._queue, []
                 self._busy = False
                 self._cv.notify_all()
-            for r in [*pending, *self._current]:
-                with contextlib.suppress(RuntimeError):  # the caller's event loop may be closed
-                    r.loop.call_soon_threadsafe(_set_exc, r.future, self._dead)
+            running = [row.handle for row in self._batcher.abort_all()]
+            _fail([*pending, *self._taken, *running], self._dead)
+        else:
+            _fail([row.handle for row in self._batcher.abort_all()], EngineError("engine closed"))
 
     def _serve(self) -> None:
+        b = self._batcher
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or (self._queue and not self._paused))
+                self._cv.wait_for(lambda: self._closed or b.rows or (self._queue and not self._paused)
+                                  or (self._paused and b.cache.nbytes() > 0))
                 if self._closed:
                     return
                 self._busy = True
+            if not b.rows and not self._paused and self.config.batch_wait_s:  # let concurrent callers arrive
+                threading.Event().wait(self.config.batch_wait_s)
+            with self._cv:
+                take = [] if self._paused else self._queue[: b.free_slots()]
+                del self._queue[: len(take)]
+                version = self._version  # cannot change while requests run (updates drain first)
+            self._taken = take  # off the queue, maybe not yet in the batch: failed too if this step dies
             try:
-                if self.config.batch_wait_s:
-                    threading.Event().wait(self.config.batch_wait_s)
-                with self._cv:
-                    batch = self._queue[: self.config.max_batch_size]
-                    del self._queue[: len(batch)]
-                self._current = batch
-                version = self._version
-                try:
-                    self._decode(batch)
-                    for r in batch:
-                        res = GenerationResult(
-                            token_ids=r.new_ids, logprobs=r.logprobs, versions=[version] * len(r.new_ids),
-                            finish_reason=r.finish or "length",
-                            text=self.tokenizer.decode(r.new_ids, skip_special_tokens=False))
-                        r.loop.call_soon_threadsafe(_set_result, r.future, res)
-                except Exception as e:  # reported to every waiting caller
-                    err = EngineError(f"embedded engine decode failed: {type(e).__name__}: {e}")
-                    for r in batch:
-                        r.loop.call_soon_threadsafe(_set_exc, r.future, err)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+                self._step([b.new_row(r, r.prompt_ids, r.params, version) for r in take])
+            except Exception as e:  # reported to every request in the batch
+                _fail([*take, *(row.handle for row in b.abort_all())],
+                      EngineError(f"embedded engine decode failed: {type(e).__name__}: {e}"))
+            self._taken = []
+            if self._paused and not b.rows:  # drained for a weight update: parked KV is stale
+                b.release()
+            with self._cv:
+                self._busy = bool(b.rows)
+                self._cv.notify_all()
 
-    @torch.no_grad()
-    def _decode(self, batch: list[_Request]) -> None:
-        """Decode ``batch`` to completion with one left-padded KV cache."""
-        dev = self.config.device
-        n = len(batch)
-        lp = max(len(r.prompt_ids) for r in batch)
-        ids = torch.full((n, lp), self.pad_id, dtype=torch.long)
-        attn = torch.zeros(n, lp, dtype=torch.long)
-        for i, r in enumerate(batch):
-            ids[i, lp - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            attn[i, lp - len(r.prompt_ids):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(1) - 1).clamp(min=0)
-        gens = [torch.Generator(device=dev).manual_seed(r.params.seed) if r.params.seed is not None
-                else None for r in batch]
-        params = [r.params for r in batch]
-        matchers = [StopStringMatcher(self.tokenizer, r.params.stop, r.prompt_ids) if r.params.stop
-                    else None for r in batch]
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
-        past, logits = out.cache, out.logits[:, -1]
-        cur = pos[:, -1]
-        active = torch.ones(n, dtype=torch.bool)
-        max_steps = min(max(p.max_new_tokens for p in params), self.max_len - lp)
-        pad_col = torch.full((n,), self.pad_id, dtype=torch.long, device=dev)
-        for _ in range(max_steps):
-            tok, logp = sample_next(logits, params, gens, self._processed(batch, logits))
-            toks, logps = tok.tolist(), logp.tolist()  # one device->host copy per step
-            for i, r in enumerate(batch):
-                if r.finish:
-                    continue
-                t = toks[i]
-                r.new_ids.append(t)
-                r.logprobs.append(logps[i])
-                if t == self.eos_id and not r.params.ignore_eos:
-                    r.finish = "eos"
-                elif matchers[i] is not None and matchers[i].push(t) is not None:
-                    r.finish = "stop"
-                elif len(r.new_ids) >= r.params.max_new_tokens or lp + len(r.new_ids) >= self.max_len:
-                    r.finish = "length"
-                if r.finish:
-                    active[i] = False
-            if not active.any():
-                break
-            active_dev = active.to(dev)
-            step_ids = torch.where(active_dev, tok, pad_col)
-            attn = torch.cat([attn, active_dev.long()[:, None]], dim=1)
-            cur = cur + 1
-            out = self.model(input_ids=step_ids[:, None], attention_mask=attn, position_ids=cur[:, None],
-                             cache=past, use_cache=True)
-            past, logits = out.cache, out.logits[:, -1]
-        for r in batch:
-            r.finish = r.finish or "length"
+    def _step(self, new: list[Row]) -> None:
+        """Admit ``new`` rows, decode one token for every running row, return finished requests."""
+        b = self._batcher
+        if new:
+            b.admit(new)
+            self._deliver(b.pop_finished())
+        b.step()
+        self._deliver(b.pop_finished())
+
+    def _deliver(self, rows: list[Row]) -> None:
+        for row in rows:
+            res = GenerationResult(token_ids=row.new_ids, logprobs=row.logprobs,
+                                   versions=[row.version] * len(row.new_ids), finish_reason=row.finish,
+                                   text=self.tokenizer.decode(row.new_ids, skip_special_tokens=False))
+            row.handle.loop.call_soon_threadsafe(_set_result, row.handle.future, res)
 
 
-    def _processed(self, batch: list[_Request], logits: torch.Tensor) -> torch.Tensor | None:
-        """Sampling logits after the optional processor (None when there is none)."""
-        if self.logits_processor is None:
-            return None
-        return torch.stack([self.logits_processor(r.prompt_ids, r.new_ids, logits[i])
-                            for i, r in enumerate(batch)])
+def _fail(requests: list[_Request], err: EngineError) -> None:
+    for r in requests:
+        with contextlib.suppress(RuntimeError):  # the caller's event loop may be closed
+            r.loop.call_soon_threadsafe(_set_exc, r.future, err)
 
 
 def _set_result(fut: asyncio.Future, value: GenerationResult) -> None:
