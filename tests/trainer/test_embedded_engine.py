@@ -129,18 +129,22 @@ def test_update_weights_changes_version_and_distribution(model_tok, tmp_path):
     assert (lp1 - torch.tensor(r1.logprobs)).abs().max().item() < 1e-5
 
 
-def test_pause_blocks_new_rounds_until_resume(model_tok):
+def test_pause_drains_running_requests_and_holds_new_ones_until_resume(model_tok):
     model, tok = model_tok
+    p = tok.encode("pause", add_special_tokens=False)
 
     async def main():
-        eng = EmbeddedEngine(model, tok)
+        eng = EmbeddedEngine(model, tok, EmbeddedEngineConfig(batch_wait_s=0))
+        long = asyncio.create_task(eng.generate(p, SamplingParams(max_new_tokens=150, ignore_eos=True)))
+        while eng.stats.admitted == 0:
+            await asyncio.sleep(0.001)
         await eng.pause()
-        task = asyncio.create_task(eng.generate(tok.encode("p", add_special_tokens=False),
-                                                SamplingParams(max_new_tokens=2)))
+        assert long.done() and len(long.result().token_ids) == 150  # drained, not cut short
+        late = asyncio.create_task(eng.generate(p, SamplingParams(max_new_tokens=2)))
         await asyncio.sleep(0.2)
-        assert not task.done()
+        assert not late.done() and eng.stats.admitted == 1
         await eng.resume()
-        r = await asyncio.wait_for(task, 30)
+        r = await asyncio.wait_for(late, 30)
         await eng.close()
         return r
 
