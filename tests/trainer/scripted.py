@@ -23,3 +23,15 @@ def scripted(tokenizer, actions: Sequence[str], turn_of: Callable[[str], int]
         return out
 
     return proc
+
+
+def runs(tr, masked: bool) -> list[list[int]]:
+    """Maximal runs of response ids with ``loss_mask == masked``."""
+    out, cur = [], []
+    for t, m in zip(tr.response_ids, tr.loss_mask, strict=True):
+        if bool(m) == masked:
+            cur.append(t)
+        elif cur:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])

@@ -18,7 +18,7 @@ import torch
 from bpe_tokenizer import bpe_tokenizer
 from chat_tokenizer import chat_tokenizer
 from harness_agent import TOOLS
-from scripted import scripted
+from scripted import runs, scripted
 
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
@@ -65,18 +65,6 @@ def play(model, tok, agent=AGENT, timeout_s=60.0, engine=None, cfg=None):
         return tr
 
     return asyncio.run(main())
-
-
-def runs(tr, masked: bool) -> list[list[int]]:
-    """Maximal runs of response ids with ``loss_mask == masked``."""
-    out, cur = [], []
-    for t, m in zip(tr.response_ids, tr.loss_mask, strict=True):
-        if bool(m) == masked:
-            cur.append(t)
-        elif cur:
-            out.append(cur)
-            cur = []
-    return out + ([cur] if cur else [])
 
 
 def test_openai_agent_episode_is_the_sampled_tokens(chat_model_tok):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from bpe_tokenizer import bpe_tokenizer
 from chat_tokenizer import chat_tokenizer
-from scripted import scripted
+from scripted import runs, scripted
 
 from environments.math_tool import MathToolEnv
 from environments.math_tool.env import NATIVE_PROMPT
@@ -56,18 +56,6 @@ def play(model, tok, env, actions, cfg, turn_of=chat_turn_of):
         return tr
 
     return asyncio.run(main())
-
-
-def runs(tr, masked: bool) -> list[list[int]]:
-    """Maximal runs of response ids with ``loss_mask == masked``."""
-    out, cur = [], []
-    for t, m in zip(tr.response_ids, tr.loss_mask, strict=True):
-        if bool(m) == masked:
-            cur.append(t)
-        elif cur:
-            out.append(cur)
-            cur = []
-    return out + ([cur] if cur else [])
 
 
 def conversation_ids(tok, turns) -> list[int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 #: ``info`` keys written by :meth:`EpisodeClock.stamp` (seconds), in the order llm, env, other.
@@ -43,22 +43,21 @@ class EpisodeClock:
         self.env_s = 0.0
 
     @contextmanager
-    def llm(self) -> Iterator[None]:
-        """Time the block as generation (added to :attr:`llm_s` also when it raises)."""
+    def _timed(self, attr: str) -> Iterator[None]:
+        """Add the block's wall time to ``self.<attr>``, also when it raises."""
         t = time.perf_counter()
         try:
             yield
         finally:
-            self.llm_s += time.perf_counter() - t
+            setattr(self, attr, getattr(self, attr) + time.perf_counter() - t)
 
-    @contextmanager
-    def env(self) -> Iterator[None]:
+    def llm(self) -> AbstractContextManager[None]:
+        """Time the block as generation (added to :attr:`llm_s` also when it raises)."""
+        return self._timed("llm_s")
+
+    def env(self) -> AbstractContextManager[None]:
         """Time the block as environment (added to :attr:`env_s` also when it raises)."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.env_s += time.perf_counter() - t
+        return self._timed("env_s")
 
     def split(self) -> dict[str, float]:
         """``{"llm_s", "env_s", "other_s"}`` now: ``other_s = max(0, wall − llm_s − env_s)``."""
