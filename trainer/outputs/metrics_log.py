@@ -32,6 +32,22 @@ TB_DIR = "tensorboard"
 _RESERVED = ("step", "time")
 
 
+def _wait_for_a_later_event_file(tb_dir: Path) -> None:
+    """Wait (at most ~1 s) until a new event file in ``tb_dir`` sorts after every existing one.
+
+    TensorBoard reads a run's event files in name order, and a later file's purge applies only to
+    the files before it. The name is ``events.out.tfevents.<unix s, 10 digits>.<host>.<pid>.<n>``
+    with ``n`` a per-process counter, so two files opened in the same second sort by ``n`` as
+    text (``.10`` before ``.9``): a purge would then hit the wrong file. A later second sorts
+    after whatever ``n`` is.
+    """
+    stamps = [int(p.name.split(".")[3]) for p in tb_dir.glob("events.out.tfevents.*")
+              if p.name.split(".")[3:4] and p.name.split(".")[3].isdigit()]
+    deadline = time.monotonic() + 1.5  # a file stamped in the future (clock change): do not hang
+    while stamps and int(time.time()) <= max(stamps) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _scalar(value: Any, where: str) -> int | float:
     """A python int/float from a python/numpy number or a one-element tensor/array."""
     if isinstance(value, bool):
@@ -181,6 +197,7 @@ class MetricsLogger:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: slow import
 
+            _wait_for_a_later_event_file(self.output_dir / TB_DIR)
             self._writer = SummaryWriter(log_dir=str(self.output_dir / TB_DIR), purge_step=self._purge_step)
         return self._writer
 

@@ -30,9 +30,11 @@ def _load_gguf(gguf: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # local_files_only explicit: the saved tokenizer_config.json records it, and left to
+    # transformers it follows $HF_HUB_OFFLINE (the conversion would depend on the environment)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation="eager")
+                                                 attn_implementation="eager", local_files_only=True)
     return model.eval(), tok
 
 
