@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -22,6 +23,7 @@ from trainer.learner import make_learner, restore_learner
 from trainer.learner.distributed.launch import RankError
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.outputs.checkpoint import CheckpointManager, DirectoryState
+from trainer.outputs.viewer.samples import read_samples
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -252,11 +254,22 @@ def trained_steps(out: Path) -> list[int]:
 @pytest.mark.slow
 def test_copc_train_fsdp_world_size_2_runs_end_to_end(tmp_path):
     out = tmp_path / "run"
-    res = copc_train(train_overrides(out, 3))
+    res = copc_train(train_overrides(out, 3, "logging.samples_per_step=64"))
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["duplicate_trained_uids"] == 0
     assert trained_steps(out) == [1, 2, 3]
+    # copc view's samples come from rank 0's step inputs: every row sampled, so the mean sampled
+    # advantage over model tokens is the step's advantage/mean
+    recs = read_samples(out)
+    assert sorted({r["step"] for r in recs}) == [1, 2, 3]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for m in (m for m in metrics if "advantage/mean" in m):
+        adv = [a for r in recs if r["step"] == m["step"]
+               for a, k in zip(r["advantage"], r["loss_mask"], strict=True) if k]
+        assert adv and np.mean(adv) == pytest.approx(m["advantage/mean"], rel=2e-3, abs=2e-4)
+        assert all(x is not None and x > 0 for r in recs if r["step"] == m["step"]
+                   for x, k in zip(r["ratio"], r["loss_mask"], strict=True) if k)
     latest = CheckpointManager(out / "checkpoints").latest()
     assert CheckpointManager.step_of(latest) == 3
     assert (latest / "learner_shards" / "dcp" / ".metadata").is_file()

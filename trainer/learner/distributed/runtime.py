@@ -2,7 +2,8 @@
 :class:`~trainer.learner.base.Learner`) runs a registered rank learner on ``learner.world_size``
 ranks and looks like any other backend to the loop, the Ray launcher and ``run.py``.
 
-* ``step(batch)``: the same full batch goes to every rank; rank 0's metrics come back.
+* ``step(batch)``: the same full batch goes to every rank; rank 0's metrics come back (and, when
+  the run keeps per-step samples, rank 0's per-token step inputs: :attr:`last_step_inputs`).
 * ``export_policy_weights()``: the ranks gather the actor's full tensors on rank 0, which
   sends them here (shared memory with ``spawn``, the object store with ``ray``).
 * Checkpoints: :meth:`state_dict` is small (backend, layout, policy version); the sharded state
@@ -27,6 +28,8 @@ import torch
 
 from ...errors import ConfigError
 from ...rollout.batch import RolloutBatch
+from ..algorithm import ActorCriticAlgorithm, StepInputs
+from ..settings import LearnerConfig
 from .launch import RankGroup, start_ranks
 
 
@@ -102,6 +105,14 @@ class DistributedLearner:
         check_launch(sec)
         check_model_parallel(sec, model_dir)
         self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), sec.backend
+        #: the channel intervals of the preset, for the run's samples (the ranks hold the algorithm
+        #: that trains; this one computes nothing)
+        self.algorithm = ActorCriticAlgorithm.from_config(exp_cfg.algorithm_config(),
+                                                          LearnerConfig.from_config(exp_cfg))
+        #: rank 0's last step inputs (CPU; ``(B, T)`` log-probs and advantages), or None when the
+        #: run keeps no per-step samples (``logging.samples_per_step: 0``)
+        self.last_step_inputs: StepInputs | None = None
+        self._with_inputs = bool(exp_cfg.logging.samples_per_step)
         self._group: RankGroup = start_ranks(exp_cfg, model_dir)
         self._finalizer = weakref.finalize(self, self._group.close)
         self._version = int(self._group.ready[0])
@@ -125,8 +136,9 @@ class DistributedLearner:
             RankError: a rank raised, died or timed out.
         """
         t0 = time.perf_counter()
-        out = self._group.call("step", batch)[0]
+        out = self._group.call("step", batch, self._with_inputs)[0]
         self._version = int(out["policy_version"])
+        self.last_step_inputs = out.get("step_inputs")
         metrics = dict(out["metrics"])
         metrics["perf/learner_rpc_s"] = time.perf_counter() - t0
         return metrics

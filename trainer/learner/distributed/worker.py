@@ -146,18 +146,25 @@ class RankServer:
     def handle(self, cmd: str, args: tuple) -> Any:
         """Run one command; returns its picklable result (rank 0's is the one the driver reads).
 
-        ``step(batch)`` → ``{"metrics", "policy_version"}``; ``export()`` → list of ``(HF name,
-        tensor)`` (rank 0; ``[]`` elsewhere); ``save(dir)`` / ``load(dir)`` / ``version()`` →
-        ``policy_version``; ``gradients()`` → :meth:`GradientProbe.named_gradients`;
-        ``state_bytes()`` → :meth:`MemoryProbe.state_bytes` (every rank's own).
+        ``step(batch[, with_inputs])`` → ``{"metrics", "policy_version"}``, plus rank 0's
+        ``"step_inputs"`` (its :class:`~trainer.learner.algorithm.StepInputs` on the CPU: the
+        step's per-token log-probs and advantages, for the run's samples) when ``with_inputs``;
+        ``export()`` → list of ``(HF name, tensor)`` (rank 0; ``[]`` elsewhere); ``save(dir)`` /
+        ``load(dir)`` / ``version()`` → ``policy_version``; ``gradients()`` →
+        :meth:`GradientProbe.named_gradients`; ``state_bytes()`` → :meth:`MemoryProbe.state_bytes`
+        (every rank's own).
 
         Raises:
             ValueError: unknown command. TypeError: ``gradients`` / ``state_bytes`` on a learner
                 without them.
         """
         lrn = self.learner
-        if cmd == "step":
-            return {"metrics": lrn.step(*args), "policy_version": lrn.policy_version}
+        if cmd == "step":  # args: (batch,) or (batch, with_inputs)
+            out = {"metrics": lrn.step(args[0]), "policy_version": lrn.policy_version}
+            x = getattr(lrn, "last_step_inputs", None)
+            if len(args) > 1 and args[1] and self.ctx.is_rank0 and x is not None:
+                out["step_inputs"] = x.to(torch.device("cpu"))
+            return out
         if cmd == "export":
             pairs = list(lrn.export_policy_weights())  # every rank iterates: the gathers are collective
             return pairs if self.ctx.is_rank0 else []
