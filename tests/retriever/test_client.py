@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from retriever.client import (
     RetrieverClient,
     RetrieverRequestError,
     RetrieverUnavailableError,
+    _needs_tls,
 )
 
 from .conftest import free_port, start_process, stop_process
@@ -126,3 +128,13 @@ def test_async_client_retries_and_matches_sync(flaky, bm25_server):
     with RetrieverClient(url=bm25_server) as sync:
         expected = sync.retrieve(["Animorphs", "Shirley Temple"], topk=2)
     assert all(m == expected for m in many)
+
+
+@pytest.mark.parametrize("url,tls", [("http://127.0.0.1:8000", False), ("https://search.example.org", True)])
+def test_only_https_clients_build_a_verifying_tls_context(url, tls):
+    assert _needs_tls(url) is tls
+    # and the clients get it: an https client's transport verifies certificates, an http one skips
+    # building the (costly) verifying context
+    with RetrieverClient(url=url) as c:
+        ctx = c._http._transport._pool._ssl_context
+        assert (ctx.verify_mode == ssl.CERT_REQUIRED) is tls
