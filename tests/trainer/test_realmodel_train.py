@@ -1,0 +1,110 @@
+"""``copc train`` on the real pretrained model: one asynchronous COPC step of SmolLM2-135M-Instruct
+with LoRA actor and critic, through the real bubblewrap sandbox (math) and the real BM25 retriever
+over the shared Wikipedia corpus (search), with the shipped SmolLM2 prompts (configs/eval/).
+
+Each run checks what only a real run shows: the tool really ran (a sampled episode made a tool
+call and its tool output is in the trajectory), the tool output is masked from the loss (every
+token from the opening ``<interpreter>`` / ``<information>`` tag to its closing tag has loss mask
+0, the model's own tokens 1), the step trained (finite losses), only adapters and the value head
+were checkpointed, and the adapters moved (peft initialises ``lora_B`` to zero: after one
+optimizer step the actor's is not; the critic's zero-initialised value head is not)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from search_server import CORPUS, QA_DIR  # tests/trainer on sys.path
+
+from trainer.app.run import run_experiment
+from trainer.config import load_config
+from trainer.outputs.checkpoint import CheckpointManager
+from trainer.outputs.viewer.samples import read_samples
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
+
+#: (config, tool output's opening and closing tags, overrides). A step needs a nonzero reward to
+#: move anything (the value head starts at zero: all-zero rewards give zero returns, advantages and
+#: gradients), so math scores a wrong answer -1 (DAPO's scale), and search trains on NQ questions
+#: the model answered right greedily in the 200-question evaluation (README "A real model").
+CASES = {
+    "math": ("configs/eval/smollm2_math.yaml", "<interpreter>", "</interpreter>",
+             ["task.train_data=[math_train]", "task.env_kwargs.reward.incorrect_reward=-1"]),
+    "search": ("configs/eval/smollm2_search.yaml", "<information>", "</information>", []),
+}
+SEARCH_ROWS = ("test_2051", "test_3107", "test_2493", "test_2721")
+
+
+def _search_rows(path: Path) -> Path:
+    """A JSONL of :data:`SEARCH_ROWS` from the shared NQ file (not committed: read at test time)."""
+    rows = [x for x in (QA_DIR / "qa" / "nq.jsonl").read_text().splitlines()
+            if json.loads(x)["id"] in SEARCH_ROWS]
+    assert len(rows) == len(SEARCH_ROWS)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _overrides(model: Path, out: Path) -> list[str]:
+    return [f"model.path={model}", f"output_dir={out}", "preset=copc",
+            "learner.lora.rank=8", "learner.lora.alpha=16",
+            "learner.lora.target_modules=[q_proj,v_proj]",
+            "task.max_train_samples=8",
+            "train.total_steps=1", "train.prompts_per_step=4", "train.micro_batch_size=4",
+            "rollout.n_samples_per_prompt=1", "rollout.concurrency=4", "rollout.temperature=0.5",
+            "rollout.max_new_tokens=96", "train.staleness.max=1",
+            "logging.samples_per_step=8", "logging.progress=false",
+            "eval.enabled=false", "warm_start.enabled=false", "checkpoint.every_steps=1"]
+
+
+def _tool_spans_masked(rec: dict, open_tag: str, close_tag: str) -> int:
+    """Number of tool-output spans in ``rec``'s tokens; asserts every token overlapping a span is
+    masked and that the model's own tokens before it (its tool call) are trained."""
+    toks, mask = rec["tokens"], rec["loss_mask"]
+    bounds, text = [], ""
+    for t in toks:
+        bounds.append((len(text), len(text) + len(t)))
+        text += t
+    spans, pos = 0, 0
+    while (i := text.find(open_tag, pos)) >= 0:
+        j = text.find(close_tag, i) + len(close_tag)
+        assert j > i + len(open_tag), f"unclosed {open_tag} in {rec['sample_id']}"
+        inside = [k for k, (a, b) in enumerate(bounds) if b > i and a < j]
+        assert inside and all(mask[k] == 0 for k in inside), rec["sample_id"]
+        assert any(mask[k] == 1 for k in range(inside[0]))  # the model's call before it is trained
+        spans, pos = spans + 1, j
+    return spans
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_lora_copc_step_through_the_real_tool(realmodel_path, tmp_path, case):
+    if case == "search" and not (CORPUS.is_file() and (QA_DIR / "qa" / "nq.jsonl").is_file()):
+        pytest.skip(f"shared data not found under {QA_DIR}")
+    config, open_tag, close_tag, extra = CASES[case]
+    if case == "search":
+        extra = [f"task.train_data=[{_search_rows(tmp_path / 'nq_rows.jsonl')}]"]
+    out = tmp_path / case
+    summary = run_experiment(load_config(str(REPO / config), [*_overrides(realmodel_path, out), *extra]))
+    assert summary["steps"] == 1 and summary["trained_uids"] == 4
+    step = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"actor/pg_loss"' in x]
+    assert len(step) == 1 and all(math.isfinite(step[0][k]) for k in ("actor/pg_loss", "critic/value_loss"))
+    assert step[0]["time/rollout_env_s"] > 0  # the sandbox / retriever was called
+
+    recs = read_samples(out)
+    assert len(recs) == 4
+    assert sum(r["tool_calls"] for r in recs) >= 1
+    assert sum(_tool_spans_masked(r, open_tag, close_tag) for r in recs) == sum(r["tool_calls"] for r in recs)
+
+    ckpt = CheckpointManager(out / "checkpoints")
+    state = ckpt.load(ckpt.latest())["learner"]
+    assert "actor" not in state and "critic" not in state  # adapters (+ value head) only
+    actor_b = [t for n, t in state["actor_lora"]["tensors"].items() if "lora_B" in n]
+    assert actor_b and any(torch.count_nonzero(t) > 0 for t in actor_b)
+    # the critic: its value head starts at zero, so step 1 moves the head (its LoRA B gets a gradient
+    # through the head from step 2 on)
+    head = [t for n, t in state["critic_lora"]["tensors"].items() if "lora_" not in n]
+    assert head and any(torch.count_nonzero(t) > 0 for t in head)
+    assert any("lora_B" in n for n in state["critic_lora"]["tensors"])
