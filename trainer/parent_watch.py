@@ -75,6 +75,11 @@ def stop_when_parent_dies(grace_s: float = 60.0, poll_s: float = 1.0) -> bool:
     if not raw.isdigit() or int(raw) <= 0:
         raise ValueError(f"{ENV}={raw!r}: must be the parent's pid (a positive integer)")
     parent = int(raw)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started with SIGINT ignored (a parent in the background of a non-interactive shell, nohup):
+        # Python then installs no KeyboardInterrupt handler, and the SIGINT below would do nothing
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def orphaned() -> None:
         print(f"copc: the parent process (pid {parent}) is gone; stopping this run "

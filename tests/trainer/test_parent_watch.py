@@ -74,12 +74,16 @@ except KeyboardInterrupt:
 """
 
 
-def test_child_is_interrupted_when_its_parent_is_killed(tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_child_is_interrupted_when_its_parent_is_killed(tmp_path, sigint):
+    """Also when the child starts with SIGINT ignored (inherited through exec: a parent run in the
+    background of a non-interactive shell, or under nohup, passes SIG_IGN on)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     err = tmp_path / "child.err"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
     with open(err, "w") as f:
         parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, stderr=f,
-                                  text=True, env=env)
+                                  text=True, env=env, preexec_fn=ignore)
         child = int(parent.stdout.readline())
         time.sleep(0.5)
         assert _alive(child)
@@ -91,8 +95,10 @@ def test_child_is_interrupted_when_its_parent_is_killed(tmp_path):
 
 
 def test_child_that_ignores_sigint_is_ended_after_the_grace_time(tmp_path):
-    stubborn = CHILD.replace("import signal, sys, time", "import signal, sys, time\n"
-                             "signal.signal(signal.SIGINT, signal.SIG_IGN)")
+    # ignores SIGINT from after the watch is set up (the watch restores Ctrl-C only for a child
+    # that inherited SIG_IGN at start-up: the test above)
+    stubborn = CHILD.replace("poll_s=0.1)\n", "poll_s=0.1)\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n")
+    assert stubborn != CHILD
     env = dict(os.environ, PYTHONPATH=str(REPO))
     parent = subprocess.Popen([sys.executable, "-c", PARENT.replace('sys.argv[1]]', 'sys.argv[1], "1.0"]'),
                                stubborn], stdout=subprocess.PIPE, text=True, env=env)
