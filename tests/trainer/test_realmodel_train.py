@@ -30,11 +30,13 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 #: (config, tool output's opening and closing tags, overrides). A step needs a nonzero reward to
 #: move anything (the value head starts at zero: all-zero rewards give zero returns, advantages and
 #: gradients), so math scores a wrong answer -1 (DAPO's scale), and search trains on NQ questions
-#: the model answered right greedily in the 200-question evaluation (README "A real model").
+#: the model answered right greedily in the 200-question evaluation (README "A real model"),
+#: written to ``{nq_rows}`` at test time.
 CASES = {
     "math": ("configs/eval/smollm2_math.yaml", "<interpreter>", "</interpreter>",
              ["task.train_data=[math_train]", "task.env_kwargs.reward.incorrect_reward=-1"]),
-    "search": ("configs/eval/smollm2_search.yaml", "<information>", "</information>", []),
+    "search": ("configs/eval/smollm2_search.yaml", "<information>", "</information>",
+               ["task.train_data=[{nq_rows}]"]),
 }
 SEARCH_ROWS = ("test_2051", "test_3107", "test_2493", "test_2721")
 
@@ -85,7 +87,7 @@ def test_one_lora_copc_step_through_the_real_tool(realmodel_path, tmp_path, case
         pytest.skip(f"shared data not found under {QA_DIR}")
     config, open_tag, close_tag, extra = CASES[case]
     if case == "search":
-        extra = [f"task.train_data=[{_search_rows(tmp_path / 'nq_rows.jsonl')}]"]
+        extra = [x.format(nq_rows=_search_rows(tmp_path / "nq_rows.jsonl")) for x in extra]
     out = tmp_path / case
     summary = run_experiment(load_config(str(REPO / config), [*_overrides(realmodel_path, out), *extra]))
     assert summary["steps"] == 1 and summary["trained_uids"] == 4
