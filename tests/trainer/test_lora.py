@@ -257,3 +257,45 @@ def test_adapters_train_under_activation_checkpointing(tiny):
     assert trained["on"].keys() == trained["off"].keys()
     assert all((trained["on"][n] - trained["off"][n]).abs().max() < 1e-6 for n in trained["off"])
     assert all(float(v.abs().max()) > 0 for n, v in trained["off"].items() if ".lora_B." in n)
+
+
+def test_bfloat16_base_trains_float32_adapters_and_value_head(tiny):
+    """``model.dtype: bfloat16`` + LoRA: the frozen base stays bfloat16, the adapters and the value head
+    are float32, and an update of ``lr = 1e-6`` (the actor's usual rate) moves them; in bfloat16 an
+    AdamW step of ~1e-6 on a lora_A entry of ~0.1 rounds away (8 significant bits)."""
+    torch.manual_seed(0)  # lora_A's random initialisation
+    actor, tok = load_model_and_tokenizer(tiny, dtype=torch.bfloat16)
+    cfg = LearnerConfig(optim=OptimizerSettings(actor_lr=1e-6, critic_lr=1e-6), micro_batch_size=3,
+                        lora=ACTOR, critic_lora=CRITIC)
+    learner = TorchLearner(actor, copc.get_preset("copc"), cfg)
+    for model in (learner.actor, learner.critic):
+        trained = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        assert trained and set(trained.values()) == {torch.float32}, trained
+        assert frozen == {torch.bfloat16}
+    assert learner.critic.value_head.weight.dtype == torch.float32
+    lora_a = {n: p.detach().clone() for n, p in learner.actor.named_parameters() if ".lora_A." in n}
+    batch = _batch(tok)
+    m = {}
+    for _ in range(2):
+        m = learner.step(batch)
+    assert m["actor/updated"] == 1.0 and m["actor/grad_norm"] > 0
+    moved = {n: float((p.detach() - lora_a[n]).abs().max()) for n, p in learner.actor.named_parameters()
+             if n in lora_a}
+    assert all(0 < d < 1e-4 for d in moved.values()), moved  # moved by ~lr per step, not rounded away
+    now = {n: p.detach() for n, p in learner.actor.named_parameters() if n in lora_a}
+    # the same update in bfloat16 weights: nearly every entry rounds back to where it started
+    kept = torch.cat([(v.bfloat16() == lora_a[n].bfloat16()).flatten() for n, v in now.items()])
+    assert float(kept.float().mean()) > 0.95, float(kept.float().mean())
+    assert all(not torch.equal(v, lora_a[n]) for n, v in now.items())
+
+
+def test_full_fine_tune_of_a_bfloat16_model_is_refused_naming_model_dtype(tiny):
+    actor, _ = load_model_and_tokenizer(tiny, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"^model\.dtype: the actor's trained parameter model\.embed_tokens"
+                                          r"\.weight is bfloat16; this backend updates float32 weights only: "
+                                          r"use learner\.lora .* or learner\.backend=fsdp"):
+        TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(micro_batch_size=3))
+    actor, _ = load_model_and_tokenizer(tiny, dtype=torch.bfloat16)  # LoRA actor, fully trained critic
+    with pytest.raises(ConfigError, match=r"^model\.dtype: the critic's trained parameter"):
+        TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(micro_batch_size=3, lora=ACTOR))

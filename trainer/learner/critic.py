@@ -46,10 +46,11 @@ class ValueModel(nn.Module):
         return critic.to(device=p.device, dtype=p.dtype)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        """``(B, L)`` float32 values of every prefix."""
+        """``(B, L)`` float32 values of every prefix (the head runs in its own dtype: float32 on a
+        bfloat16 LoRA backbone, :func:`~trainer.learner.lora.prepare_models`)."""
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids).last_hidden_state
-        return self.value_head(h).squeeze(-1).float()
+        return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                         prompt_len: int) -> Tensor:

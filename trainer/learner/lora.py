@@ -60,6 +60,7 @@ def prepare_models(actor: nn.Module, cfg: LearnerConfig, use_critic: bool,
         critic = ValueModel.from_causal_lm(actor, share_parameters=a is not None and c is not None)
     if c is not None and not is_lora_model(critic.backbone):
         inject_lora(critic.backbone, c, f"{LORA_KEYS['critic']}.target_modules")
+        critic.value_head.float()  # trained: float32 on a bfloat16 backbone, as the adapters
         if _checkpointed(critic.backbone):  # frozen inputs: reentrant checkpointed blocks need input grads
             critic.backbone.enable_input_require_grads()
     if a is not None:
@@ -67,6 +68,22 @@ def prepare_models(actor: nn.Module, cfg: LearnerConfig, use_critic: bool,
         if _checkpointed(actor):
             actor.enable_input_require_grads()
     return actor, (critic if use_critic else None)
+
+
+def check_trainable_dtype(model: nn.Module, role: str, dtype_key: str = "model.dtype") -> None:
+    """Raise when a parameter that is trained is not float32: AdamW's update ``lr · m / sqrt(v)``
+    (``~1e-6`` at the usual actor learning rate) rounds away in bfloat16 / float16 weights, so the
+    model would silently not learn. LoRA keeps a low-precision base frozen with float32 adapters.
+
+    Raises:
+        ConfigError: naming ``dtype_key`` and the first such parameter.
+    """
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            raise ConfigError(
+                f"{dtype_key}: the {role}'s trained parameter {name} is {str(p.dtype)[6:]}; this backend "
+                "updates float32 weights only: use learner.lora (a frozen low-precision base, float32 "
+                "adapters) or learner.backend=fsdp (mixed precision)")
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

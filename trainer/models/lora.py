@@ -146,7 +146,10 @@ def inject_lora(model: nn.Module, settings: LoraSettings, key: str = "learner.lo
     """Inject a LoRA adapter into ``model`` in place; afterwards only adapter parameters require grad.
 
     ``lora_B`` starts at zero (peft's initialisation), so the adapted model computes exactly what the
-    base model did until it is trained.
+    base model did until it is trained. The adapter is float32 whatever the base's dtype (peft's
+    ``autocast_adapter_dtype``): on a bfloat16 base an update of ``lr · g ≈ 1e-6`` would round away
+    (bf16 keeps 8 significant bits); peft's layers cast the input to the adapter's dtype and the sum
+    back to the base's.
 
     Raises:
         ConfigError: a target module that does not exist, or one peft cannot adapt (naming ``key``).
@@ -162,7 +165,10 @@ def inject_lora(model: nn.Module, settings: LoraSettings, key: str = "learner.lo
     except ValueError as e:  # e.g. a target that is not a layer type LoRA supports
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+        is_adapter = ".lora_A." in name or ".lora_B." in name
+        p.requires_grad_(is_adapter)
+        if is_adapter and p.dtype != torch.float32:  # a bf16/fp16 base: float32 adapter (peft's autocast)
+            p.data = p.data.float()
     return model
 
 

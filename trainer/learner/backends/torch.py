@@ -36,7 +36,7 @@ from ...models.lora import AdapterWeights, merged_state_dict
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
 from ..critic import ValueModel
-from ..lora import load_role_state, prepare_models, role_state, trainable_parameters
+from ..lora import check_trainable_dtype, load_role_state, prepare_models, role_state, trainable_parameters
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
 
@@ -143,7 +143,9 @@ class TorchLearner(TransformersForward, TemplateLearner):
     place (:func:`~trainer.learner.lora.prepare_models`) and only their parameters are optimised.
 
     Raises:
-        ConfigError: a LoRA target module the model does not have (naming the key).
+        ConfigError: a LoRA target module the model does not have (naming the key); a trained
+            parameter that is not float32 (``model.dtype: bfloat16`` without LoRA, whose AdamW
+            updates would round away: :func:`~trainer.learner.lora.check_trainable_dtype`).
     """
 
     def __init__(self, actor: nn.Module, algo: copc.AlgorithmConfig, cfg: LearnerConfig,
@@ -152,6 +154,9 @@ class TorchLearner(TransformersForward, TemplateLearner):
         self.algo, self.cfg = algo, cfg
         self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
         self.actor, self.critic = prepare_models(actor, cfg, algo.use_critic, critic)
+        for role, model in (("actor", self.actor), ("critic", self.critic)):
+            if model is not None:
+                check_trainable_dtype(model, role)
         self.actor_opt = TorchOptimizer(trainable_parameters(self.actor), cfg.optim, "actor")
         self.critic_opt = None if self.critic is None else TorchOptimizer(
             trainable_parameters(self.critic), cfg.optim, "critic")
