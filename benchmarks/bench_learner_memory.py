@@ -12,7 +12,9 @@ of the table in its own fresh process:
 * ``chunked``: the learner as shipped (hidden states at the model tokens, LM head + log-softmax in
   chunks of ``learner.logprob_chunk_tokens`` with recomputation in backward, plus the entropy
   metric);
-* ``chunked + ckpt``: the same with ``learner.gradient_checkpointing=true``.
+* ``chunked + ckpt``: the same with ``learner.gradient_checkpointing=true``;
+* ``chunked + ckpt, glibc default``: the same with ``learner.malloc_mmap_threshold=0`` (glibc's
+  dynamic mmap threshold, as the reference runs): what the allocator setting alone is worth.
 
 Measured: the child's peak RSS (its ``resource.getrusage`` ``ru_maxrss``: model, optimizer state,
 activations, interpreter), its RSS before the step, and response tokens per second of the
@@ -22,9 +24,10 @@ default size: on a shared machine run it under ``flock`` (``make bench`` does no
 
 Allocator retention: with glibc's default (dynamic) mmap threshold, tensors of up to 32 MB come
 from the heap after the first large frees, and freed heap memory mostly stays resident; at the
-default size that keeps ~1.5 GB more RSS than the live tensors in the chunked rows (measured
-6.1–6.6 GB vs 4.7 GB). ``--mmap-threshold 1048576`` sets ``MALLOC_MMAP_THRESHOLD_`` in every
-row's process (reference included) so that RSS follows the live tensors.
+default size that keeps ~1.5 GB more RSS than the live tensors in the chunked rows. The learner
+fixes the threshold at ``learner.malloc_mmap_threshold`` (default 1 MiB,
+:mod:`trainer.learner.allocator`) in its process; the chunked rows run with the shipped default
+(``--mmap-threshold`` overrides it), the reference and the ``glibc default`` row with 0.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: The model (a pulled name, ``copc model pull smollm2-135m-instruct``, or a directory: ``--model``).
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MEMORY_GOAL, SPEED_GOAL = 0.35, 0.9
-#: Table rows: label -> (learner class, gradient checkpointing).
-ROWS = {"full logits": ("full", False), "chunked": ("chunked", False), "chunked + ckpt": ("chunked", True)}
+#: Table rows: label -> (learner class, gradient checkpointing, the shipped mmap threshold or 0).
+ROWS = {"full logits": ("full", False, False), "chunked": ("chunked", False, True),
+        "chunked + ckpt": ("chunked", True, True), "chunked + ckpt, glibc default": ("chunked", True, False)}
 
 
 def rss_bytes() -> int:
@@ -58,6 +62,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from trainer.config import load_config
+    from trainer.learner.allocator import set_malloc_mmap_threshold
     from trainer.learner.backends.torch import TorchLearner
     from trainer.logprobs import token_logprobs
     from trainer.rollout.batch import to_batch
@@ -72,10 +77,13 @@ def child(args: argparse.Namespace) -> None:
             lp = token_logprobs(logits[:, mb.prompt_len - 1:-1], mb.response_ids, self.cfg.temperature)
             return lp, None
 
-    kind, ckpt = ROWS[args.child]
+    kind, ckpt, shipped_threshold = ROWS[args.child]
+    threshold = (args.mmap_threshold if args.mmap_threshold >= 0 else None) if shipped_threshold else 0
     cfg = load_config(None, ["preset=copc", f"train.micro_batch_size={args.rows}", "train.num_mini_batches=1",
                              "train.actor_lr=1e-6", f"learner.gradient_checkpointing={str(ckpt).lower()}",
-                             f"learner.logprob_chunk_tokens={args.chunk}"])
+                             f"learner.logprob_chunk_tokens={args.chunk}"]
+                      + ([] if threshold is None else [f"learner.malloc_mmap_threshold={threshold}"]))
+    set_malloc_mmap_threshold(cfg.learner.malloc_mmap_threshold)  # as copc train does
     learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_config(cfg, args.model)
     g = torch.Generator().manual_seed(0)
     V = learner.actor.config.vocab_size
@@ -102,11 +110,8 @@ def run_row(label: str, args: argparse.Namespace) -> dict:
     ``resource.getrusage`` peak, bytes)."""
     cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--rows", str(args.rows),
            "--prompt-tokens", str(args.prompt_tokens), "--response-tokens", str(args.response_tokens),
-           "--chunk", str(args.chunk)]
-    env = dict(os.environ)
-    if args.mmap_threshold:  # glibc: allocations from this size up are mmap-ed, so freed memory leaves RSS
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+           "--chunk", str(args.chunk), "--mmap-threshold", str(args.mmap_threshold)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{label}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -121,8 +126,8 @@ def main() -> int:
     ap.add_argument("--response-tokens", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=512, help="learner.logprob_chunk_tokens")
     ap.add_argument("--gate", default="chunked + ckpt", choices=[r for r in ROWS if r != "full logits"])
-    ap.add_argument("--mmap-threshold", type=int, default=0,
-                    help="MALLOC_MMAP_THRESHOLD_ of every row's process (bytes; 0: glibc's dynamic default)")
+    ap.add_argument("--mmap-threshold", type=int, default=-1,
+                    help="learner.malloc_mmap_threshold of the chunked rows (bytes; -1: the shipped default)")
     ap.add_argument("--child", choices=list(ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -138,16 +143,16 @@ def main() -> int:
         return 0
     print(f"model: {args.model}; one actor + critic step (copc, AdamW), {args.rows} x ({args.prompt_tokens} "
           f"prompt + {args.response_tokens} model tokens), float32, eager attention, chunk {args.chunk}, "
-          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, malloc mmap threshold "
-          f"{args.mmap_threshold or 'glibc default'}")
+          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, chunked rows' malloc mmap "
+          f"threshold {'shipped default' if args.mmap_threshold < 0 else args.mmap_threshold}")
     results = {label: run_row(label, args) for label in ROWS}
     ref = results["full logits"]
     ref_tps = ref["tokens"] / ref["seconds"]
-    print(f"{'path':<16}{'peak RSS GiB':>13}{'x ref':>7}{'RSS before GiB':>16}{'step s':>9}{'tok/s':>8}"
+    print(f"{'path':<31}{'peak RSS GiB':>13}{'x ref':>7}{'RSS before GiB':>16}{'step s':>9}{'tok/s':>8}"
           f"{'x ref':>7}")
     for label, r in results.items():
         tps = r["tokens"] / r["seconds"]
-        print(f"{label:<16}{r['peak_rss'] / 2**30:13.2f}{r['peak_rss'] / ref['peak_rss']:7.2f}"
+        print(f"{label:<31}{r['peak_rss'] / 2**30:13.2f}{r['peak_rss'] / ref['peak_rss']:7.2f}"
               f"{r['rss_before'] / 2**30:16.2f}{r['seconds']:9.1f}{tps:8.1f}{tps / ref_tps:7.2f}")
     gated = results[args.gate]
     mem = gated["peak_rss"] / ref["peak_rss"]

@@ -81,8 +81,10 @@ def test_cpu_mode_runs_every_step_and_writes_the_summary(tmp_path):
         r = runs[name]
         assert r["status"] == "passed" and r["max_scaled_key"] <= 1e-4 and r["weights_max_abs_diff"] <= 1e-4
         assert len(r["steps"]) == 2 and set(r["steps"][0]) == set(learner_check.KEY_METRICS)
-    for name in ("torch_bf16", "fsdp_bf16"):  # bf16 really differs from fp32, within its tolerance
-        assert 1e-5 < runs[name]["max_scaled_key"] <= 2e-2, runs[name]
+    tb = runs["torch_bf16"]  # refused by design: full fine-tuning of bf16 weights (a ConfigError)
+    assert tb["status"] == "skipped" and "ConfigError" in tb["reason"]
+    # bf16 mixed precision really differs from fp32, within its tolerance
+    assert 1e-5 < runs["fsdp_bf16"]["max_scaled_key"] <= 2e-2, runs["fsdp_bf16"]
     assert runs["megatron_fp32"]["optimizer"].startswith("torch AdamW")
 
     par = s["steps"]["logprob_parity"]

@@ -64,7 +64,9 @@ def _overrides(model: Path, out: Path) -> list[str]:
 
 def _tool_spans_masked(rec: dict, open_tag: str, close_tag: str) -> int:
     """Number of tool-output spans in ``rec``'s tokens; asserts every token overlapping a span is
-    masked and that the model's own tokens before it (its tool call) are trained."""
+    masked and that the model's own tokens before it (its tool call) are trained. An opening tag
+    the model sampled itself (a trained token: SmolLM2 sometimes imitates the few-shot prompt's
+    ``<interpreter>`` and is then cut by ``max_new_tokens``) is the model's text, not a tool output."""
     toks, mask = rec["tokens"], rec["loss_mask"]
     bounds, text = [], ""
     for t in toks:
@@ -72,6 +74,10 @@ def _tool_spans_masked(rec: dict, open_tag: str, close_tag: str) -> int:
         text += t
     spans, pos = 0, 0
     while (i := text.find(open_tag, pos)) >= 0:
+        first = next(k for k, (a, b) in enumerate(bounds) if b > i)
+        if mask[first] == 1:  # the model wrote the tag itself (it copies the few-shot prompt): not a tool output
+            pos = i + len(open_tag)
+            continue
         j = text.find(close_tag, i) + len(close_tag)
         assert j > i + len(open_tag), f"unclosed {open_tag} in {rec['sample_id']}"
         inside = [k for k, (a, b) in enumerate(bounds) if b > i and a < j]

@@ -29,6 +29,7 @@ from environments.errors import InfrastructureError
 from ..config import ExperimentConfig
 from ..errors import ConfigError, TrainingError
 from ..learner import Learner, make_learner, restore_learner
+from ..learner.allocator import set_malloc_mmap_threshold
 from ..models.loading import load_model_and_tokenizer, load_tokenizer
 from ..models.tiny import TinyModelConfig, save_tiny_checkpoint
 from ..orchestration.prompts import PromptStream
@@ -243,6 +244,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
     (out / "config.yaml").write_text(to_yaml(cfg))
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
+    set_malloc_mmap_threshold(cfg.learner.malloc_mmap_threshold)  # the torch learner runs in this process
     seed_everything(cfg.train.seed)
     ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint.keep_last)
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from ..learner.allocator import DEFAULT_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD
 from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ..models.pull.store import resolve_model_path
 from .lora import CriticLoraSection, LoraSection, resolve_lora
@@ -497,6 +498,9 @@ class LearnerSection:
         logprob_chunk_tokens: tokens whose logits the LM head computes at a time for the actor's
             log-probs (``torch`` / ``fsdp``: the full-vocabulary logits are never held; peak
             extra memory ~3 × chunk × vocabulary × 4 bytes), >= 1.
+        malloc_mmap_threshold: bytes from which the learner's process ``mmap``-s an allocation
+            (glibc ``mallopt``, :mod:`trainer.learner.allocator`): freed activations leave the
+            resident set instead of staying in the heap; 0: glibc's dynamic default.
         backend_settings: the backend's own settings, validated by the settings dataclass it
             was registered with (none of the built-in backends has any yet); empty: defaults.
         lora: the actor's LoRA adapter (:class:`~trainer.config.lora.LoraSection`: ``rank``,
@@ -522,6 +526,7 @@ class LearnerSection:
     timeout_s: float = 1800.0
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    malloc_mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
     backend_settings: dict[str, Any] = field(default_factory=dict)
     lora: LoraSection | None = None
     critic_lora: CriticLoraSection | None = None
@@ -560,6 +565,9 @@ class LearnerSection:
         self.lora_settings()
         _require(isinstance(self.logprob_chunk_tokens, int) and self.logprob_chunk_tokens >= 1,
                  "learner.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an int >= 1")
+        m = self.malloc_mmap_threshold
+        _require(isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= MAX_MMAP_THRESHOLD,
+                 "learner.malloc_mmap_threshold", m, f"must be an int in [0, {MAX_MMAP_THRESHOLD}] (bytes)")
 
     def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
         """Check the rank layout against the backend's capability metadata (called by

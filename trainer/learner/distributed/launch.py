@@ -228,7 +228,7 @@ class RankActor:
 
     def setup(self, spec: RankSpec, exp_cfg: Any, model_dir: str) -> int:
         """Join the group and build the rank learner; returns its policy version."""
-        ctx = init_rank(spec, exp_cfg.train.torch_threads)
+        ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
         self.server = RankServer(build_rank_learner(exp_cfg, model_dir, ctx), ctx)
         return self.server.learner.policy_version
 
@@ -344,7 +344,7 @@ class TorchrunGroup:
             raise ValueError(f"learner.launch='torchrun': the driver must be RANK 0, this is RANK "
                              f"{spec.rank}")
         self.world_size = spec.world_size
-        self.ctx = init_rank(spec, exp_cfg.train.torch_threads)
+        self.ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
         self._closed = False
         self.server: RankServer | None = None
         self.server = self._run("build", (exp_cfg, str(model_dir)), build=lambda: RankServer(

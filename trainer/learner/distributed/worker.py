@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError
 from ...parent_watch import exit_with_parent
+from ..allocator import set_malloc_mmap_threshold
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
 from .collectives import all_gather_objects, broadcast_object
 
@@ -86,12 +87,14 @@ def resolve_dist_backend(name: str) -> str:
     return name
 
 
-def init_rank(spec: RankSpec, threads: int = 0) -> RankContext:
+def init_rank(spec: RankSpec, threads: int = 0, mmap_threshold: int = 0) -> RankContext:
     """Join the process group (``init_process_group``) and describe this rank.
 
     Args:
         spec: the rank's :class:`RankSpec`.
         threads: torch intra-op threads (0: this machine's cores split between its ranks).
+        mmap_threshold: this process's malloc mmap threshold in bytes
+            (``learner.malloc_mmap_threshold``; 0: glibc's default; :mod:`..allocator`).
 
     Returns:
         The :class:`RankContext` (a gloo ``cpu_group`` is created when the default group is NCCL).
@@ -103,6 +106,7 @@ def init_rank(spec: RankSpec, threads: int = 0) -> RankContext:
     backend = resolve_dist_backend(spec.dist_backend)
     layout = RankContext.layout(spec.rank, spec.world_size, spec.tp_size, spec.pp_size)
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, spec.local_world_size)))
+    set_malloc_mmap_threshold(mmap_threshold)
     device = torch.device("cpu")
     if backend == "nccl":
         index = spec.local_rank if torch.cuda.device_count() > spec.local_rank else 0
@@ -210,7 +214,7 @@ def spawn_main(conn: Any) -> None:
     server = None
     try:
         spec, exp_cfg, model_dir = conn.recv()
-        ctx = init_rank(spec, exp_cfg.train.torch_threads)
+        ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
         server = RankServer(build_rank_learner(exp_cfg, model_dir, ctx), ctx)
         conn.send(("ok", server.learner.policy_version))
         while True:
@@ -289,7 +293,8 @@ def serve_torchrun_worker(exp_cfg: Any) -> None:
     Raises:
         ConfigError: as :func:`torchrun_spec`.
     """
-    ctx = init_rank(torchrun_spec(exp_cfg.learner), exp_cfg.train.torch_threads)
+    ctx = init_rank(torchrun_spec(exp_cfg.learner), exp_cfg.train.torch_threads,
+                    exp_cfg.learner.malloc_mmap_threshold)
     server: RankServer | None = None
     try:
         while True:

@@ -1,0 +1,53 @@
+"""The C allocator's mmap threshold of a learner process (glibc ``mallopt(M_MMAP_THRESHOLD)``).
+
+PyTorch's CPU tensors come from ``malloc``. glibc serves an allocation from ``mmap`` (returned to
+the OS on free) only from its *mmap threshold* up; the threshold is dynamic by default: after a
+large mmap-ed block is freed it rises to that block's size (up to 32 MiB on 64-bit), so from then
+on tensors of up to 32 MiB come from the heap, and freed heap memory mostly stays resident. A
+learner step allocates and frees thousands of such activations, so its resident set grows ~1.5 GB
+above the live tensors on SmolLM2-135M at 8 × 512 tokens (``benchmarks/bench_learner_memory.py``).
+A fixed threshold (``learner.malloc_mmap_threshold``, default 1 MiB) keeps resident memory at the
+live tensors. Setting it disables the dynamic adjustment (glibc's documented behaviour, as the
+``MALLOC_MMAP_THRESHOLD_`` environment variable does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+#: glibc's ``M_MMAP_THRESHOLD`` parameter number (``<malloc.h>``).
+M_MMAP_THRESHOLD = -3
+#: ``learner.malloc_mmap_threshold``'s default: 1 MiB (benchmarks/bench_learner_memory.py).
+DEFAULT_MMAP_THRESHOLD = 2**20
+#: The largest threshold glibc accepts on 64-bit (``HEAP_MAX_SIZE / 2`` = ``DEFAULT_MMAP_THRESHOLD_MAX``).
+MAX_MMAP_THRESHOLD = 32 * 2**20
+
+
+def set_malloc_mmap_threshold(nbytes: int) -> bool:
+    """Fix this process's malloc mmap threshold at ``nbytes`` (0: leave glibc's dynamic default).
+
+    Args:
+        nbytes: allocations of at least this many bytes are ``mmap``-ed (and unmapped on free).
+
+    Returns:
+        True when the threshold was set; False for ``nbytes == 0`` or where the C library has no
+        ``mallopt`` (not glibc: e.g. musl, macOS), which is logged once at info level.
+
+    Raises:
+        ValueError: ``nbytes`` outside ``[0, 32 MiB]`` (glibc's maximum on 64-bit).
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_MMAP_THRESHOLD:
+        raise ValueError(f"learner.malloc_mmap_threshold={nbytes!r}: must be an int in "
+                         f"[0, {MAX_MMAP_THRESHOLD}]")
+    if nbytes == 0:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, nbytes):
+        log.info("learner.malloc_mmap_threshold: this C library has no glibc mallopt; left as it is")
+        return False
+    return True
