@@ -75,7 +75,7 @@ def _tool_spans_masked(rec: dict, open_tag: str, close_tag: str) -> int:
     spans, pos = 0, 0
     while (i := text.find(open_tag, pos)) >= 0:
         first = next(k for k, (a, b) in enumerate(bounds) if b > i)
-        if mask[first] == 1:  # the model wrote the tag itself (it copies the few-shot prompt): not a tool output
+        if mask[first] == 1:  # the model wrote the tag itself: not a tool output
             pos = i + len(open_tag)
             continue
         j = text.find(close_tag, i) + len(close_tag)
