@@ -1,7 +1,7 @@
 # Every target sets up ./.venv first (idempotent), so each is one command on a fresh machine.
 PY := .venv/bin/python
 
-.PHONY: setup main main-search test lint bench clean
+.PHONY: setup main main-search main-search-tiny test lint bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -10,6 +10,10 @@ main: setup
 	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml
 
 main-search: setup
+	$(PY) -m trainer.cli model pull smollm2-135m-instruct
+	$(PY) -m trainer.cli train --config configs/search/cpu_smollm.yaml
+
+main-search-tiny: setup
 	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml
 
 test:

@@ -116,3 +116,41 @@ def test_one_lora_copc_step_through_the_real_tool(realmodel_path, tmp_path, case
     head = [t for n, t in state["critic_lora"]["tensors"].items() if "lora_" not in n]
     assert head and any(torch.count_nonzero(t) > 0 for t in head)
     assert any("lora_B" in n for n in state["critic_lora"]["tensors"])
+
+
+def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path):
+    """``configs/search/cpu_smollm.yaml`` (the search main job) as committed, cut to 2 RL steps of 4
+    prompts: the real retriever was queried, every ``<information>`` block is masked from the
+    loss, both roles' LoRA adapters moved, and the held-out evaluation (one question here) wrote its
+    EM, tool-call and invalid-action rates before and after RL to ``summary.json``."""
+    if not (CORPUS.is_file() and (QA_DIR / "qa" / "nq.jsonl").is_file()):
+        pytest.skip(f"shared data not found under {QA_DIR}")
+    nq = [json.loads(x) for x in (QA_DIR / "qa" / "nq.jsonl").read_text().splitlines()]
+    rows = [r for r in nq if r["id"] == "test_3283"] + [r for r in nq if r["id"] in SEARCH_ROWS]
+    assert len(rows) == 5  # row 0 is the one held out (held_out_every 100); the 4 others train
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    cfg = load_config(str(REPO / "configs/search/cpu_smollm.yaml"), [
+        f"model.path={realmodel_path}", f"output_dir={out}", f"task.train_data=[{data}]",
+        f"task.eval_data=[{data}]", "task.settings.held_out_every=100", "eval.num_samples=1",
+        "train.total_steps=2", "train.prompts_per_step=4", "train.micro_batch_size=4",
+        "rollout.concurrency=4", "logging.samples_per_step=8", "logging.progress=false",
+        "checkpoint.every_steps=2"])
+    assert cfg.train.staleness["max"] == 14 and cfg.learner.lora is not None  # the job's own settings
+    summary = run_experiment(cfg)
+    assert summary["steps"] == 2 and summary["trained_uids"] == 8
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x) for x in lines if '"actor/pg_loss"' in x]
+    assert len(steps) == 2 and all(s["time/rollout_env_s"] > 0 for s in steps)  # the retriever answered
+    recs = read_samples(out)
+    calls = sum(r["tool_calls"] for r in recs)
+    assert calls >= 1 and sum(_tool_spans_masked(r, "<information>", "</information>") for r in recs) == calls
+    for key in ("eval_before", "eval_after"):
+        assert {"tool_call_rate", "invalid_action_rate", "mean_tool_calls"} <= set(summary[key]), summary[key]
+
+    ckpt = CheckpointManager(out / "checkpoints")
+    state = ckpt.load(ckpt.latest())["learner"]
+    for role in ("actor_lora", "critic_lora"):  # after 2 steps the critic's B has had a gradient too
+        b = [t for n, t in state[role]["tensors"].items() if "lora_B" in n]
+        assert b and any(torch.count_nonzero(t) > 0 for t in b), role
