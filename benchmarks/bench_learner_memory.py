@@ -13,8 +13,8 @@ of the table in its own fresh process:
   chunks of ``learner.logprob_chunk_tokens`` with recomputation in backward, plus the entropy
   metric);
 * ``chunked + ckpt``: the same with ``learner.gradient_checkpointing=true``;
-* ``chunked + ckpt, glibc default``: the same with ``learner.malloc_mmap_threshold=0`` (glibc's
-  dynamic mmap threshold, as the reference runs): what the allocator setting alone is worth.
+* ``chunked + ckpt, mmap 1 MiB``: the same with ``learner.malloc_mmap_threshold=1048576`` (the
+  low-memory allocator option): what it saves and what it costs.
 
 Measured: the child's peak RSS (its ``resource.getrusage`` ``ru_maxrss``: model, optimizer state,
 activations, interpreter), its RSS before the step, and response tokens per second of the
@@ -24,17 +24,18 @@ default size: on a shared machine run it under ``flock`` (``make bench`` does no
 
 Allocator retention: with glibc's default (dynamic) mmap threshold, tensors of up to 32 MB come
 from the heap after the first large frees, and freed heap memory mostly stays resident; at the
-default size that keeps ~1.5 GB more RSS than the live tensors in the chunked rows. The learner
-fixes the threshold at ``learner.malloc_mmap_threshold`` (default 1 MiB,
-:mod:`trainer.learner.allocator`) in its process; the chunked rows run with the shipped default
-(``--mmap-threshold`` overrides it), the reference and the ``glibc default`` row with 0.
+default size that keeps ~2 GB more RSS than the live tensors in the chunked rows. A fixed
+threshold (``learner.malloc_mmap_threshold``, :mod:`trainer.learner.allocator`, default 0 = glibc's
+own) returns it, at the price of page-faulting every large allocation afresh. Every row runs with
+the shipped default except the ``mmap 1 MiB`` row (``--mmap-threshold`` sets that row's value).
 
-Measured (2026-12-03, 2 idle cores, the default size): full logits 15.76 GiB / 157 s; chunked
-11.99 GiB / 194 s; chunked + ckpt 4.67 GiB (0.30x) / 224 s (0.70x); the same with glibc's default
-threshold 6.47 GiB (0.41x) / 176 s (0.89x). Single ``--child 'chunked + ckpt'`` runs at a fixed
-8 MiB and 32 MiB threshold: 4.75 GiB / 208 s and 6.84 GiB / 209 s, so the step times of one
-configuration spread by ~20 % between runs here and the threshold's speed cost is within that
-spread; its memory effect (1.8 GiB) is not.
+Measured (2026-12-03, 2 idle cores, the default size, each row alone): full logits 15.76 GiB /
+157 s; chunked 11.99 GiB / 194 s; chunked + ckpt (glibc default) 6.47–6.97 GiB (0.41–0.44x) /
+176–212 s (0.74–0.89x); with a 1 MiB threshold 4.67 GiB (0.30x) / 224–256 s (0.61–0.70x), 8 MiB
+4.75 GiB / 208–243 s, 32 MiB 6.84 GiB / 209 s. Under ``/usr/bin/time`` the 1 MiB threshold raised
+minor page faults from 26.8 M to 47.2 M and system time from 106 s to 176 s per step. Neither
+setting meets both goals: the memory goal needs the fixed threshold, whose page faults break the
+speed goal; gradient checkpointing itself re-runs the forward (~1.3x compute).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: The model (a pulled name, ``copc model pull smollm2-135m-instruct``, or a directory: ``--model``).
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MEMORY_GOAL, SPEED_GOAL = 0.35, 0.9
-#: Table rows: label -> (learner class, gradient checkpointing, the shipped mmap threshold or 0).
-ROWS = {"full logits": ("full", False, False), "chunked": ("chunked", False, True),
-        "chunked + ckpt": ("chunked", True, True), "chunked + ckpt, glibc default": ("chunked", True, False)}
+#: Table rows: label -> (learner class, gradient checkpointing, the low-memory mmap threshold).
+ROWS = {"full logits": ("full", False, False), "chunked": ("chunked", False, False),
+        "chunked + ckpt": ("chunked", True, False), "chunked + ckpt, mmap 1 MiB": ("chunked", True, True)}
 
 
 def rss_bytes() -> int:
@@ -84,11 +85,12 @@ def child(args: argparse.Namespace) -> None:
             lp = token_logprobs(logits[:, mb.prompt_len - 1:-1], mb.response_ids, self.cfg.temperature)
             return lp, None
 
-    kind, ckpt, shipped_threshold = ROWS[args.child]
-    threshold = (args.mmap_threshold if args.mmap_threshold >= 0 else None) if shipped_threshold else 0
+    kind, ckpt, low_memory = ROWS[args.child]
+    threshold = args.mmap_threshold if low_memory else None  # None: the shipped default
     cfg = load_config(None, ["preset=copc", f"train.micro_batch_size={args.rows}", "train.num_mini_batches=1",
                              "train.actor_lr=1e-6", f"learner.gradient_checkpointing={str(ckpt).lower()}",
-                             f"learner.logprob_chunk_tokens={args.chunk}"]
+                             f"learner.logprob_chunk_tokens={args.chunk}",
+                             f"model.attn_implementation={args.attn}"]
                       + ([] if threshold is None else [f"learner.malloc_mmap_threshold={threshold}"]))
     set_malloc_mmap_threshold(cfg.learner.malloc_mmap_threshold)  # as copc train does
     learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_config(cfg, args.model)
@@ -117,7 +119,7 @@ def run_row(label: str, args: argparse.Namespace) -> dict:
     ``resource.getrusage`` peak, bytes)."""
     cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--rows", str(args.rows),
            "--prompt-tokens", str(args.prompt_tokens), "--response-tokens", str(args.response_tokens),
-           "--chunk", str(args.chunk), "--mmap-threshold", str(args.mmap_threshold)]
+           "--chunk", str(args.chunk), "--mmap-threshold", str(args.mmap_threshold), "--attn", args.attn]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{label}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
@@ -133,8 +135,10 @@ def main() -> int:
     ap.add_argument("--response-tokens", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=512, help="learner.logprob_chunk_tokens")
     ap.add_argument("--gate", default="chunked + ckpt", choices=[r for r in ROWS if r != "full logits"])
-    ap.add_argument("--mmap-threshold", type=int, default=-1,
-                    help="learner.malloc_mmap_threshold of the chunked rows (bytes; -1: the shipped default)")
+    ap.add_argument("--mmap-threshold", type=int, default=2**20,
+                    help="learner.malloc_mmap_threshold of the 'mmap 1 MiB' row (bytes)")
+    ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
+                    help="model.attn_implementation of every row (eager: the default)")
     ap.add_argument("--child", choices=list(ROWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -149,9 +153,10 @@ def main() -> int:
         print(f"skipped: {e}")
         return 0
     print(f"model: {args.model}; one actor + critic step (copc, AdamW), {args.rows} x ({args.prompt_tokens} "
-          f"prompt + {args.response_tokens} model tokens), float32, eager attention, chunk {args.chunk}, "
-          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, chunked rows' malloc mmap "
-          f"threshold {'shipped default' if args.mmap_threshold < 0 else args.mmap_threshold}")
+          f"prompt + {args.response_tokens} model tokens), float32, {args.attn} attention, "
+          f"chunk {args.chunk}, "
+          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, malloc mmap "
+          f"threshold of the low-memory row {args.mmap_threshold}")
     results = {label: run_row(label, args) for label in ROWS}
     ref = results["full logits"]
     ref_tps = ref["tokens"] / ref["seconds"]

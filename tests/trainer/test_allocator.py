@@ -11,7 +11,11 @@ import sys
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.learner.allocator import DEFAULT_MMAP_THRESHOLD, set_malloc_mmap_threshold
+from trainer.learner.allocator import (
+    DEFAULT_MMAP_THRESHOLD,
+    LOW_MEMORY_MMAP_THRESHOLD,
+    set_malloc_mmap_threshold,
+)
 
 from .test_run_e2e import REPO
 
@@ -47,7 +51,7 @@ def _released(threshold: int) -> dict:
 
 
 def test_fixed_threshold_gives_freed_tensors_back_and_glibc_default_keeps_them():
-    default, fixed = _released(0), _released(DEFAULT_MMAP_THRESHOLD)
+    default, fixed = _released(DEFAULT_MMAP_THRESHOLD), _released(LOW_MEMORY_MMAP_THRESHOLD)
     assert default["applied"] is False and fixed["applied"] is True
     assert default["released_mib"] < 30, default  # 300 MiB freed, kept resident in the heap
     assert fixed["released_mib"] > 280, fixed  # 150 × 2 MiB unmapped
@@ -62,6 +66,7 @@ def test_bad_threshold_is_refused_naming_the_key(value):
     assert str(e.value).startswith("learner.malloc_mmap_threshold") and "\n" not in str(e.value)
 
 
-def test_default_is_1_mib_and_zero_leaves_glibc_alone():
-    assert load_config(None, []).learner.malloc_mmap_threshold == 2**20
+def test_default_leaves_glibc_alone_and_the_low_memory_value_is_1_mib():
+    assert load_config(None, []).learner.malloc_mmap_threshold == 0  # glibc's dynamic threshold: fastest
     assert set_malloc_mmap_threshold(0) is False
+    assert LOW_MEMORY_MMAP_THRESHOLD == 2**20
