@@ -153,9 +153,8 @@ def main() -> int:
         print(f"skipped: {e}")
         return 0
     print(f"model: {args.model}; one actor + critic step (copc, AdamW), {args.rows} x ({args.prompt_tokens} "
-          f"prompt + {args.response_tokens} model tokens), float32, {args.attn} attention, "
-          f"chunk {args.chunk}, "
-          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, malloc mmap "
+          f"prompt + {args.response_tokens} model tokens), float32, {args.attn} attention, chunk "
+          f"{args.chunk}, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, malloc mmap "
           f"threshold of the low-memory row {args.mmap_threshold}")
     results = {label: run_row(label, args) for label in ROWS}
     ref = results["full logits"]

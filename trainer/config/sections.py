@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from ..learner.allocator import DEFAULT_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD
+from ..learner.allocator import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold
 from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ..models.pull.store import resolve_model_path
 from .lora import CriticLoraSection, LoraSection, resolve_lora
@@ -567,9 +567,10 @@ class LearnerSection:
         self.lora_settings()
         _require(isinstance(self.logprob_chunk_tokens, int) and self.logprob_chunk_tokens >= 1,
                  "learner.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an int >= 1")
-        m = self.malloc_mmap_threshold
-        _require(isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= MAX_MMAP_THRESHOLD,
-                 "learner.malloc_mmap_threshold", m, f"must be an int in [0, {MAX_MMAP_THRESHOLD}] (bytes)")
+        try:
+            check_mmap_threshold(self.malloc_mmap_threshold)
+        except ValueError as e:  # the allocator's own one-line check, naming the key
+            raise ConfigError(str(e)) from None
 
     def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
         """Check the rank layout against the backend's capability metadata (called by

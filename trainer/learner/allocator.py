@@ -33,6 +33,18 @@ LOW_MEMORY_MMAP_THRESHOLD = 2**20
 MAX_MMAP_THRESHOLD = 32 * 2**20
 
 
+def check_mmap_threshold(nbytes: object) -> int:
+    """``nbytes`` when it is a valid ``learner.malloc_mmap_threshold`` (an int in ``[0, 32 MiB]``).
+
+    Raises:
+        ValueError: one line naming ``learner.malloc_mmap_threshold`` and the value.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_MMAP_THRESHOLD:
+        raise ValueError(f"learner.malloc_mmap_threshold={nbytes!r}: must be an int in "
+                         f"[0, {MAX_MMAP_THRESHOLD}] (bytes)")
+    return nbytes
+
+
 def set_malloc_mmap_threshold(nbytes: int) -> bool:
     """Fix this process's malloc mmap threshold at ``nbytes`` (0: leave glibc's dynamic default).
 
@@ -44,12 +56,10 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
         ``mallopt`` (not glibc: e.g. musl, macOS), which is logged once at info level.
 
     Raises:
-        ValueError: ``nbytes`` outside ``[0, 32 MiB]`` (glibc's maximum on 64-bit).
+        ValueError: ``nbytes`` outside ``[0, 32 MiB]`` (glibc's maximum on 64-bit;
+            :func:`check_mmap_threshold`).
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_MMAP_THRESHOLD:
-        raise ValueError(f"learner.malloc_mmap_threshold={nbytes!r}: must be an int in "
-                         f"[0, {MAX_MMAP_THRESHOLD}]")
-    if nbytes == 0:
+    if check_mmap_threshold(nbytes) == 0:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     mallopt = getattr(libc, "mallopt", None)
