@@ -8,7 +8,9 @@ anchors write GAE: one Python step per token over the batch), and
 and the cost of γλ < 1 relative to γλ = 1 (the decayed scan vs the plain one;
 both timed interleaved in one loop so that load from other processes hits both alike).
 Goals: ≥ 50× faster than the loop, within 4× of the cumsum floor, and γλ < 1
-within 2× of γλ = 1.
+within 2× of γλ = 1. Last row: the ``brace`` estimator (k = 100 passes over the packed
+action tokens, :mod:`copc.brace`) against the same floor and against ``vtrace`` (its k → ∞
+limit, a per-token loop), reported without a goal.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     ap.add_argument("--lam", type=float, default=0.95, help="λ of the γλ < 1 row (γ = 1)")
+    ap.add_argument("--brace-horizon", type=int, default=100, help="k of the brace row")
     ap.add_argument("--default-malloc", action="store_true",
                     help="keep glibc's default mmap/trim thresholds (fresh pages for every big tensor)")
     args = ap.parse_args()
@@ -153,6 +156,19 @@ def main() -> None:
     print(f"copc(gamma*lam={args.lam:g}) / copc(gamma*lam=1) = {ratio:.2f}x "
           f"({'met' if ratio <= 2.0 else 'NOT met'}: goal <= 2x)")
     print("goal: loop/copc >= 50x and copc/cumsum <= 4x; gamma*lam < 1 within 2x of gamma*lam = 1")
+    brace_row(x, args.brace_horizon, args.repeat)
+
+
+def brace_row(x: dict[str, torch.Tensor], k: int, repeat: int) -> None:
+    """Print the time (ms) of ``brace`` at horizon ``k`` and of ``vtrace``, and their ratios to
+    the cumsum floor (γ = λ = 1, ρ̄ = 1.2, c̄ = 1.1)."""
+    args = (x["rewards"], x["values"], x["logp_old"], x["logp_mu"], x["loss_mask"])
+    brace, floor = timeit_interleaved([
+        lambda: copc.brace_advantage_return(*args, horizon=k), lambda: torch.cumsum(x["values"], 1)],
+        max(3, repeat // 3))
+    vtrace = timeit(lambda: copc.vtrace_advantage_return(*args, rho_clip=1.2, c_clip=1.1), 2)
+    print(f"brace (k={k}): {brace:.1f} ms = {brace / floor:.0f}x cumsum ({floor:.2f} ms); "
+          f"vtrace (per-token loop): {vtrace:.0f} ms = {vtrace / brace:.1f}x brace")
 
 
 if __name__ == "__main__":

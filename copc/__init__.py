@@ -6,6 +6,7 @@ response tokens plus a ``loss_mask`` (1 = action token, 0 = observation/padding)
 
 from .advantages import clipped_ratio, coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import LOSS_AGG_MODES, Denominators, aggregate_loss, batch_denominators
+from .brace import BraceSettings, brace_advantage_return
 from .analysis import TabularMDP, corrected_return_operator, solve_value, target_policy
 from .coupling import CouplingGrid, CouplingTerms, coordination_reversal, coupling_grid, coupling_terms
 from .margins import margins
@@ -32,6 +33,8 @@ from .token_tree import TokenTree
 from .value_loss import value_loss
 
 __all__ = [
+    "BraceSettings",
+    "brace_advantage_return",
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

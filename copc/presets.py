@@ -42,7 +42,7 @@ class AlgorithmConfig:
     Attributes (spec sections in brackets):
         name: preset name (free text for custom configs).
         advantage_estimator: a name registered in :data:`copc.ADVANTAGE_ESTIMATORS` (built-in:
-            ``copc`` | ``gae`` | ``vtrace`` | ``grpo`` | ``batch_norm``).
+            ``copc`` | ``gae`` | ``vtrace`` | ``brace`` | ``grpo`` | ``batch_norm``).
         policy_loss: a name registered in :data:`copc.POLICY_LOSSES` (built-in: ``dis`` |
             ``ppo`` | ``decoupled_ppo`` | ``tis`` | ``icepop``).
         use_critic: train a value model; must equal the estimator's ``needs_critic``
@@ -254,6 +254,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "vtrace": dict(advantage_estimator="vtrace", policy_loss="ppo", rho_clip=1.0, c_clip=1.0),
     "dapo": dict(advantage_estimator="grpo", policy_loss="ppo", use_critic=False, clip_low=0.2,
                  clip_high=0.28, loss_agg_mode="token-mean"),
+    # BRACE (arXiv 2609.09783; docs/algorithm.md "BRACE"): capped V-trace critic targets, plain
+    # PPO clip actor, the reported k = 100, ρ̄ = 1.2, c̄ = 1.1, value clip 0.5
+    "brace": dict(advantage_estimator="brace", policy_loss="ppo", rho_clip=1.2, c_clip=1.1,
+                  value_clip_eps=0.5, estimator_settings={"horizon": 100}),
     "copc_wo_rc": dict(advantage_estimator="copc", policy_loss="dis", eta_a=0.0),
     "copc": dict(advantage_estimator="copc", policy_loss="dis", eta_p=0.5, eta_a=0.5),
 }
@@ -275,7 +279,7 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
 
     Args:
         name: one of :data:`PRESET_NAMES` (``ppo``, ``ppo_async``, ``areal``, ``sao``, ``vtrace``,
-            ``dapo``, ``copc_wo_rc``, ``copc``).
+            ``dapo``, ``brace``, ``copc_wo_rc``, ``copc``).
         **overrides: :class:`AlgorithmConfig` fields to change (e.g. ``eta_a=0.25``).
 
     Returns:

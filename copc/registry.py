@@ -33,6 +33,7 @@ import torch
 
 from .advantages import coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import Denominators
+from .brace import BraceSettings, brace_advantage_return
 from .margins import margins
 from .outcome import (
     batch_normalized_advantages,
@@ -136,6 +137,22 @@ def _vtrace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) 
                                lambda_rows=_vtrace_rows)
 def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return _vtrace_rows(x, cfg, cfg.lam)
+
+
+def _brace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) -> tuple[Tensor, Tensor]:
+    """BRACE with ``lam`` a float or a per-row ``(B,)`` tensor; ``k`` from its settings."""
+    x.require("values", "logp_old", "logp_mu", who="advantage estimator 'brace'")
+    horizon = (cfg.estimator_settings or BraceSettings()).horizon
+    return brace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
+                                  gamma=cfg.gamma, lam=lam, rho_clip=cfg.rho_clip, c_clip=cfg.c_clip,
+                                  horizon=horizon, bootstrap_values=x.bootstrap_values,
+                                  obs_reward=cfg.obs_reward)
+
+
+@ADVANTAGE_ESTIMATORS.register("brace", needs_critic=True, per_token_obs_discount=False,
+                               lambda_rows=_brace_rows, settings=BraceSettings)
+def _brace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    return _brace_rows(x, cfg, cfg.lam)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, needs_groups=True)

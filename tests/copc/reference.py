@@ -88,3 +88,31 @@ def random_multiturn_mask(B: int, T: int, g: torch.Generator, obs_frac: float = 
             action = bool(torch.rand(1, generator=g) > obs_frac) if not action else False
             action = action or not mask[b].any()
     return mask
+
+
+def brace_reference(rewards, values, logp_old, logp_mu, mask, gamma, lam, rho_clip, c_clip, k,
+                    bootstrap=None):
+    """BRACE, written from its description (docs/algorithm.md, "BRACE"), not from the recursion:
+    ``v_t = V_t + Σ_{j≥t} γ^{j−t} (Π_{i=t}^{j−1} c̃_i) ρ̃_j δ_j`` with ``c̃_i, ρ̃_j`` the V-trace
+    factors on the first ``k`` action tokens ``t … t+k−1`` and 1 beyond them (O(n²) per row);
+    advantages ``ρ_t (r_t + γ v_{t+1} − V_t)``. Returns (adv, ret) float64."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    ret = torch.zeros(mask.shape, dtype=torch.float64)
+    for b, acts, r, v, v_after, ratio in _rows(rewards, values, mask, logp_old, logp_mu, bootstrap):
+        n = len(acts)
+        V = [*v, v_after]
+        delta = [r[s] + gamma * V[s + 1] - V[s] for s in range(n)]
+        vs = [0.0] * (n + 1)
+        vs[n] = v_after
+        for t in range(n):
+            total, trace = 0.0, 1.0
+            for j in range(t, n):
+                in_cap = j - t < k
+                rho_j = min(rho_clip, ratio[j]) if in_cap else 1.0
+                total += gamma ** (j - t) * trace * rho_j * delta[j]
+                trace *= lam * min(c_clip, ratio[j]) if in_cap else 1.0
+            vs[t] = V[t] + total
+        for t in range(n):
+            ret[b, acts[t]] = vs[t]
+            adv[b, acts[t]] = min(rho_clip, ratio[t]) * (r[t] + gamma * vs[t + 1] - V[t])
+    return adv, ret

@@ -16,6 +16,7 @@ TABLE = {  # spec "Baselines the paper compares": (policy loss, advantage estima
     "sao": ("dis", "batch_norm", False),
     "vtrace": ("ppo", "vtrace", True),
     "dapo": ("ppo", "grpo", False),
+    "brace": ("ppo", "brace", True),
     "copc_wo_rc": ("dis", "copc", True),
     "copc": ("dis", "copc", True),
 }
@@ -42,6 +43,11 @@ def test_preset_specific_values():
     assert (d.clip_low, d.clip_high, d.loss_agg_mode) == (0.2, 0.28, "token-mean")
     v = copc.get_preset("vtrace")
     assert (v.rho_clip, v.c_clip) == (1.0, 1.0)
+    b = copc.get_preset("brace")
+    assert (b.rho_clip, b.c_clip, b.value_clip_eps, b.estimator_settings.horizon) == (1.2, 1.1, 0.5, 100)
+    assert copc.get_preset("brace", estimator_settings={"horizon": 7}).estimator_settings.horizon == 7
+    with pytest.raises(ValueError, match="horizon must be an int >= 1"):
+        copc.get_preset("brace", estimator_settings={"horizon": 0})
     assert set(copc.PRESET_NAMES) == set(TABLE)
 
 

@@ -8,7 +8,7 @@ import torch
 
 import copc
 
-BUILTIN_ESTIMATORS = ["batch_norm", "copc", "gae", "grpo", "vtrace"]
+BUILTIN_ESTIMATORS = ["batch_norm", "brace", "copc", "gae", "grpo", "vtrace"]
 BUILTIN_LOSSES = ["decoupled_ppo", "dis", "icepop", "ppo", "tis"]
 
 
@@ -58,17 +58,18 @@ def test_builtin_metadata():
             for n in copc.ADVANTAGE_ESTIMATORS.names()}
     assert meta == {
         "batch_norm": {"needs_critic": False, "needs_groups": False},
+        "brace": {"needs_critic": True, "needs_groups": False},
         "copc": {"needs_critic": True, "needs_groups": False},
         "gae": {"needs_critic": True, "needs_groups": False},
         "grpo": {"needs_critic": False, "needs_groups": True},
         "vtrace": {"needs_critic": True, "needs_groups": False},
     }
     assert copc.POLICY_LOSSES.names() == BUILTIN_LOSSES
-    # capabilities the trainer reads instead of comparing names: only vtrace takes a (B,) λ in one
-    # pass and lacks per-token observation discounting; only copc / dis have a channel interval
+    # capabilities the trainer reads instead of comparing names: only vtrace and brace take a (B,) λ
+    # in one pass and lack per-token observation discounting; only copc / dis have a channel interval
     est, loss = copc.ADVANTAGE_ESTIMATORS, copc.POLICY_LOSSES
-    assert est.names(per_token_obs_discount=False) == ["vtrace"]
-    assert [n for n in est.names() if est.metadata(n)["lambda_rows"] is not None] == ["vtrace"]
+    assert est.names(per_token_obs_discount=False) == ["brace", "vtrace"]
+    assert [n for n in est.names() if est.metadata(n)["lambda_rows"] is not None] == ["brace", "vtrace"]
     assert [n for n in est.names() if est.metadata(n)["channel_margins"] is not None] == ["copc"]
     assert [n for n in loss.names() if loss.metadata(n)["channel_margins"] is not None] == ["dis"]
     cfg = copc.get_preset("copc", eta_a=0.25, eta_p=0.5)

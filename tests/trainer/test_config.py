@@ -50,7 +50,7 @@ def test_config_files_present():
     for task in TASK_STALENESS:
         names = {p.stem for p in (CONFIGS / task).glob("*.yaml")}
         assert names == {*PRESET_NAMES, "cpu_tiny", "_paper", *extra.get(task, ())}, task
-    assert len(PRESET_NAMES) == 8
+    assert len(PRESET_NAMES) == 9
     for rel in ("base.yaml", "tasks/math_tool.yaml", "tasks/search.yaml", "scale/paper.yaml",
                 "scale/cpu_tiny.yaml"):
         assert rel in ALL_YAML
@@ -301,6 +301,8 @@ def test_cli_config_error_exits_2_subprocess():
     (["train", "--config", "configs/search/copc.yaml", "model.path=.", "train.actor_lr=0"], "train.actor_lr"),
     (["eval", "--config", "configs/math_tool/cpu_tiny.yaml", "preset=nope"], "preset"),
     (["train", "--config", "configs/no_such.yaml"], "not found"),
+    (["train", "--config", "configs/math_tool/cpu_tiny.yaml", "preset=brace",
+      "algorithm.estimator_settings.horizon=0"], "algorithm.estimator_settings: horizon must be an int >= 1"),
 ])
 def test_cli_config_errors_in_process(args, needle, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -367,7 +369,7 @@ def test_unregistered_names_list_the_registered():
         load_config(None, ["algorithm.advantage_estimator=my_mc", "algorithm.use_critic=false"])
     msg = str(ei.value)
     assert msg.startswith("algorithm.advantage_estimator: ")
-    assert "['batch_norm', 'copc', 'gae', 'grpo', 'vtrace'], got 'my_mc'" in msg
+    assert "['batch_norm', 'brace', 'copc', 'gae', 'grpo', 'vtrace'], got 'my_mc'" in msg
     with pytest.raises(ConfigError) as ei:
         load_config(None, ["algorithm.policy_loss=my_reinforce"])
     msg = str(ei.value)

@@ -226,7 +226,7 @@ def test_critic_free_presets_are_not_held_back_by_critic_warmup(tiny_small):
     assert learner.step(_batch(tok), version=0)["actor/updated"] == 1.0
 
 
-@pytest.mark.parametrize("preset", ["ppo_async", "vtrace"])
+@pytest.mark.parametrize("preset", ["ppo_async", "vtrace", "brace"])
 def test_actor_total_loss_is_the_mini_batch_loss_whatever_the_micro_batches(tiny_small, preset):
     """``actor/total_loss`` sums the micro-batch shares (global denominators), so it is the same for
     any ``micro_batch_size`` (it used to be a token-weighted mean of the shares: -0.08 / -0.13 / -0.25)."""
