@@ -6,8 +6,8 @@ response tokens plus a ``loss_mask`` (1 = action token, 0 = observation/padding)
 
 from .advantages import clipped_ratio, coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import LOSS_AGG_MODES, Denominators, aggregate_loss, batch_denominators
-from .brace import BraceSettings, brace_advantage_return
 from .analysis import TabularMDP, corrected_return_operator, solve_value, target_policy
+from .brace import BraceSettings, brace_advantage_return
 from .coupling import CouplingGrid, CouplingTerms, coordination_reversal, coupling_grid, coupling_terms
 from .margins import margins
 from .metrics import advantage_channel_metrics, interval_fractions, ratio_statistics, staleness_metrics
@@ -33,14 +33,13 @@ from .token_tree import TokenTree
 from .value_loss import value_loss
 
 __all__ = [
-    "BraceSettings",
-    "brace_advantage_return",
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "PRESET_NAMES",
     "AdvantageInputs",
     "AlgorithmConfig",
+    "BraceSettings",
     "CouplingGrid",
     "CouplingTerms",
     "Denominators",
@@ -53,6 +52,7 @@ __all__ = [
     "aggregate_loss",
     "batch_denominators",
     "batch_normalized_advantages",
+    "brace_advantage_return",
     "broadcast_to_tokens",
     "build_settings",
     "clipped_ratio",

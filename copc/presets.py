@@ -251,6 +251,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "areal": dict(advantage_estimator="gae", policy_loss="decoupled_ppo"),
     "sao": dict(advantage_estimator="batch_norm", policy_loss="dis", use_critic=False,
                 n_samples_per_prompt=1),
+    # the SAO recipe with its critic (arXiv 2607.07508): one rollout per prompt, DIS actor, GAE
+    # from a critic updated K = 2 times per actor update (train.critic_updates_per_step in
+    # configs/*/sao_critic.yaml: a trainer setting, not the algorithm's)
+    "sao_critic": dict(advantage_estimator="gae", policy_loss="dis", n_samples_per_prompt=1),
     "vtrace": dict(advantage_estimator="vtrace", policy_loss="ppo", rho_clip=1.0, c_clip=1.0),
     "dapo": dict(advantage_estimator="grpo", policy_loss="ppo", use_critic=False, clip_low=0.2,
                  clip_high=0.28, loss_agg_mode="token-mean"),
@@ -271,6 +275,7 @@ _PINNED: dict[str, dict[str, str]] = {
                              "use 'ppo_async'"},
     "sao": {"n_samples_per_prompt": "preset 'sao' is single-rollout (n_samples_per_prompt=1); for "
                                     "groups of samples per prompt use 'dapo'"},
+    "sao_critic": {"n_samples_per_prompt": "preset 'sao_critic' is single-rollout (n_samples_per_prompt=1)"},
 }
 
 
@@ -278,8 +283,8 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     """Build the named preset, optionally with field overrides (spec, "Baselines" table).
 
     Args:
-        name: one of :data:`PRESET_NAMES` (``ppo``, ``ppo_async``, ``areal``, ``sao``, ``vtrace``,
-            ``dapo``, ``brace``, ``copc_wo_rc``, ``copc``).
+        name: one of :data:`PRESET_NAMES` (``ppo``, ``ppo_async``, ``areal``, ``sao``, ``sao_critic``,
+            ``vtrace``, ``dapo``, ``brace``, ``copc_wo_rc``, ``copc``).
         **overrides: :class:`AlgorithmConfig` fields to change (e.g. ``eta_a=0.25``).
 
     Returns:

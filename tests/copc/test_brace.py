@@ -51,7 +51,7 @@ def test_matches_the_reference_loop_float64(gamma, lam, k):
 
 
 @pytest.mark.parametrize("k", [160, 161, 10**6])
-def test_k_at_least_T_is_vtrace(k):
+def test_k_at_least_the_row_length_is_vtrace(k):
     g = torch.Generator().manual_seed(5)
     x = random_batch(g, 4, 160, F64)
     a, r = copc.brace_advantage_return(**x, gamma=0.95, lam=0.9, horizon=k)

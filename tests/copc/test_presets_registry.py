@@ -14,6 +14,7 @@ TABLE = {  # spec "Baselines the paper compares": (policy loss, advantage estima
     "ppo_async": ("ppo", "gae", True),
     "areal": ("decoupled_ppo", "gae", True),
     "sao": ("dis", "batch_norm", False),
+    "sao_critic": ("dis", "gae", True),
     "vtrace": ("ppo", "vtrace", True),
     "dapo": ("ppo", "grpo", False),
     "brace": ("ppo", "brace", True),

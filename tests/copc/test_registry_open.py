@@ -155,7 +155,9 @@ def test_sao_is_single_rollout():
     with pytest.raises(ValueError, match=r"got n_samples_per_prompt=None"):
         copc.get_preset("sao", n_samples_per_prompt=None)
     for p in copc.PRESET_NAMES:
-        assert copc.get_preset(p).n_samples_per_prompt == (1 if p == "sao" else None), p
+        assert copc.get_preset(p).n_samples_per_prompt == (1 if p in ("sao", "sao_critic") else None), p
+    with pytest.raises(ValueError, match=r"'sao_critic' is single-rollout .*\(got n_samples_per_prompt=2\)"):
+        copc.get_preset("sao_critic", n_samples_per_prompt=2)
 
 
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5, "2"])

@@ -50,7 +50,7 @@ def test_config_files_present():
     for task in TASK_STALENESS:
         names = {p.stem for p in (CONFIGS / task).glob("*.yaml")}
         assert names == {*PRESET_NAMES, "cpu_tiny", "_paper", *extra.get(task, ())}, task
-    assert len(PRESET_NAMES) == 9
+    assert len(PRESET_NAMES) == 10
     for rel in ("base.yaml", "tasks/math_tool.yaml", "tasks/search.yaml", "scale/paper.yaml",
                 "scale/cpu_tiny.yaml"):
         assert rel in ALL_YAML

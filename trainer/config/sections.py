@@ -315,6 +315,8 @@ class TrainConfig:
         warmup_steps: linear LR warm-up (optimizer updates).
         grad_clip: max global gradient norm (0 = off).
         critic_warmup_steps: first steps update only the critic.
+        critic_updates_per_step: critic updates on every mini-batch for its one actor update
+            (SAO's critic recipe, K = 2 in ``configs/*/sao_critic.yaml``); 1 (default): one.
         staleness: one section, discriminated by ``mode`` (parsed by :func:`parse_staleness`):
             ``{mode: bounded, max: s}`` (:class:`BoundedStaleness`: at most ``s`` policy versions
             between behaviour and learner, 0 = synchronous; realised staleness floats with machine
@@ -342,6 +344,7 @@ class TrainConfig:
     warmup_steps: int = 0
     grad_clip: float = 1.0
     critic_warmup_steps: int = 0
+    critic_updates_per_step: int = 1
     staleness: dict[str, Any] = field(default_factory=lambda: {"mode": "bounded", "max": 8})
     seed: int = 0
     torch_threads: int = 0
@@ -354,6 +357,9 @@ class TrainConfig:
         for k in ("actor_lr", "critic_lr"):
             _require(getattr(self, k) > 0, f"train.{k}", getattr(self, k), "must be > 0")
         parse_staleness(self.staleness)
+        n = self.critic_updates_per_step
+        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "train.critic_updates_per_step",
+                 n, "must be an int >= 1")
         for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "torch_threads"):
             _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
         _require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
@@ -503,6 +509,9 @@ class LearnerSection:
             resident set instead of staying in the heap (1 MiB: ~1/3 less peak RSS, ~20 %
             slower steps, ``benchmarks/bench_learner_memory.py``); 0 (default): glibc's dynamic
             threshold.
+        critic_freeze_attention: the critic's attention parameters are not trained (SAO's critic
+            recipe; :func:`~trainer.learner.critic.freeze_attention`); backends with the
+            ``critic_freeze_attention`` capability only (``torch``).
         backend_settings: the backend's own settings, validated by the settings dataclass it
             was registered with (none of the built-in backends has any yet); empty: defaults.
         lora: the actor's LoRA adapter (:class:`~trainer.config.lora.LoraSection`: ``rank``,
@@ -529,6 +538,7 @@ class LearnerSection:
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     malloc_mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
+    critic_freeze_attention: bool = False
     backend_settings: dict[str, Any] = field(default_factory=dict)
     lora: LoraSection | None = None
     critic_lora: CriticLoraSection | None = None
@@ -585,6 +595,10 @@ class LearnerSection:
             ConfigError: a rank-layout key the backend does not support, naming it.
         """
         b = self.backend
+        if self.critic_freeze_attention and not meta.get("critic_freeze_attention", False):
+            raise ConfigError(f"learner.critic_freeze_attention: learner.backend={b!r} cannot freeze the "
+                              f"critic's attention (backends that can: "
+                              f"{registry.names(critic_freeze_attention=True)})")
         if any(self.lora_settings()) and not meta.get("lora", False):
             key = "learner.lora" if self.lora is not None else "learner.critic_lora"
             raise ConfigError(f"{key}: learner.backend={b!r} does not train LoRA adapters (backends that "

@@ -104,13 +104,20 @@ class ActorCriticAlgorithm:
         critic_warmup_steps: first steps update only the critic (ignored without a critic).
         seed: mini-batch permutation seed (the permutation of step ``n`` uses
             ``seed · 1000003 + n``).
+        critic_updates_per_step: ``K`` ≥ 1 critic updates on every mini-batch for its one actor
+            update (SAO's critic recipe, arXiv 2607.07508, K = 2); 1: the usual one.
+
+    Raises:
+        ValueError: a count < 1.
     """
 
     def __init__(self, algo: copc.AlgorithmConfig, *, num_mini_batches: int = 1, micro_batch_size: int = 8,
-                 critic_warmup_steps: int = 0, seed: int = 0) -> None:
-        if num_mini_batches < 1 or micro_batch_size < 1:
-            raise ValueError(f"num_mini_batches={num_mini_batches!r} and micro_batch_size="
-                             f"{micro_batch_size!r} must be >= 1")
+                 critic_warmup_steps: int = 0, seed: int = 0, critic_updates_per_step: int = 1) -> None:
+        if num_mini_batches < 1 or micro_batch_size < 1 or critic_updates_per_step < 1:
+            raise ValueError(f"num_mini_batches={num_mini_batches!r}, micro_batch_size="
+                             f"{micro_batch_size!r} and critic_updates_per_step="
+                             f"{critic_updates_per_step!r} must be >= 1")
+        self.critic_updates_per_step = critic_updates_per_step
         self.algo, self.num_mini_batches, self.micro_batch_size = algo, num_mini_batches, micro_batch_size
         self.critic_warmup_steps, self.seed = critic_warmup_steps, seed
         self.value_bias = ValueBiasTracker()
@@ -119,7 +126,8 @@ class ActorCriticAlgorithm:
     def from_config(cls, algo: copc.AlgorithmConfig, cfg: LearnerConfig) -> ActorCriticAlgorithm:
         """The algorithm of ``algo`` with the step settings of a :class:`LearnerConfig`."""
         return cls(algo, num_mini_batches=cfg.num_mini_batches, micro_batch_size=cfg.micro_batch_size,
-                   critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed)
+                   critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed,
+                   critic_updates_per_step=cfg.critic_updates_per_step)
 
     def advantages(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
                    version: int, *, steps_done: int | None = None) -> tuple[StepInputs, dict[str, float]]:
@@ -222,7 +230,8 @@ class ActorCriticAlgorithm:
         For each mini-batch (:meth:`mini_batches`): its loss denominators (:meth:`denominators`,
         those of the WHOLE mini-batch, which every rank of a distributed backend holds), then
         ``update("actor", mini, inputs, denominators, acc)`` (skipped during critic warm-up,
-        :meth:`update_actor`) and ``update("critic", …)``, each adding its metrics to ``acc``.
+        :meth:`update_actor`) and ``critic_updates_per_step`` times ``update("critic", …)`` (the
+        same mini-batch and targets; values re-read by each update), each adding its metrics to ``acc``.
 
         Args:
             batch: the step's batch (``B`` rows). x: its :class:`StepInputs` (from :meth:`advantages`).
@@ -239,9 +248,10 @@ class ActorCriticAlgorithm:
             den = self.denominators(mini)
             if update_actor:
                 update("actor", mini, xm, den, acc)
-            if has_critic:
+                acc.end_mini_batch()
+            for _ in range(self.critic_updates_per_step if has_critic else 0):
                 update("critic", mini, xm, den, acc)
-            acc.end_mini_batch()
+                acc.end_mini_batch()  # each update's loss is one value: K updates are averaged
         return acc.result(), update_actor
 
     def update_actor(self, steps_done: int, has_critic: bool) -> bool:

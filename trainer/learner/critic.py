@@ -57,3 +57,32 @@ class ValueModel(nn.Module):
         """``(B, T)`` values ``V(s_t)`` of the states before each response token."""
         v = self(input_ids, attention_mask, position_ids)
         return v[:, prompt_len - 1:-1]
+
+
+#: Names of the attention sub-module of a decoder layer: Hugging Face Llama / Qwen / Mistral
+#: (``self_attn``), GPT-2 (``attn``), BERT-style and Megatron (``attention``, ``self_attention``).
+ATTENTION_MODULE_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def freeze_attention(critic: nn.Module, key: str = "learner.critic_freeze_attention") -> int:
+    """Stop training the critic's attention parameters (SAO's critic recipe, arXiv 2607.07508):
+    every parameter under a module whose own name is one of :data:`ATTENTION_MODULE_NAMES` gets
+    ``requires_grad=False`` (LoRA adapters on attention projections included), so the optimiser
+    built afterwards from the trainable parameters leaves them as loaded.
+
+    Returns:
+        The number of parameter tensors frozen.
+
+    Raises:
+        ValueError: the model has no such module (one line naming ``key``).
+    """
+    frozen = 0
+    for name, module in critic.named_modules():
+        if name.rsplit(".", 1)[-1] in ATTENTION_MODULE_NAMES:
+            for p in module.parameters():
+                frozen += int(p.requires_grad)
+                p.requires_grad_(False)
+    if frozen == 0:
+        raise ValueError(f"{key}: the critic has no trainable attention module (looked for modules "
+                         f"named {list(ATTENTION_MODULE_NAMES)})")
+    return frozen

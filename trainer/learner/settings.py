@@ -102,9 +102,13 @@ class LearnerConfig:
             ``learner.critic_lora``), None: the model is fully fine-tuned.
         logprob_chunk_tokens: tokens whose logits the LM head computes at a time in the actor's
             log-probs (``learner.logprob_chunk_tokens``; :mod:`trainer.models.chunked_logprobs`).
+        critic_updates_per_step: critic updates per mini-batch (``train.critic_updates_per_step``).
+        critic_freeze_attention: the critic's attention parameters stay as loaded
+            (``learner.critic_freeze_attention``; :func:`~trainer.learner.critic.freeze_attention`).
 
     Raises:
-        ValueError: ``logprob_chunk_tokens`` not an int >= 1 (naming the key).
+        ValueError: ``logprob_chunk_tokens`` or ``critic_updates_per_step`` not an int >= 1
+            (naming the key).
     """
 
     optim: OptimizerSettings = field(default_factory=OptimizerSettings)
@@ -116,11 +120,14 @@ class LearnerConfig:
     lora: LoraSettings | None = None
     critic_lora: LoraSettings | None = None
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    critic_updates_per_step: int = 1
+    critic_freeze_attention: bool = False
 
     def __post_init__(self) -> None:
-        n = self.logprob_chunk_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"learner.logprob_chunk_tokens={n!r}: must be an int >= 1")
+        for key, n in (("learner.logprob_chunk_tokens", self.logprob_chunk_tokens),
+                       ("train.critic_updates_per_step", self.critic_updates_per_step)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{key}={n!r}: must be an int >= 1")
 
     @classmethod
     def from_config(cls, exp: Any) -> LearnerConfig:
@@ -132,4 +139,6 @@ class LearnerConfig:
         return cls(optim=OptimizerSettings.from_config(exp), critic_warmup_steps=t.critic_warmup_steps,
                    num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
                    temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
-                   logprob_chunk_tokens=exp.learner.logprob_chunk_tokens)
+                   logprob_chunk_tokens=exp.learner.logprob_chunk_tokens,
+                   critic_updates_per_step=t.critic_updates_per_step,
+                   critic_freeze_attention=exp.learner.critic_freeze_attention)

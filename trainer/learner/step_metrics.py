@@ -14,8 +14,9 @@ VALUE_BIAS_EMA_DECAY = 0.9
 class MetricAccumulator:
     """Combines micro-batch metrics into step metrics.
 
-    Rules (by key): ``*_loss`` — summed within a mini-batch (micro-batch losses with global
-    denominators add up to the mini-batch loss), then averaged over mini-batches;
+    Rules (by key): ``*_loss`` — summed within an optimizer update (micro-batch losses with global
+    denominators add up to the mini-batch loss; :meth:`end_mini_batch` closes the update), then
+    averaged over updates (mini-batches, and a critic's K updates per mini-batch);
     ``*_max`` / ``*_min`` — max / min; ``*grad_norm`` — mean over optimizer updates;
     everything else (fractions, means) — weighted by the micro-batch's action-token count.
     """

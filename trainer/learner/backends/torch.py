@@ -35,7 +35,7 @@ from ...models.lm_head import check_output_head, token_scores
 from ...models.lora import AdapterWeights, merged_state_dict
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
-from ..critic import ValueModel
+from ..critic import ValueModel, freeze_attention
 from ..lora import check_trainable_dtype, load_role_state, prepare_models, role_state, trainable_parameters
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
@@ -154,6 +154,8 @@ class TorchLearner(TransformersForward, TemplateLearner):
         self.algo, self.cfg = algo, cfg
         self.algorithm = ActorCriticAlgorithm.from_config(algo, cfg)
         self.actor, self.critic = prepare_models(actor, cfg, algo.use_critic, critic)
+        if cfg.critic_freeze_attention and self.critic is not None:
+            freeze_attention(self.critic)
         for role, model in (("actor", self.actor), ("critic", self.critic)):
             if model is not None:
                 check_trainable_dtype(model, role)
