@@ -58,3 +58,28 @@ def test_analyze_bad_options_exit_2_naming_the_field(tmp_path, capsys, args, nee
     assert cli_main(["analyze", *args, "--out", str(tmp_path / "x")]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_reversal_rate_script_counts_what_copc_analyze_reports(tmp_path, capsys):
+    """scripts/reversal_rate.py (the docs' table) on 2 seeds: each setting's rate is the fraction of
+    ``copc analyze`` runs (same tree options and N) whose analysis.json has a reversal."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "reversal_rate.py"
+    spec = importlib.util.spec_from_file_location("reversal_rate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rates = mod.reversal_rates(2, [16], 3, 4)["16"]
+    assert len(rates["per_setting"]) == len(mod.STALENESS) * len(mod.CRITIC_NOISE) == 12
+    for s in (0.5, 2.0):
+        hits = 0
+        for seed in range(2):
+            out = tmp_path / f"s{s}-{seed}"
+            assert cli_main(["analyze", "--seed", str(seed), "--staleness-scale", str(s), "--critic-noise",
+                             "1.0", "--n", "16", "--out", str(out)]) == 0
+            hits += json.loads((out / "analysis.json").read_text())["reversal"]["reversal"]
+        assert rates["per_setting"][f"s={s:g},noise=1"] == hits / 2
+    assert "N = 16" in capsys.readouterr().out
+    assert rates["rate"] == sum(rates["per_setting"].values()) / 12
+    assert 0.0 <= rates["paper_direction_rate"] <= rates["rate"] <= 1.0

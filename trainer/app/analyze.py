@@ -158,8 +158,9 @@ def _print_table(grid: CouplingGrid, rev: dict | None) -> None:
     else:
         verdict = "YES" if rev["reversal"] else "no"
         direction = " (paper's direction)" if rev["paper_direction"] else ""
-        print(f"coordination reversal (η_A 0.25→0.75 at η_P 0.25 vs 0.75): {verdict}{direction}; "
-              f"ΔMSE = {rev['effect_strong']:+.4g} (strong P), {rev['effect_weak']:+.4g} (weak P)")
+        print(f"coordination reversal (η_A 0.25→0.75 at η_P 0.25 vs 0.75, N = {grid.n}): "
+              f"{verdict}{direction}; ΔMSE = {rev['effect_strong']:+.4g} (strong P), "
+              f"{rev['effect_weak']:+.4g} (weak P)")
 
 
 def analyze_command(args: argparse.Namespace) -> int:
