@@ -328,6 +328,9 @@ class TrainConfig:
         seed: everything random (data order, sampling, init).
         torch_threads: torch intra-op threads (0 = torch's default). On 2 CPU cores, 1 lets the
             rollout engine and the learner each own a core instead of stalling each other.
+        sync_check_tolerance: after every weight sync (bounded staleness) the engine samples a
+            short probe and its log-probs must equal the learner's within this many nats, else
+            the run stops naming the version (:mod:`trainer.orchestration.attestation`); null: off.
         max_infra_failure_fraction: episodes ended by an infrastructure failure (sandbox,
             retriever, reward checker, engine) are never trained on (their group is dropped and
             the prompt re-queued); when more than this fraction of a step's episodes fail that
@@ -348,6 +351,7 @@ class TrainConfig:
     staleness: dict[str, Any] = field(default_factory=lambda: {"mode": "bounded", "max": 8})
     seed: int = 0
     torch_threads: int = 0
+    sync_check_tolerance: float | None = 1e-3
     max_infra_failure_fraction: float = 0.5
 
     def validate(self) -> None:
@@ -362,6 +366,9 @@ class TrainConfig:
                  n, "must be an int >= 1")
         for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "torch_threads"):
             _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
+        tol = self.sync_check_tolerance
+        _require(tol is None or (isinstance(tol, int | float) and not isinstance(tol, bool) and tol > 0),
+                 "train.sync_check_tolerance", tol, "must be a number > 0 (nats) or null (off)")
         _require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
                  self.max_infra_failure_fraction, "must be in [0, 1]")
 

@@ -41,6 +41,7 @@ from ..errors import TrainingError
 from ..learner.base import Learner
 from ..models.lora import adapter_of
 from ..rollout.batch import to_batch
+from .attestation import SyncCheck, attest_sync
 from .prompts import PromptStream
 from .rollouts import LoopHooks, Rollouts, WeightSource
 from .staleness import BoundedAdmission, FixedLag, Staleness, staleness_strategy
@@ -68,6 +69,8 @@ class LoopConfig:
         max_infra_failure_fraction: stop the run when more than this fraction of a step's
             episodes (``prompts_per_step × n_samples_per_prompt``) ended by an infrastructure
             failure since the previous step (0: stop at the first one).
+        sync_check: the weight-sync attestation after every sync of the learner's weights
+            (:mod:`.attestation`; bounded staleness only), None: off.
 
     Raises:
         ValueError: a failure fraction outside [0, 1], or a staleness that is no strategy.
@@ -80,12 +83,16 @@ class LoopConfig:
     staleness: Staleness = field(default_factory=lambda: BoundedAdmission(8))
     checkpoint_every: int = 10
     max_infra_failure_fraction: float = 0.5
+    sync_check: SyncCheck | None = None
 
     @classmethod
     def from_config(cls, exp: Any, *, pad_token_id: int) -> LoopConfig:
         """From an :class:`~trainer.config.ExperimentConfig` (staleness: ``exp.staleness``, the
         effective settings, a preset's own staleness included)."""
-        return cls(total_steps=exp.train.total_steps, prompts_per_step=exp.train.prompts_per_step,
+        tol = exp.train.sync_check_tolerance
+        check = None if tol is None else SyncCheck(tol, exp.rollout.temperature, pad_token_id)
+        return cls(sync_check=check, total_steps=exp.train.total_steps,
+                   prompts_per_step=exp.train.prompts_per_step,
                    n_samples_per_prompt=exp.rollout.n_samples_per_prompt, pad_token_id=pad_token_id,
                    staleness=staleness_strategy(exp.staleness), checkpoint_every=exp.checkpoint.every_steps,
                    max_infra_failure_fraction=exp.train.max_infra_failure_fraction)
@@ -132,6 +139,7 @@ class AsyncTrainingLoop:
         # a kept LoRA version reaches an engine without adapter sync merged into the learner's base
         self.state.history.merge = getattr(learner, "merged_weights", None)
         self._tasks: set[asyncio.Task] = set()
+        self._attestation: asyncio.Task | None = None  # the last sync's check, awaited before the next step
 
     # -- the services a staleness strategy uses (:class:`~.staleness.LoopServices`) ---------------
     @property
@@ -306,8 +314,12 @@ class AsyncTrainingLoop:
             self._checkpoint_before_failing(err)
             raise
         wait_s = time.perf_counter() - t_wait
+        t_check = time.perf_counter()
+        checked = await self._attested()  # before the learner moves off the synced weights
+        check_s = time.perf_counter() - t_check
         trajs = [t for g in groups for t in g.trajs]
         metrics = await self._learner_step(to_batch(trajs, self.cfg.pad_token_id))
+        metrics.update(checked)
         t_samples = time.perf_counter()
         self.hooks.on_trained(st.step + 1, trajs, self.learner)
         metrics["perf/samples_s"] = time.perf_counter() - t_samples
@@ -316,6 +328,10 @@ class AsyncTrainingLoop:
         st.version += 1
         st.step += 1
         await strategy.after_new_version(self)
+        if isinstance(strategy, BoundedAdmission) and self.cfg.sync_check is not None:
+            # the engine now has the learner's weights: checked while the next batch is awaited
+            self._attestation = asyncio.create_task(
+                attest_sync(self.rollouts, self.learner, st.version, self.cfg.sync_check))
         uids = [g.uid for g in groups]
         async with st.cond:
             for u in uids:
@@ -329,12 +345,23 @@ class AsyncTrainingLoop:
         metrics.update(dropped_metrics([t for g in dropped for t in g.trajs]))
         metrics.update({"perf/wait_for_rollouts_s": wait_s,
                         "perf/weight_sync_s": time.perf_counter() - t_sync,
+                        "perf/sync_check_wait_s": check_s,
                         "rollout/in_flight": float(len(st.in_flight)),
                         "rollout/infra_failed_step": float(infra_step)})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
         self.hooks.on_step(st.step, metrics, uids)
         if st.step % self.cfg.checkpoint_every == 0 or st.step == self.cfg.total_steps:
             self._save_checkpoint()
+
+    async def _attested(self) -> dict[str, float]:
+        """The result of the previous sync's attestation (:mod:`.attestation`; ``sync/…`` metrics
+        of version ``step − 1``), ``{}`` when none ran.
+
+        Raises:
+            TrainingError: the check failed (the engine is not on the recorded version).
+        """
+        task, self._attestation = self._attestation, None
+        return {} if task is None else await task
 
     async def run(self) -> None:
         """Train until ``total_steps``; returns when the last step (and its weight sync) is done.
@@ -349,7 +376,12 @@ class AsyncTrainingLoop:
         try:
             while st.step < self.cfg.total_steps:
                 await self._train_step()
+            last = await self._attested()  # the last sync is checked too
+            if last:
+                log.info("weight sync of the final version %d attested: %s", st.version, last)
         finally:
+            if self._attestation is not None:
+                self._attestation.cancel()
             async with st.cond:
                 st.stop = True
                 st.cond.notify_all()

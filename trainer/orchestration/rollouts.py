@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..engines.base import InferenceEngine, SamplingParams
+from ..engines.base import GenerationResult, InferenceEngine, SamplingParams
 from ..engines.registry import EngineHandle
 from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
@@ -123,6 +123,11 @@ class LocalRollouts:
         """Push ``source``'s weights (a LoRA source's adapter) to the engine as ``version``
         (:func:`push_weights`)."""
         await push_weights(self.handle, source, version)
+
+    async def probe(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """One request straight to the engine (the weight-sync attestation's probe,
+        :mod:`.attestation`)."""
+        return await self.engine.generate(prompt_ids, params)
 
     async def close(self) -> None:
         """Close the pooled environments (not the engine: it belongs to the caller)."""

@@ -2,21 +2,79 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..rollout.timing import TIME_KEYS
 from ..rollout.trajectory import Trajectory, split_finish
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    """The ``q``-quantile of ``xs`` by nearest rank: the ``⌈q·n⌉``-th smallest (``q`` in (0, 1],
+    ``xs`` non-empty)."""
+    s = sorted(xs)
+    return float(s[max(0, math.ceil(q * len(s)) - 1)])
+
+
+def length_reward_distribution(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
+    """``{prefix}_len_p50`` / ``_len_p90`` (model tokens, nearest rank) and ``{prefix}_reward_p50``
+    / ``_reward_p90`` of ``trajs``: set beside each other for the trained and the dropped episodes,
+    they show an admission bias (e.g. long episodes dropped as stale more often). Empty for none."""
+    if not trajs:
+        return {}
+    lens, rewards = [float(t.num_model_tokens) for t in trajs], [float(t.reward) for t in trajs]
+    return {f"{prefix}_len_p50": _quantile(lens, 0.5), f"{prefix}_len_p90": _quantile(lens, 0.9),
+            f"{prefix}_reward_p50": _quantile(rewards, 0.5), f"{prefix}_reward_p90": _quantile(rewards, 0.9)}
+
+
 def dropped_metrics(dropped: list[Trajectory]) -> dict[str, float]:
     """Mean response length (model tokens) and reward of the groups dropped as stale since
     the last step, next to the trained ones' ``rollout/model_tokens`` / ``reward_mean`` (a
-    length bias from dropping is visible). Empty when nothing was dropped."""
+    length bias from dropping is visible), their count and quantiles
+    (:func:`length_reward_distribution`, ``rollout/dropped_stale_len_p50`` …). Empty when
+    nothing was dropped."""
     if not dropped:
         return {}
     n = len(dropped)
     return {"rollout/dropped_stale_len": sum(t.num_model_tokens for t in dropped) / n,
-            "rollout/dropped_stale_reward": sum(t.reward for t in dropped) / n}
+            "rollout/dropped_stale_reward": sum(t.reward for t in dropped) / n,
+            "rollout/dropped_stale_episodes": float(n),
+            **length_reward_distribution(dropped, "rollout/dropped_stale")}
+
+
+def staleness_split_metrics(trajs: list[Trajectory], trained_version: int) -> dict[str, float]:
+    """A token's staleness ``trained_version − v_t`` split into in-flight and in-queue parts.
+
+    For an episode whose newest model token came from version ``v_last``: **in flight**
+    ``v_last − v_t`` (versions that passed while the episode was being generated, after token
+    ``t``) and **in queue** ``trained_version − v_last`` (versions between the end of its
+    generation and its training). They add up to the token's staleness exactly. ``v_last`` is the
+    version of the last model token, so an update during the episode's final tool call counts as
+    in queue.
+
+    Returns:
+        ``staleness/in_flight_{mean,max,token_mean}`` and ``staleness/in_queue_{mean,max,
+        token_mean}``: ``mean``/``max`` per episode (in flight: ``v_last − v_first``),
+        ``token_mean`` over every model token. Empty when no episode has model tokens.
+    """
+    flight_ep, queue_ep, flight_tok, queue_tok = [], [], [], []
+    for t in trajs:
+        vs = [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
+        if not vs:
+            continue
+        last = max(vs)
+        flight_ep.append(last - min(vs))
+        queue_ep.append(trained_version - last)
+        flight_tok.extend(last - v for v in vs)
+        queue_tok.extend([trained_version - last] * len(vs))
+    if not flight_ep:
+        return {}
+    out = {}
+    for name, ep, tok in (("in_flight", flight_ep, flight_tok), ("in_queue", queue_ep, queue_tok)):
+        out[f"staleness/{name}_mean"] = sum(ep) / len(ep)
+        out[f"staleness/{name}_max"] = float(max(ep))
+        out[f"staleness/{name}_token_mean"] = sum(tok) / len(tok)
+    return out
 
 
 def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
@@ -33,7 +91,9 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
         tool calls per episode), ``rollout/invalid_action_rate`` (share of model turns the
         environment rejected as invalid), ``rollout/episodes``,
         ``rollout/finish_<reason>`` fractions, ``time/rollout_llm_s``, ``time/rollout_env_s``,
-        ``time/rollout_other_s`` (:func:`rollout_time_metrics`), and ``staleness/per_token``: a
+        ``time/rollout_other_s`` (:func:`rollout_time_metrics`), ``rollout/trained_len_p50`` …
+        (:func:`length_reward_distribution`), ``staleness/in_flight_*`` / ``in_queue_*``
+        (:func:`staleness_split_metrics`), and ``staleness/per_token``: a
         list of ints, one per loss-mask-1 token (policy versions behind), when any.
     """
     n = len(trajs)
@@ -54,6 +114,8 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
            "rollout/episodes": float(n)}
     out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
     out.update(rollout_time_metrics(trajs))
+    out.update(length_reward_distribution(trajs, "rollout/trained"))
+    out.update(staleness_split_metrics(trajs, version - 1))
     if vers:
         out["staleness/per_token"] = [version - 1 - v for v in vers]  # type: ignore[assignment]
     return out
