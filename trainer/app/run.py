@@ -154,9 +154,24 @@ class RunHooks(LoopHooks):
         progress: the live progress bar.
     """
 
-    def __init__(self, ctx: RunContext, learner: Any, progress: TrainProgress) -> None:
-        self.ctx, self.learner, self.progress = ctx, learner, progress
+    def __init__(self, ctx: RunContext, learner: Any, progress: TrainProgress, engine: Any = None) -> None:
+        self.ctx, self.learner, self.progress, self.engine = ctx, learner, progress, engine
         self.t0 = time.time()
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out evaluation on the engine's current policy (``eval.every_steps``), records
+        in ``eval/step_<step>.jsonl``; ``eval/policy_version`` is the engine's version when it
+        started, ``eval/mixed_versions`` 1 when the engine was synced during it (fixed lag)."""
+        if self.engine is None:  # the Ray launcher: the training engines are the workers'
+            log.warning("eval.every_steps: not run with launcher.kind=ray (local launcher only)")
+            return {}
+        version = self.engine.version
+        ctx = self.ctx
+        summary = await _evaluate(ctx.cfg, self.engine, ctx.task, ctx.tokenizer, f"step_{step}")
+        out = {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, int | float)}
+        out.update({"eval/policy_version": float(version),
+                    "eval/mixed_versions": float(self.engine.version != version)})
+        return out
 
     def on_step(self, step: int, metrics: dict, uids: list[int]) -> None:
         """Log the step's scalars; ``staleness/token_mean`` and ``staleness/hist`` (counts per
@@ -200,7 +215,7 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
                       ctx.agent_config())
     t0 = time.time()
     async with launch(spec) as (learner, rollouts):
-        hooks = RunHooks(ctx, learner, progress)
+        hooks = RunHooks(ctx, learner, progress, handle.engine if cfg.launcher.kind == "local" else None)
         loop = AsyncTrainingLoop(learner, rollouts, ctx.prompts, loop_cfg, hooks, state)
         with progress:
             await loop.run()

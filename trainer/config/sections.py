@@ -420,6 +420,10 @@ class EvalConfig:
     Attributes:
         enabled: run it. num_samples: held-out problems. temperature: 0 = greedy.
         k: samples per problem for avg@k (1 with greedy).
+        every_steps: also evaluate the held-out set every this many RL steps, on that step's
+            policy version, between two batches (rollouts keep running; the learner waits), logged
+            in that step's ``metrics.jsonl`` row as ``eval/*`` with ``eval/policy_version``; a
+            failure is logged (``eval/failed``), not fatal. 0 (default): before and after RL only.
         kind_settings: ``copc eval --benchmarks``: per benchmark kind, settings overriding its
             settings dataclass's defaults (``{mcq: {letters: ABCDE}}``; validated by the kind,
             :func:`trainer.evaluate.kinds.make_kind`, when the benchmarks are resolved).
@@ -429,6 +433,7 @@ class EvalConfig:
     num_samples: int = 64
     temperature: float = 0.0
     k: int = 1
+    every_steps: int = 0
     kind_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -436,6 +441,9 @@ class EvalConfig:
         _require(self.num_samples >= 1, "eval.num_samples", self.num_samples, "must be >= 1")
         _require(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
         _require(self.k >= 1, "eval.k", self.k, "must be >= 1")
+        _require(isinstance(self.every_steps, int) and not isinstance(self.every_steps, bool)
+                 and self.every_steps >= 0, "eval.every_steps", self.every_steps,
+                 "must be an int >= 0 (0: off)")
         for kind, settings in self.kind_settings.items():
             _require(isinstance(settings, dict), f"eval.kind_settings.{kind}", settings,
                      "must be a mapping of the kind's settings")

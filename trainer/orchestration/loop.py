@@ -71,6 +71,8 @@ class LoopConfig:
             failure since the previous step (0: stop at the first one).
         sync_check: the weight-sync attestation after every sync of the learner's weights
             (:mod:`.attestation`; bounded staleness only), None: off.
+        eval_every: call ``hooks.evaluate(step)`` after every this many steps (not after the last:
+            the run's own after-RL evaluation covers it), 0: never.
 
     Raises:
         ValueError: a failure fraction outside [0, 1], or a staleness that is no strategy.
@@ -84,6 +86,7 @@ class LoopConfig:
     checkpoint_every: int = 10
     max_infra_failure_fraction: float = 0.5
     sync_check: SyncCheck | None = None
+    eval_every: int = 0
 
     @classmethod
     def from_config(cls, exp: Any, *, pad_token_id: int) -> LoopConfig:
@@ -91,7 +94,8 @@ class LoopConfig:
         effective settings, a preset's own staleness included)."""
         tol = exp.train.sync_check_tolerance
         check = None if tol is None else SyncCheck(tol, exp.rollout.temperature, pad_token_id)
-        return cls(sync_check=check, total_steps=exp.train.total_steps,
+        return cls(sync_check=check, eval_every=exp.eval.every_steps if exp.eval.enabled else 0,
+                   total_steps=exp.train.total_steps,
                    prompts_per_step=exp.train.prompts_per_step,
                    n_samples_per_prompt=exp.rollout.n_samples_per_prompt, pad_token_id=pad_token_id,
                    staleness=staleness_strategy(exp.staleness), checkpoint_every=exp.checkpoint.every_steps,
@@ -349,9 +353,24 @@ class AsyncTrainingLoop:
                         "rollout/in_flight": float(len(st.in_flight)),
                         "rollout/infra_failed_step": float(infra_step)})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
+        every = self.cfg.eval_every
+        if every and st.step % every == 0 and st.step < self.cfg.total_steps:
+            metrics.update(await self._evaluate(st.step))
         self.hooks.on_step(st.step, metrics, uids)
         if st.step % self.cfg.checkpoint_every == 0 or st.step == self.cfg.total_steps:
             self._save_checkpoint()
+
+    async def _evaluate(self, step: int) -> dict[str, float]:
+        """``hooks.evaluate(step)`` between two batches; a failure is logged and counted
+        (``eval/failed``), never a training failure. ``perf/eval_s``: its wall time."""
+        t0 = time.perf_counter()
+        try:
+            out = dict(await self.hooks.evaluate(step))
+        except Exception as e:  # an evaluation problem must not end the run
+            log.error("evaluation after step %d failed: %s: %s", step, type(e).__name__, e)
+            out = {"eval/failed": 1.0}
+        out["perf/eval_s"] = time.perf_counter() - t0
+        return out
 
     async def _attested(self) -> dict[str, float]:
         """The result of the previous sync's attestation (:mod:`.attestation`; ``sync/…`` metrics

@@ -73,6 +73,11 @@ class LoopHooks:
         """Called right after the learner trained step ``step`` on ``trajs`` (batch order), before
         :meth:`on_step`; ``copc train`` writes the step's training samples here."""
 
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the policy the engine holds after step ``step`` (``eval.every_steps``); the
+        ``eval/*`` metrics go into that step's row. The base class evaluates nothing."""
+        return {}
+
     def save_checkpoint(self, step: int, loop_state: dict) -> bool:
         """Write a checkpoint of step ``step`` (``loop_state``: :meth:`LoopState.checkpoint
         <trainer.orchestration.state.LoopState.checkpoint>` output); return whether one was
