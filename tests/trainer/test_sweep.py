@@ -332,6 +332,12 @@ def test_two_cell_sweep_end_to_end(tiny_sweep):
     report = (out / "report.md").read_text()
     assert "![heatmap_final](heatmap_final.png)" in report and "| eta_a0.75 | 0.75 | 1 | 0 |" in report
     assert "## Failed or unfinished runs\n\n(none)" in report
+    # the cost table: every run logs its step time and throughput per device
+    metrics = out / "cells" / "eta_a0.25" / "seed0" / "metrics.jsonl"
+    rows2 = [json.loads(x) for x in metrics.read_text().splitlines()]
+    step2 = next(r for r in rows2 if r.get("step") == 2 and "perf/step_s" in r)
+    assert step2["perf/tokens_per_s_per_device"] == pytest.approx(step2["perf/tokens_per_s"])  # 1 device
+    assert step2["perf/step_s"] > 0 and "## Cost (the paper's Table 3)" in report
 
 
 def test_resume_skips_finished_and_resumes_unfinished(tiny_sweep, tmp_path):
@@ -451,3 +457,36 @@ def test_a_second_sweep_on_the_same_out_is_refused(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_cost_section_is_the_papers_table_3_hand_computed(tmp_path):
+    """Fake finished runs of a preset sweep with known step times: per-run median over steps >= 2,
+    mean over seeds, speed-up ppo / ppo_async and overhead copc / ppo_async - 1."""
+    from trainer.sweep.cost import cost_section
+
+    args = build_parser(["sweep"]).parse_args(
+        ["sweep", "--config", TINY, "--out", str(tmp_path), "--seeds", "0,1",
+         "--grid", "preset=ppo,ppo_async,copc", "train.total_steps=3"])
+    plan = build_plan(spec_from_args(args))
+    # step 1 (warm-up) is ignored; steps 2, 3 → median = their mean
+    times = {"ppo": (17.0, 17.0), "ppo_async": (10.0, 10.0), "copc": (10.1, 10.3)}
+    for run in plan.runs:
+        _fake_finished_run(run, 0.5)
+        s2, s3 = times[run.cell.values["preset"]]
+        s2, s3 = s2 + run.seed, s3 + run.seed  # seeds 0, 1 → cell mean of medians + 0.5
+        recs = [{"step": 1, "perf/step_s": 99.0, "perf/tokens_per_s_per_device": 1.0},
+                {"step": 2, "perf/step_s": s2, "perf/tokens_per_s_per_device": 100.0 / s2},
+                {"step": 3, "perf/step_s": s3, "perf/tokens_per_s_per_device": 100.0 / s3}]
+        with (run.run_dir / "metrics.jsonl").open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in recs))
+    rows = collect(plan)
+    assert [r.status for r in rows] == ["ok"] * 6, [(r.cell, r.status) for r in rows]
+    lines = cost_section(plan, rows)
+    text = "\n".join(lines)
+    ppo, asy, cp = 17.5, 10.5, 10.7  # cell means of the per-run medians
+    assert f"| presetppo | ppo | {ppo:.3g} ± 0.707 |" in text
+    assert f"speed-up over synchronous PPO {ppo / asy:.2f}×" in text
+    assert f"overhead over asynchronous PPO {100 * (cp / asy - 1):+.1f} %" in text
+    empty = build_plan(spec_from_args(build_parser(["sweep"]).parse_args(
+        ["sweep", "--config", TINY, "--out", str(tmp_path / "none"), "--grid", "preset=ppo,copc"])))
+    assert cost_section(empty, []) == []

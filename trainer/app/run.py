@@ -144,6 +144,19 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
         await handle.close()
 
 
+def run_devices(cfg: ExperimentConfig) -> int:
+    """The devices a run trains on, for ``perf/tokens_per_s_per_device`` (the paper's Table 3):
+    the learner's ranks plus, with SGLang, its GPUs (``tp × dp``); the embedded engine shares the
+    learner's device."""
+    n = cfg.learner.world_size
+    if cfg.rollout.engine == "sglang":
+        from ..plugins import plugin_settings
+
+        sg = plugin_settings(cfg, "rollout.engine")
+        n += int(getattr(sg, "tp", 1)) * int(getattr(sg, "dp", 1))
+    return max(1, n)
+
+
 class RunHooks(LoopHooks):
     """``copc train``'s :class:`~trainer.orchestration.rollouts.LoopHooks`: metrics (with the
     staleness histogram) to the run's logger and progress bar, checkpoints of the trained learner.
@@ -157,6 +170,7 @@ class RunHooks(LoopHooks):
     def __init__(self, ctx: RunContext, learner: Any, progress: TrainProgress, engine: Any = None) -> None:
         self.ctx, self.learner, self.progress, self.engine = ctx, learner, progress, engine
         self.t0 = time.time()
+        self.devices = run_devices(ctx.cfg)
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """The held-out evaluation on the engine's current policy (``eval.every_steps``), records
@@ -175,9 +189,12 @@ class RunHooks(LoopHooks):
 
     def on_step(self, step: int, metrics: dict, uids: list[int]) -> None:
         """Log the step's scalars; ``staleness/token_mean`` and ``staleness/hist`` (counts per
-        staleness level, index = policy versions behind) from ``staleness/per_token``."""
+        staleness level, index = policy versions behind) from ``staleness/per_token``;
+        ``perf/tokens_per_s_per_device`` (:func:`run_devices`)."""
         self.ctx.trained_uids.extend(uids)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        if "perf/tokens_per_s" in scalars:
+            scalars["perf/tokens_per_s_per_device"] = scalars["perf/tokens_per_s"] / self.devices
         per_token = metrics.get("staleness/per_token")  # staleness of every trained model token
         if per_token:
             scalars["staleness/token_mean"] = float(np.mean(per_token))

@@ -144,6 +144,7 @@ class AsyncTrainingLoop:
         self.state.history.merge = getattr(learner, "merged_weights", None)
         self._tasks: set[asyncio.Task] = set()
         self._attestation: asyncio.Task | None = None  # the last sync's check, awaited before the next step
+        self._last_step_end: float | None = None  # perf/step_s: wall time between two steps' ends
 
     # -- the services a staleness strategy uses (:class:`~.staleness.LoopServices`) ---------------
     @property
@@ -353,12 +354,21 @@ class AsyncTrainingLoop:
                         "rollout/in_flight": float(len(st.in_flight)),
                         "rollout/infra_failed_step": float(infra_step)})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
+        metrics.update(self._step_time(sum(t.num_model_tokens for t in trajs)))
         every = self.cfg.eval_every
         if every and st.step % every == 0 and st.step < self.cfg.total_steps:
             metrics.update(await self._evaluate(st.step))
         self.hooks.on_step(st.step, metrics, uids)
         if st.step % self.cfg.checkpoint_every == 0 or st.step == self.cfg.total_steps:
             self._save_checkpoint()
+
+    def _step_time(self, tokens: int) -> dict[str, float]:
+        """``perf/step_s``: seconds since the previous step ended (the first step: since
+        :meth:`run` started), and ``perf/tokens_per_s``: the step's trained model tokens over it
+        (the throughput of the paper's Table 3; per device: ``copc train`` divides)."""
+        now = time.perf_counter()
+        step_s, self._last_step_end = now - (self._last_step_end or now), now
+        return {"perf/step_s": step_s, "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0}
 
     async def _evaluate(self, step: int) -> dict[str, float]:
         """``hooks.evaluate(step)`` between two batches; a failure is logged and counted
@@ -390,6 +400,7 @@ class AsyncTrainingLoop:
                 after the last finished step is checkpointed first), or the learner step failed.
         """
         st = self.state
+        self._last_step_end = time.perf_counter()
         await self.cfg.staleness.start(self)
         producer = asyncio.create_task(self._producer())
         try:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .collect import CellAgg, RunRow
+from .cost import cost_section
 from .grid import format_value
 from .plan import SweepPlan
 from .plots import cell_text
@@ -69,7 +70,7 @@ def write_report(plan: SweepPlan, rows: list[RunRow], aggs: list[CellAgg], figur
         lines.append(f"- by mean {field}: " + ("none finished" if b is None else
                      f"**{b.cell}** ({', '.join(f'{k}={v}' for k, v in b.values.items())}): "
                      f"{_pm(getattr(b, f'{field}_mean'), getattr(b, f'{field}_sd'))}"))
-    lines += ["", "## Figures", ""]
+    lines += ["", *cost_section(plan, rows), "## Figures", ""]
     lines += [f"![{p.stem}]({_rel(p, out)})" for p in figures] or ["(none)"]
     lines += ["", "Tables: [sweep.csv](sweep.csv) (one row per cell × seed), "
                   "[sweep_cells.csv](sweep_cells.csv) (one row per cell)."]
