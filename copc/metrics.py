@@ -16,6 +16,7 @@ import math
 import torch
 
 from ._checks import as_bool_mask, check_2d_float
+from .value_probes import first_values_and_returns
 
 Tensor = torch.Tensor
 
@@ -334,14 +335,9 @@ def value_bias_metrics(values: Tensor, rewards: Tensor, loss_mask: Tensor, gamma
     check_2d_float("rewards", rewards, m.shape)
     if not 0.0 <= float(gamma) <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    rows = m.any(dim=1)
+    v_first, ret, rows = first_values_and_returns(values, rewards, m, gamma)
     if not bool(rows.any()):
         return {}
-    first = m.long().argmax(dim=1)  # index of the first True per row
-    v_first = values.detach().double().gather(1, first[:, None]).squeeze(1)
-    j = (m.long().cumsum(dim=1) - 1).clamp(min=0).double()
-    disc = torch.full_like(j, float(gamma)).pow(j)  # 0**0 == 1
-    ret = torch.where(m, disc * rewards.detach().double(), 0.0).sum(dim=1)
     err = (v_first - ret)[rows]
     return {"critic/value_bias": float(err.mean()), "critic/value_bias_abs": float(err.abs().mean())}
 

@@ -251,6 +251,8 @@ def test_off_policy_diagnostics_per_preset(preset):
             pytest.approx((2 / 6, 3 / 6))
     if algo.use_critic:
         assert (d["critic/value_bias"], d["critic/value_bias_drift"]) == pytest.approx((BIAS_G1, 0.0))
+    # the π-referenced probes (copc.value_probes), whole batch and per staleness level
+    assert ("value/policy_value_gap" in d) == algo.use_critic == ("value/b_hat_s3" in d)
 
 
 def test_garbage_at_mask0_positions_changes_nothing():
@@ -385,6 +387,10 @@ def test_diagnostics_png_has_one_panel_per_group(tmp_path):
                  | {"actor/dis_masked_low_frac": 0.1} for r in _history()]
     make_plots(no_critic, tmp_path / "nc")
     assert _png_height(tmp_path / "nc" / "diagnostics.png") == 3 * 320
+    # with the π-referenced value probes: a fifth panel
+    probes = {"value/policy_value_gap": 0.1, "value/b_hat": -0.05}
+    make_plots([{**r, **probes} for r in _history()], tmp_path / "pi")
+    assert _png_height(tmp_path / "pi" / "diagnostics.png") == 5 * 320
     assert "diagnostics.png" not in [p.name for p in make_plots([{"step": 1, "x": 1.0}], tmp_path / "none")]
 
 

@@ -42,6 +42,7 @@ from copc.metrics import (
     value_bias_metrics,
 )
 from copc.policy_losses import positive_lm_loss
+from copc.value_probes import policy_value_by_staleness
 
 from ..rollout.batch import RolloutBatch
 from .settings import LearnerConfig
@@ -344,7 +345,9 @@ class ActorCriticAlgorithm:
         * with a policy channel: ``diag/policy_masked_{,low_,high_}frac``, ``diag/policy_ess_frac``;
         * ``staleness/mean|max|min`` and ``diag/abs_log_ratio_s{k}`` per staleness level k;
         * with a critic: ``critic/value_bias``, ``critic/value_bias_abs``,
-          ``critic/value_bias_drift`` (advances :attr:`value_bias`).
+          ``critic/value_bias_drift`` (advances :attr:`value_bias`), all against µ's returns; and
+          against π (:mod:`copc.value_probes`): ``value/policy_value_gap``, ``value/b_hat``,
+          ``value/seq_weight_{ess,capped}_frac``, also per staleness level (``…_s{k}``).
 
         Args:
             batch: the rollout batch (loss mask, behavior log-probs, token versions, rewards).
@@ -369,6 +372,8 @@ class ActorCriticAlgorithm:
         if values_old is not None:
             out.update(value_bias_metrics(values_old, batch.rewards, mask, self.algo.gamma))
             out.update(self.value_bias.update(out))
+            out.update(policy_value_by_staleness(values_old, batch.rewards, logp_old, mu, batch.versions,
+                                                 version, mask, self.algo.gamma))
         return out
 
 
