@@ -10,6 +10,11 @@ Part 2: wall time per step of the whole asynchronous loop (max staleness 8) vs
 the synchronous one (max staleness 0) on the same config. The paper reports 1.7x
 on 8 GPUs; here rollouts and learner share 2 CPU cores, so overlap can only hide
 the smaller of the two phases.
+
+Part 3: the weight-sync attestation's cost (``train.sync_check_tolerance``,
+:mod:`trainer.orchestration.attestation`): the asynchronous loop again with the check on; the
+time the step waited for it (``perf/sync_check_wait_s``) as a share of the step, and the
+steady-state time per step against Part 2's (goal: <= 1 % of a step).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from trainer.learner.backends.torch import TorchLearner
 from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.orchestration.attestation import SyncCheck
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, LoopConfig
 from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.rollouts import LocalRollouts, LoopHooks, engine_handle
@@ -114,7 +120,8 @@ def main() -> None:
     print(f"copc / ppo_async step time (median of per-batch ratios): {r:.4f} ({(r - 1) * 100:+.2f} %); "
           f"advantage-estimator difference: {est * 100:+.3f} % of a step  (goal: <= 1 %)")
 
-    def loop_time(s: int) -> float:
+    def loop_time(s: int, check: bool = False) -> tuple[float, float]:
+        """Steady-state seconds per step and the mean attestation wait per step (0 when off)."""
         actor = copy.deepcopy(base)
         learner = TorchLearner(actor, copc.get_preset("copc"),
                                LearnerConfig(
@@ -125,29 +132,37 @@ def main() -> None:
             eng = EmbeddedEngine(copy.deepcopy(base), tok)
             rollouts = LocalRollouts(engine_handle(eng), make_env, tok, sp, agent, 32)
             stamps: list[float] = []
+            waits: list[float] = []
 
             class Stamps(LoopHooks):
                 def on_step(self, step: int, metrics: dict, uids: list[int]) -> None:
                     stamps.append(time.perf_counter())
+                    waits.append(metrics.get("perf/sync_check_wait_s", 0.0))
 
             loop = AsyncTrainingLoop(learner, rollouts, PromptStream(samples(400), 0),
                                      LoopConfig(total_steps=args.loop_steps, prompts_per_step=args.batch_size,
                                                 n_samples_per_prompt=1, pad_token_id=tok.pad_token_id,
-                                                staleness=BoundedAdmission(s)), Stamps())
+                                                staleness=BoundedAdmission(s),
+                                                sync_check=SyncCheck(1e-3, 1.0, tok.pad_token_id) if check
+                                                else None), Stamps())
             await loop.run()
             await rollouts.close()
             await eng.close()
             warm = 2  # steady state: skip the first steps (pipeline fill)
-            return (stamps[-1] - stamps[warm - 1]) / (len(stamps) - warm)
+            return (stamps[-1] - stamps[warm - 1]) / (len(stamps) - warm), statistics.mean(waits[warm:])
 
         return asyncio.run(go())
 
-    sync, asyn = loop_time(0), loop_time(8)
+    (sync, _), (asyn, _) = loop_time(0), loop_time(8)
     print(f"\nPart 2: whole loop, steady-state time per step (steps 3..{args.loop_steps}), "
           f"{args.batch_size} episodes per step")
     print(f"{'max staleness':>13} | {'s / step':>8}")
     print(f"{0:>13} | {sync:>8.2f}\n{8:>13} | {asyn:>8.2f}")
     print(f"async speed-up over synchronous: {sync / asyn:.2f}x (paper: 1.7x on 8 GPUs)")
+    checked, wait = loop_time(8, check=True)
+    print(f"\nPart 3: weight-sync attestation (max staleness 8): {checked:.2f} s / step with it vs "
+          f"{asyn:.2f} without ({(checked / asyn - 1) * 100:+.1f} %); the step waited {wait * 1e3:.0f} ms "
+          f"for it = {wait / checked * 100:.1f} % of a step (goal: <= 1 %)")
     sb.close()
 
 
