@@ -1,0 +1,114 @@
+"""Summarise a ``copc sweep`` over ``preset`` × ``train.staleness.lag`` (the critic-arms experiment
+of ``docs/research.md``): final held-out accuracy mean ± sd per cell, collapses, and what the
+diagnostics show in the collapsing runs (critic drift vs actor).
+
+A run *collapses* when its held-out accuracy after RL is below ``--collapse`` (default 0.1) or
+below its own before-RL accuracy by more than 0.2; the diagnostics table lists every run that
+ended below its before-RL accuracy at all. For every run the script reads ``metrics.jsonl``
+and reports, over the last 5 RL steps, the means of the critic's probes (``critic/value_bias``,
+``value/policy_value_gap``, ``value/b_hat``) and of the actor's (``rollout/reward_mean``, the DIS
+mask's or PPO clip's fraction of tokens, ``actor/grad_norm``), so a collapse can be attributed.
+
+Usage: ``.venv/bin/python scripts/critic_arms_report.py runs/sweeps/critic_arms [--out F.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+CRITIC_KEYS = ("critic/value_bias", "value/policy_value_gap", "value/b_hat")
+ACTOR_KEYS = ("rollout/reward_mean", "actor/dis_masked_frac", "actor/pg_clipfrac", "actor/grad_norm")
+
+
+def _late_means(metrics: Path, keys: tuple[str, ...], last: int = 5) -> dict[str, float]:
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "actor/updated" in r][-last:]
+    out = {}
+    for k in keys:
+        vals = [float(r[k]) for r in steps if isinstance(r.get(k), int | float) and math.isfinite(r[k])]
+        out[k] = statistics.mean(vals) if vals else math.nan
+    return out
+
+
+def runs(sweep: Path) -> list[dict]:
+    """One record per finished run: preset, lag, seed, before / after accuracy, late diagnostics."""
+    out = []
+    for summary in sorted(sweep.glob("cells/*/seed*/summary.json")):
+        run = summary.parent
+        s = json.loads(summary.read_text())
+        cfg = (run / "config.yaml").read_text()
+        preset = next(line.split(":", 1)[1].strip() for line in cfg.splitlines()
+                      if line.startswith("preset:"))
+        lag = int(run.parent.name.rsplit("lag", 1)[1])
+        rec = {"preset": preset, "lag": lag, "seed": int(run.name[4:]),
+               "before": s["eval_before"]["accuracy"], "after": s["eval_after"]["accuracy"]}
+        rec.update(_late_means(run / "metrics.jsonl", CRITIC_KEYS + ACTOR_KEYS))
+        out.append(rec)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    """Median of the finite values (NaN: a key the run's preset does not log)."""
+    fin = [x for x in xs if math.isfinite(x)]
+    return statistics.median(fin) if fin else math.nan
+
+
+def _fmt(xs: list[float]) -> str:
+    if not xs:
+        return "–"
+    return f"{statistics.mean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
+
+
+def report(recs: list[dict], collapse: float) -> str:
+    """The markdown tables (cells, then every collapsing run's diagnostics)."""
+    def collapsed(r: dict) -> bool:
+        return r["after"] < collapse or r["after"] < r["before"] - 0.2
+
+    lines = ["| preset | lag | seeds | before RL | after RL | Δ | collapses |",
+             "|---|---|---|---|---|---|---|"]
+    for preset in dict.fromkeys(r["preset"] for r in recs):
+        for lag in sorted({r["lag"] for r in recs}):
+            cell = [r for r in recs if r["preset"] == preset and r["lag"] == lag]
+            if cell:
+                lines.append(f"| {preset} | {lag} | {len(cell)} | {_fmt([r['before'] for r in cell])} | "
+                             f"{_fmt([r['after'] for r in cell])} | "
+                             f"{_fmt([r['after'] - r['before'] for r in cell])} | "
+                             f"{sum(collapsed(r) for r in cell)} |")
+    bad = [r for r in recs if r["after"] < r["before"]]
+    lines += ["", f"Runs that ended below their own before-RL accuracy (collapses: after < {collapse} or "
+              "0.2 below before), last-5-step means of the diagnostics:", ""]
+    keys = CRITIC_KEYS + ACTOR_KEYS
+    lines += ["| run | after | " + " | ".join(f"`{k}`" for k in keys) + " |",
+              "|---|---|" + "---|" * len(keys)]
+    pool = bad or []
+    for r in pool:
+        lines.append(f"| {r['preset']} lag {r['lag']} seed {r['seed']} | {r['after']:.3f} | "
+                     + " | ".join(f"{r[k]:.3g}" for k in keys) + " |")
+    if not pool:
+        lines.append("| (none) |" + " |" * (len(keys) + 1))
+    ok = [r for r in recs if r["after"] >= r["before"]]
+    if ok:
+        lines.append("| median of the other runs | " + f"{statistics.median(r['after'] for r in ok):.3f} | "
+                     + " | ".join(f"{_median([r[k] for r in ok]):.3g}" for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Print (and with ``--out`` write) the report of the sweep directory."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweep", type=Path)
+    ap.add_argument("--collapse", type=float, default=0.1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    text = report(runs(args.sweep), args.collapse)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
