@@ -146,15 +146,13 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
 
 def run_devices(cfg: ExperimentConfig) -> int:
     """The devices a run trains on, for ``perf/tokens_per_s_per_device`` (the paper's Table 3):
-    the learner's ranks plus, with SGLang, its GPUs (``tp × dp``); the embedded engine shares the
-    learner's device."""
-    n = cfg.learner.world_size
-    if cfg.rollout.engine == "sglang":
-        from ..plugins import plugin_settings
+    the learner's ranks plus the engine's own GPUs when its settings have a tensor-parallel size
+    (SGLang: ``tp × dp``); an engine without one (the embedded engine) shares the learner's device."""
+    from ..plugins import plugin_settings
 
-        sg = plugin_settings(cfg, "rollout.engine")
-        n += int(getattr(sg, "tp", 1)) * int(getattr(sg, "dp", 1))
-    return max(1, n)
+    eng = plugin_settings(cfg, "rollout.engine")
+    own = int(getattr(eng, "tp", 0) or 0) * int(getattr(eng, "dp", 1) or 1)
+    return max(1, cfg.learner.world_size + own)
 
 
 class RunHooks(LoopHooks):
@@ -177,7 +175,8 @@ class RunHooks(LoopHooks):
         in ``eval/step_<step>.jsonl``; ``eval/policy_version`` is the engine's version when it
         started, ``eval/mixed_versions`` 1 when the engine was synced during it (fixed lag)."""
         if self.engine is None:  # the Ray launcher: the training engines are the workers'
-            log.warning("eval.every_steps: not run with launcher.kind=ray (local launcher only)")
+            log.warning("eval.every_steps: not run: the rollouts do not generate with this process's "
+                        "engine (local launcher only)")
             return {}
         version = self.engine.version
         ctx = self.ctx
@@ -232,7 +231,9 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
                       ctx.agent_config())
     t0 = time.time()
     async with launch(spec) as (learner, rollouts):
-        hooks = RunHooks(ctx, learner, progress, handle.engine if cfg.launcher.kind == "local" else None)
+        # evaluations during RL use the engine the rollouts train with (the local launcher's)
+        same = getattr(rollouts, "engine", None) is handle.engine
+        hooks = RunHooks(ctx, learner, progress, handle.engine if same else None)
         loop = AsyncTrainingLoop(learner, rollouts, ctx.prompts, loop_cfg, hooks, state)
         with progress:
             await loop.run()
