@@ -406,14 +406,16 @@ class AsyncTrainingLoop:
         try:
             while st.step < self.cfg.total_steps:
                 await self._train_step()
-            last = await self._attested()  # the last sync is checked too
-            if last:
-                log.info("weight sync of the final version %d attested: %s", st.version, last)
-        finally:
+        except BaseException:
             if self._attestation is not None:
                 self._attestation.cancel()
+            raise
+        finally:
             async with st.cond:
                 st.stop = True
                 st.cond.notify_all()
             await producer
+        last = await self._attested()  # the last sync is checked too, once no batch is admitted
+        if last:
+            log.info("weight sync of the final version %d attested: %s", st.version, last)
         await self.cfg.staleness.finish(self)
