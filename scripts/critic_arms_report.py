@@ -84,11 +84,10 @@ def report(recs: list[dict], collapse: float) -> str:
     keys = CRITIC_KEYS + ACTOR_KEYS
     lines += ["| run | after | " + " | ".join(f"`{k}`" for k in keys) + " |",
               "|---|---|" + "---|" * len(keys)]
-    pool = bad or []
-    for r in pool:
+    for r in bad:
         lines.append(f"| {r['preset']} lag {r['lag']} seed {r['seed']} | {r['after']:.3f} | "
                      + " | ".join(f"{r[k]:.3g}" for k in keys) + " |")
-    if not pool:
+    if not bad:
         lines.append("| (none) |" + " |" * (len(keys) + 1))
     ok = [r for r in recs if r["after"] >= r["before"]]
     if ok:

@@ -181,7 +181,7 @@ def _garbage_like(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return torch.where(pick < 4, specials[pick.clamp(max=3)], junk)
 
 
-@pytest.mark.parametrize("fn", ["copc", "gae", "vtrace"])
+@pytest.mark.parametrize("fn", ["copc", "gae", "vtrace", "brace"])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.95, 0.9)])
 def test_garbage_at_mask0_positions_leaves_outputs_bit_identical(fn, gamma, lam):
     g = torch.Generator().manual_seed(5)
@@ -194,6 +194,9 @@ def test_garbage_at_mask0_positions_leaves_outputs_bit_identical(fn, gamma, lam)
         a, b = (copc.coupled_advantage_return(**d, gamma=gamma, lam=lam) for d in (x, dirty))
     elif fn == "vtrace":
         a, b = (copc.vtrace_advantage_return(**d, gamma=gamma, lam=lam) for d in (x, dirty))
+    elif fn == "brace":
+        a, b = (copc.brace_advantage_return(**d, gamma=gamma, lam=lam, horizon=4) for d in (x, dirty))
+        assert bool((a[0][~m] == 0).all()) and bool((a[1][~m] == 0).all())
     else:
         a, b = (copc.gae_advantage_return(d["rewards"], d["values"], m, gamma=gamma, lam=lam)
                 for d in (x, dirty))
