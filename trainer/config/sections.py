@@ -328,9 +328,10 @@ class TrainConfig:
         seed: everything random (data order, sampling, init).
         torch_threads: torch intra-op threads (0 = torch's default). On 2 CPU cores, 1 lets the
             rollout engine and the learner each own a core instead of stalling each other.
-        sync_check_tolerance: after every weight sync (bounded staleness) the engine samples a
-            short probe and its log-probs must equal the learner's within this many nats, else
-            the run stops naming the version (:mod:`trainer.orchestration.attestation`); null: off.
+        sync_check_tolerance: after every weight sync (both staleness modes) the engine samples
+            one token after each of 8 probe prompts and its log-probs must equal the learner's
+            reference for that version within this many nats, else the run stops naming the
+            version (:mod:`trainer.orchestration.attestation`); null: off.
         max_infra_failure_fraction: episodes ended by an infrastructure failure (sandbox,
             retriever, reward checker, engine) are never trained on (their group is dropped and
             the prompt re-queued); when more than this fraction of a step's episodes fail that

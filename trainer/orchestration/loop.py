@@ -41,7 +41,7 @@ from ..errors import TrainingError
 from ..learner.base import Learner
 from ..models.lora import adapter_of
 from ..rollout.batch import to_batch
-from .attestation import SyncCheck, attest_sync
+from .attestation import SyncAttestor, SyncCheck
 from .prompts import PromptStream
 from .rollouts import LoopHooks, Rollouts, WeightSource
 from .staleness import BoundedAdmission, FixedLag, Staleness, staleness_strategy
@@ -69,8 +69,8 @@ class LoopConfig:
         max_infra_failure_fraction: stop the run when more than this fraction of a step's
             episodes (``prompts_per_step × n_samples_per_prompt``) ended by an infrastructure
             failure since the previous step (0: stop at the first one).
-        sync_check: the weight-sync attestation after every sync of the learner's weights
-            (:mod:`.attestation`; bounded staleness only), None: off.
+        sync_check: the weight-sync attestation after every sync of the rollouts' weights
+            (:mod:`.attestation`; both staleness modes), None: off.
         eval_every: call ``hooks.evaluate(step)`` after every this many steps (not after the last:
             the run's own after-RL evaluation covers it), 0: never.
 
@@ -143,7 +143,8 @@ class AsyncTrainingLoop:
         # a kept LoRA version reaches an engine without adapter sync merged into the learner's base
         self.state.history.merge = getattr(learner, "merged_weights", None)
         self._tasks: set[asyncio.Task] = set()
-        self._attestation: asyncio.Task | None = None  # the last sync's check, awaited before the next step
+        self.attestor = SyncAttestor(cfg.sync_check, rollouts, learner, keep=cfg.staleness.versions + 2)
+        self._sync_wait_s = 0.0  # perf/sync_check_wait_s: time syncs waited for older checks
         self._last_step_end: float | None = None  # perf/step_s: wall time between two steps' ends
 
     # -- the services a staleness strategy uses (:class:`~.staleness.LoopServices`) ---------------
@@ -164,8 +165,9 @@ class AsyncTrainingLoop:
         t.add_done_callback(self._tasks.discard)
 
     async def sync(self, source: WeightSource, version: int) -> None:
-        """``rollouts.sync(source, version)``."""
+        """``rollouts.sync(source, version)``, then the attestation of that sync starts."""
         await self.rollouts.sync(source, version)
+        self._sync_wait_s += await self.attestor.synced(version)
 
     async def snapshot(self, version: int) -> None:
         """Keep the learner's current weights as ``version`` — a LoRA learner's adapter only
@@ -316,15 +318,15 @@ class AsyncTrainingLoop:
         try:
             groups = await self.take_batch()
         except TrainingError as err:
+            await self.attestor.collect(wait=True, timeout_s=5.0)  # a failed sync check explains it better
             self._checkpoint_before_failing(err)
             raise
         wait_s = time.perf_counter() - t_wait
-        t_check = time.perf_counter()
-        checked = await self._attested()  # before the learner moves off the synced weights
-        check_s = time.perf_counter() - t_check
+        checked = await self.attestor.collect()  # the checks of earlier syncs that finished
         trajs = [t for g in groups for t in g.trajs]
         metrics = await self._learner_step(to_batch(trajs, self.cfg.pad_token_id))
         metrics.update(checked)
+        metrics["perf/sync_check_ref_s"] = await self.attestor.reference(st.version + 1)
         t_samples = time.perf_counter()
         self.hooks.on_trained(st.step + 1, trajs, self.learner)
         metrics["perf/samples_s"] = time.perf_counter() - t_samples
@@ -333,10 +335,6 @@ class AsyncTrainingLoop:
         st.version += 1
         st.step += 1
         await strategy.after_new_version(self)
-        if isinstance(strategy, BoundedAdmission) and self.cfg.sync_check is not None:
-            # the engine now has the learner's weights: checked while the next batch is awaited
-            self._attestation = asyncio.create_task(
-                attest_sync(self.rollouts, self.learner, st.version, self.cfg.sync_check))
         uids = [g.uid for g in groups]
         async with st.cond:
             for u in uids:
@@ -350,7 +348,7 @@ class AsyncTrainingLoop:
         metrics.update(dropped_metrics([t for g in dropped for t in g.trajs]))
         metrics.update({"perf/wait_for_rollouts_s": wait_s,
                         "perf/weight_sync_s": time.perf_counter() - t_sync,
-                        "perf/sync_check_wait_s": check_s,
+                        "perf/sync_check_wait_s": self._take_sync_wait(),
                         "rollout/in_flight": float(len(st.in_flight)),
                         "rollout/infra_failed_step": float(infra_step)})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
@@ -382,15 +380,10 @@ class AsyncTrainingLoop:
         out["perf/eval_s"] = time.perf_counter() - t0
         return out
 
-    async def _attested(self) -> dict[str, float]:
-        """The result of the previous sync's attestation (:mod:`.attestation`; ``sync/…`` metrics
-        of version ``step − 1``), ``{}`` when none ran.
-
-        Raises:
-            TrainingError: the check failed (the engine is not on the recorded version).
-        """
-        task, self._attestation = self._attestation, None
-        return {} if task is None else await task
+    def _take_sync_wait(self) -> float:
+        """Seconds syncs waited for older attestation checks since the previous step (reset)."""
+        waited, self._sync_wait_s = self._sync_wait_s, 0.0
+        return waited
 
     async def run(self) -> None:
         """Train until ``total_steps``; returns when the last step (and its weight sync) is done.
@@ -401,21 +394,21 @@ class AsyncTrainingLoop:
         """
         st = self.state
         self._last_step_end = time.perf_counter()
+        await self.attestor.reference(st.version)  # before any sync can need it
         await self.cfg.staleness.start(self)
         producer = asyncio.create_task(self._producer())
         try:
             while st.step < self.cfg.total_steps:
                 await self._train_step()
         except BaseException:
-            if self._attestation is not None:
-                self._attestation.cancel()
+            self.attestor.cancel()
             raise
         finally:
             async with st.cond:
                 st.stop = True
                 st.cond.notify_all()
             await producer
-        last = await self._attested()  # the last sync is checked too, once no batch is admitted
-        if last:
-            log.info("weight sync of the final version %d attested: %s", st.version, last)
         await self.cfg.staleness.finish(self)
+        last = await self.attestor.collect(wait=True)  # every sync is checked, the last one too
+        if last:
+            log.info("weight syncs up to the final version %d attested: %s", st.version, last)

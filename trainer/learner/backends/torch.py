@@ -129,6 +129,25 @@ class TransformersForward:
         """The critic's values of ``mb`` (:func:`mb_values`)."""
         return mb_values(self.critic, mb)
 
+    @torch.no_grad()
+    def next_token_logprobs(self, prompt_ids: Tensor, temperature: float) -> Tensor:
+        """The actor's next-token distribution after each prompt, ``log softmax(logits / T)``.
+
+        Args:
+            prompt_ids: ``(K, P)`` int64 unpadded prompts.
+            temperature: > 0.
+
+        Returns:
+            ``(K, V)`` float32 on the CPU (the weight-sync attestation's reference,
+            :mod:`trainer.orchestration.attestation`).
+        """
+        was_training = self.actor.training
+        self.actor.eval()
+        device = next(self.actor.parameters()).device
+        logits = self.actor(input_ids=prompt_ids.to(device)).logits[:, -1].float()
+        self.actor.train(was_training)
+        return torch.log_softmax(logits / temperature, dim=-1).cpu()
+
 
 class TorchLearner(TransformersForward, TemplateLearner):
     """Actor (causal LM) + optional critic (:class:`ValueModel`) on one device (a :class:`Learner`).
