@@ -146,7 +146,7 @@ def main() -> None:
                                      LoopConfig(total_steps=args.loop_steps, prompts_per_step=args.batch_size,
                                                 n_samples_per_prompt=1, pad_token_id=tok.pad_token_id,
                                                 staleness=BoundedAdmission(s),
-                                                sync_check=SyncCheck(1e-3, 1.0, tok.pad_token_id) if check
+                                                sync_check=SyncCheck(1e-3, 1.0) if check
                                                 else None), Stamps())
             await loop.run()
             await rollouts.close()

@@ -73,7 +73,7 @@ def _run(path, *, sync: str = "honest", staleness=None, tolerance: float = 1e-4,
             learner, rollouts, PromptStream(SAMPLES, 0),
             LoopConfig(total_steps=steps, prompts_per_step=2, n_samples_per_prompt=2,
                        pad_token_id=tok.pad_token_id, staleness=staleness or BoundedAdmission(1),
-                       sync_check=SyncCheck(tolerance, 1.0, tok.pad_token_id)), hooks)
+                       sync_check=SyncCheck(tolerance, 1.0)), hooks)
         try:
             await loop.run()
         finally:

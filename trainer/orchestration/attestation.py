@@ -58,7 +58,6 @@ class SyncCheck:
         tolerance: the largest allowed ``|log π_learner − log π_engine|`` over the probe's
             sampled tokens (nats, > 0).
         temperature: the rollout sampling temperature (both sides score ``logits / T``).
-        pad_token_id: the tokenizer's pad id (kept for callers; the probe prompts are unpadded).
 
     Raises:
         ValueError: ``tolerance`` not > 0, naming ``train.sync_check_tolerance``.
@@ -66,7 +65,6 @@ class SyncCheck:
 
     tolerance: float
     temperature: float = 1.0
-    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
         if not self.tolerance > 0:

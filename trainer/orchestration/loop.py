@@ -93,7 +93,7 @@ class LoopConfig:
         """From an :class:`~trainer.config.ExperimentConfig` (staleness: ``exp.staleness``, the
         effective settings, a preset's own staleness included)."""
         tol = exp.train.sync_check_tolerance
-        check = None if tol is None else SyncCheck(tol, exp.rollout.temperature, pad_token_id)
+        check = None if tol is None else SyncCheck(tol, exp.rollout.temperature)
         return cls(sync_check=check, eval_every=exp.eval.every_steps if exp.eval.enabled else 0,
                    total_steps=exp.train.total_steps,
                    prompts_per_step=exp.train.prompts_per_step,
