@@ -129,13 +129,24 @@ def _rows(t: Tensor | None, rows: Tensor) -> Tensor | None:
     return None if t is None else t[rows]
 
 
-def _prepare(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float | Tensor,
-             bootstrap_values: Tensor | None, obs_discount: str, **extra: Tensor
-             ) -> tuple[Tensor, dict[str, Tensor | None]]:
-    """Validate shapes/dtypes/hyper-parameters; return the bool mask and detached inputs.
+def prepare_estimator_inputs(rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float,
+                             lam: float | Tensor, bootstrap_values: Tensor | None, obs_discount: str,
+                             **extra: Tensor) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """Validate an advantage estimator's inputs; return the bool mask and detached inputs.
 
-    Half-precision inputs are upcast to float32 (the scans rescale by ``(γλ)^{−L}``,
-    which float16 cannot hold).
+    Args:
+        rewards, values: ``(B, T)`` float; ``loss_mask``: ``(B, T)`` bool or 0/1.
+        gamma, lam: in [0, 1] (``lam`` also a ``(B,)`` per-row tensor).
+        bootstrap_values: ``(B,)`` or None. obs_discount: one of ``OBS_DISCOUNT_MODES``.
+        extra: further ``(B, T)`` float inputs (e.g. ``logp_old``, ``logp_mu``), by name.
+
+    Returns:
+        ``(mask, inputs)``: the ``(B, T)`` bool mask and ``name → detached tensor`` (None kept);
+        half-precision inputs upcast to float32 (the scans rescale by ``(γλ)^{−L}``, which
+        float16 cannot hold).
+
+    Raises:
+        ValueError: a shape, dtype or hyper-parameter out of range, naming it.
     """
     mask = as_bool_mask(loss_mask)
     check_2d_float("values", values, mask.shape)
@@ -223,7 +234,7 @@ def gae_advantage_return(rewards: Tensor, values: Tensor, loss_mask: Tensor, *, 
             the inputs at action tokens (the message names the input and position).
         TypeError: on non-tensor or non-floating inputs.
     """
-    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount)
+    mask, x = prepare_estimator_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount)
     if isinstance(lam, Tensor):
         return per_row_lambda(lambda v, rows: gae_advantage_return(
             rewards[rows], values[rows], loss_mask[rows], gamma=gamma, lam=v,
@@ -304,7 +315,7 @@ def coupled_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, 
             (e.g. ``logp_old = logp_mu = −inf``). ``logp_mu = −inf`` alone is defined: ρ̄ = u_A.
         TypeError: on non-tensor or non-floating inputs.
     """
-    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount,
+    mask, x = prepare_estimator_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, obs_discount,
                        logp_old=logp_old, logp_mu=logp_mu)
     if isinstance(lam, Tensor):
         return per_row_lambda(lambda v, rows: coupled_advantage_return(
@@ -353,7 +364,7 @@ def vtrace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, l
     Raises:
         ValueError: as :func:`coupled_advantage_return`, plus non-positive ``rho_clip``/``c_clip``.
     """
-    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, "skip",
+    mask, x = prepare_estimator_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, "skip",
                        logp_old=logp_old, logp_mu=logp_mu)
     rewards, values, logp_old, logp_mu = (x[k] for k in ("rewards", "values", "logp_old", "logp_mu"))
     bootstrap_values = x["bootstrap_values"]

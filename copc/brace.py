@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_number, raise_if_not_finite
-from .advantages import _prepare, check_row_lambda
+from .advantages import check_row_lambda, prepare_estimator_inputs
 from .scan import action_block_bounds, reverse_action_scan, td_residuals
 
 Tensor = torch.Tensor
@@ -107,7 +107,7 @@ def brace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, lo
         ValueError: as :func:`copc.vtrace_advantage_return`, plus ``horizon`` not an int ≥ 1.
         TypeError: on non-tensor or non-floating inputs.
     """
-    mask, x = _prepare(rewards, values, loss_mask, gamma, lam, bootstrap_values, "skip",
+    mask, x = prepare_estimator_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, "skip",
                        logp_old=logp_old, logp_mu=logp_mu)
     for name, v in (("rho_clip", rho_clip), ("c_clip", c_clip)):
         if not check_number(name, v) > 0.0:
