@@ -14,7 +14,10 @@ of the table in its own fresh process:
   metric);
 * ``chunked + ckpt``: the same with ``learner.gradient_checkpointing=true``;
 * ``chunked + ckpt, mmap 1 MiB``: the same with ``learner.malloc_mmap_threshold=1048576`` (the
-  low-memory allocator option): what it saves and what it costs.
+  low-memory allocator option): what it saves and what it costs;
+* ``chunked, bf16 autocast`` / ``chunked + ckpt, bf16 autocast``: the chunked rows with
+  ``learner.autocast_dtype=bfloat16`` (forward passes in bfloat16, float32 weights and optimizer
+  state; log-probs within bfloat16 rounding of the float32 ones, not equal).
 
 Measured: the child's peak RSS (its ``resource.getrusage`` ``ru_maxrss``: model, optimizer state,
 activations, interpreter), its RSS before the step, and response tokens per second of the
@@ -54,9 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: The model (a pulled name, ``copc model pull smollm2-135m-instruct``, or a directory: ``--model``).
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MEMORY_GOAL, SPEED_GOAL = 0.35, 0.9
-#: Table rows: label -> (learner class, gradient checkpointing, the low-memory mmap threshold).
-ROWS = {"full logits": ("full", False, False), "chunked": ("chunked", False, False),
-        "chunked + ckpt": ("chunked", True, False), "chunked + ckpt, mmap 1 MiB": ("chunked", True, True)}
+#: Table rows: label -> (learner class, gradient checkpointing, the low-memory mmap threshold,
+#: ``learner.autocast_dtype``).
+ROWS = {"full logits": ("full", False, False, None), "chunked": ("chunked", False, False, None),
+        "chunked + ckpt": ("chunked", True, False, None),
+        "chunked + ckpt, mmap 1 MiB": ("chunked", True, True, None),
+        "chunked, bf16 autocast": ("chunked", False, False, "bfloat16"),
+        "chunked + ckpt, bf16 autocast": ("chunked", True, False, "bfloat16")}
 
 
 def rss_bytes() -> int:
@@ -85,12 +92,13 @@ def child(args: argparse.Namespace) -> None:
             lp = token_logprobs(logits[:, mb.prompt_len - 1:-1], mb.response_ids, self.cfg.temperature)
             return lp, None
 
-    kind, ckpt, low_memory = ROWS[args.child]
+    kind, ckpt, low_memory, autocast = ROWS[args.child]
     threshold = args.mmap_threshold if low_memory else None  # None: the shipped default
     cfg = load_config(None, ["preset=copc", f"train.micro_batch_size={args.rows}", "train.num_mini_batches=1",
                              "train.actor_lr=1e-6", f"learner.gradient_checkpointing={str(ckpt).lower()}",
                              f"learner.logprob_chunk_tokens={args.chunk}",
-                             f"model.attn_implementation={args.attn}"]
+                             f"model.attn_implementation={args.attn}",
+                             f"learner.autocast_dtype={autocast or 'null'}"]
                       + ([] if threshold is None else [f"learner.malloc_mmap_threshold={threshold}"]))
     set_malloc_mmap_threshold(cfg.learner.malloc_mmap_threshold)  # as copc train does
     learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_config(cfg, args.model)
@@ -165,13 +173,17 @@ def main() -> int:
         tps = r["tokens"] / r["seconds"]
         print(f"{label:<31}{r['peak_rss'] / 2**30:13.2f}{r['peak_rss'] / ref['peak_rss']:7.2f}"
               f"{r['rss_before'] / 2**30:16.2f}{r['seconds']:9.1f}{tps:8.1f}{tps / ref_tps:7.2f}")
-    gated = results[args.gate]
-    mem = gated["peak_rss"] / ref["peak_rss"]
-    speed = gated["tokens"] / gated["seconds"] / ref_tps
-    ok_mem, ok_speed = mem <= MEMORY_GOAL, speed >= SPEED_GOAL
-    print(f"goals ({args.gate}): peak RSS {mem:.2f} x (<= {MEMORY_GOAL}): {'PASS' if ok_mem else 'FAIL'}; "
-          f"tokens/s {speed:.2f} x (>= {SPEED_GOAL}): {'PASS' if ok_speed else 'FAIL'}")
-    return 0 if ok_mem and ok_speed else 1
+    passed = {}
+    for label, r in results.items():
+        if label == "full logits":
+            continue
+        mem, speed = r["peak_rss"] / ref["peak_rss"], r["tokens"] / r["seconds"] / ref_tps
+        ok_mem, ok_speed = mem <= MEMORY_GOAL, speed >= SPEED_GOAL
+        passed[label] = ok_mem and ok_speed
+        print(f"goals ({label}{', gated' if label == args.gate else ''}): peak RSS {mem:.2f} x "
+              f"(<= {MEMORY_GOAL}): {'PASS' if ok_mem else 'FAIL'}; tokens/s {speed:.2f} x "
+              f"(>= {SPEED_GOAL}): {'PASS' if ok_speed else 'FAIL'}")
+    return 0 if passed[args.gate] else 1
 
 
 if __name__ == "__main__":

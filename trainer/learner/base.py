@@ -78,10 +78,10 @@ LearnerFactory = Callable[[Any, Path], Learner]
 #: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
 #: ``learner.pipeline_parallel_size`` > 1), ``lora`` (it trains ``learner.lora`` /
 #: ``learner.critic_lora`` adapters and has ``export_adapter()``), ``critic_freeze_attention`` (it
-#: honours ``learner.critic_freeze_attention``).
+#: honours ``learner.critic_freeze_attention``), ``autocast`` (it honours ``learner.autocast_dtype``).
 LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
                     "pipeline_parallel": (bool, False), "lora": (bool, False),
-                    "critic_freeze_attention": (bool, False)}
+                    "critic_freeze_attention": (bool, False), "autocast": (bool, False)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
 #: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`);

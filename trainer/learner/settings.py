@@ -21,6 +21,8 @@ from ..models.lora import LoraSettings
 
 #: ``learner.optimizer`` values.
 OPTIMIZERS = ("adamw", "sgd")
+#: ``learner.autocast_dtype`` values: None (float32 throughout) or a :func:`torch.autocast` dtype.
+AUTOCAST_DTYPES = (None, "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,12 @@ class LearnerConfig:
         critic_updates_per_step: critic updates per mini-batch (``train.critic_updates_per_step``).
         critic_freeze_attention: the critic's attention parameters stay as loaded
             (``learner.critic_freeze_attention``; :func:`~trainer.learner.critic.freeze_attention`).
+        autocast_dtype: ``"bfloat16"``: forward passes under :func:`torch.autocast`
+            (``learner.autocast_dtype``); None: float32.
 
     Raises:
-        ValueError: ``logprob_chunk_tokens`` or ``critic_updates_per_step`` not an int >= 1
-            (naming the key).
+        ValueError: ``logprob_chunk_tokens`` or ``critic_updates_per_step`` not an int >= 1, or an
+            ``autocast_dtype`` not in :data:`AUTOCAST_DTYPES` (naming the key).
     """
 
     optim: OptimizerSettings = field(default_factory=OptimizerSettings)
@@ -122,12 +126,16 @@ class LearnerConfig:
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     critic_updates_per_step: int = 1
     critic_freeze_attention: bool = False
+    autocast_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key, n in (("learner.logprob_chunk_tokens", self.logprob_chunk_tokens),
                        ("train.critic_updates_per_step", self.critic_updates_per_step)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{key}={n!r}: must be an int >= 1")
+        if self.autocast_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"learner.autocast_dtype={self.autocast_dtype!r}: must be None (float32) or "
+                             "'bfloat16'")
 
     @classmethod
     def from_config(cls, exp: Any) -> LearnerConfig:
@@ -141,4 +149,5 @@ class LearnerConfig:
                    temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
                    logprob_chunk_tokens=exp.learner.logprob_chunk_tokens,
                    critic_updates_per_step=t.critic_updates_per_step,
-                   critic_freeze_attention=exp.learner.critic_freeze_attention)
+                   critic_freeze_attention=exp.learner.critic_freeze_attention,
+                   autocast_dtype=exp.learner.autocast_dtype)

@@ -21,6 +21,7 @@ with recomputation in backward (:func:`response_scores`; shared with the fsdp ba
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -111,11 +112,20 @@ class TransformersForward:
     #: :func:`response_scores`'s ``scorer`` (None: :func:`~trainer.models.lm_head.token_scores`).
     scorer: Callable[..., tuple[Tensor, Tensor | None]] | None = None
 
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Where the forward passes run: :func:`torch.autocast` in ``cfg.autocast_dtype`` on the
+        actor's device type (``learner.autocast_dtype``), else a null context (float32)."""
+        if self.cfg.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = next(self.actor.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=getattr(torch, self.cfg.autocast_dtype))
+
     def scores(self, mb: RolloutBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
         """The actor's response log-probs (and entropies) of ``mb`` (:func:`response_scores`, chunks of
-        ``cfg.logprob_chunk_tokens``)."""
-        return response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy, scorer=self.scorer,
-                               chunk_tokens=self.cfg.logprob_chunk_tokens)
+        ``cfg.logprob_chunk_tokens``), float32, under :meth:`forward_context`."""
+        with self.forward_context():
+            return response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy, scorer=self.scorer,
+                                   chunk_tokens=self.cfg.logprob_chunk_tokens)
 
     def logprobs(self, mb: RolloutBatch) -> Tensor:
         """The actor's response log-probs of ``mb`` (:meth:`scores`)."""
@@ -126,12 +136,14 @@ class TransformersForward:
         return self.scores(mb, True)
 
     def values(self, mb: RolloutBatch) -> Tensor:
-        """The critic's values of ``mb`` (:func:`mb_values`)."""
-        return mb_values(self.critic, mb)
+        """The critic's values of ``mb`` (:func:`mb_values`), float32, under :meth:`forward_context`."""
+        with self.forward_context():
+            return mb_values(self.critic, mb).float()
 
     @torch.no_grad()
     def next_token_logprobs(self, prompt_ids: Tensor, temperature: float) -> Tensor:
-        """The actor's next-token distribution after each prompt, ``log softmax(logits / T)``.
+        """The actor's next-token distribution after each prompt, ``log softmax(logits / T)``, in
+        float32 whatever ``learner.autocast_dtype`` (an exact reference of the weights).
 
         Args:
             prompt_ids: ``(K, P)`` int64 unpadded prompts.
