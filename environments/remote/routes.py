@@ -136,7 +136,7 @@ def check_reset_args(args: dict[str, Any], prefix: str) -> None:
     Raises:
         RequestError: ``VALIDATION_ERROR`` (422) naming ``prefix + field``: an unknown argument,
             a negative or non-integer ``seed``, an ``episode_id`` over 255 characters, a
-            ``sample`` / ``options`` that is not a JSON object.
+            ``sample`` / ``options`` that is not a JSON object or holds a lone surrogate.
     """
     unknown = sorted(k for k in args if k not in RESET_ARGS)
     if unknown:
@@ -150,6 +150,32 @@ def check_reset_args(args: dict[str, Any], prefix: str) -> None:
         if args.get(name) is not None and not isinstance(args[name], dict):
             raise RequestError(VALIDATION_ERROR, prefix + name,
                                f"reset: {name} must be a JSON object, got {type(args[name]).__name__}")
+        bad = lone_surrogate(args.get(name), prefix + name)
+        if bad is not None:
+            raise RequestError(VALIDATION_ERROR, bad, f"reset: {bad} holds a lone UTF-16 surrogate (a JSON "
+                               "\\uD800-style escape); send valid Unicode")
+
+
+def lone_surrogate(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (or key) under ``value`` that holds a lone UTF-16
+    surrogate (JSON's ``\\ud800`` escapes can carry one; it is not text a tool or a JSON reply can
+    take), or None. Iterative: any nesting depth."""
+    todo = [(value, path)]
+    while todo:
+        v, at = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if lone_surrogate(k, at) is not None:
+                    return at
+                todo.append((item, f"{at}.{k}"))
+        elif isinstance(v, list):
+            todo.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
+    return None
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -216,7 +242,7 @@ def build_app(server: ServedEnv) -> FastAPI:
             if session is None:
                 session = opened = await sessions.open()
             obs = await sessions.run(session, functools.partial(session.env.reset, **body))
-            return observation_payload(obs, session)
+            return JSONResponse(observation_payload(obs, session))  # rendered here: a failure closes it
         except BaseException as e:
             if opened is not None:
                 await sessions.close(opened)

@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import platform
+import socket
 import struct
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -41,6 +43,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32,
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 MNT_DETACH = 2
 CAP_LAST_CAP_MAX = 63
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
 def _check(ret: int, what: str) -> int:
@@ -71,8 +74,23 @@ def umount(target: str) -> None:
     _check(_LIBC.umount2(target.encode(), MNT_DETACH), f"umount {target}")
 
 
+def loopback_up() -> None:
+    """Bring ``lo`` of the calling process's (new, empty) network namespace up
+    (``SIOCGIFFLAGS`` / ``SIOCSIFFLAGS``; needs ``CAP_NET_ADMIN``).
+
+    Raises:
+        OSError: an ioctl failed.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
+
+
 def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = ()) -> None:
-    """Move the calling process into a new mount + IPC namespace with fresh tmpfs mounts.
+    """Move the calling process into a new mount + IPC + network namespace with fresh tmpfs
+    mounts and only a loopback interface (so no socket state, e.g. a TIME_WAIT connection or a
+    bound port, outlives the call).
 
     ``/tmp`` and ``/dev/shm`` become new, empty tmpfs instances of ``tmp_bytes`` bytes and
     ``inodes`` inodes each (mode 1777); the read-only binds in ``keep`` (interpreter prefixes
@@ -83,7 +101,8 @@ def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = (
     Raises:
         OSError: a step failed (the caller reports a sandbox failure, not a program error).
     """
-    _check(_LIBC.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare(NEWNS|NEWIPC)")
+    _check(_LIBC.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET), "unshare(NEWNS|NEWIPC|NEWNET)")
+    loopback_up()
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     opts = f"size={tmp_bytes},nr_inodes={inodes},mode=1777"
     kept = [(os.open(p, os.O_PATH), p) for p in keep]
@@ -120,9 +139,11 @@ def drop_privileges(uid: int, gid: int) -> None:
 # -- seccomp ---------------------------------------------------------------------------------------
 _ARCHES = {  # machine -> (AUDIT_ARCH, syscall numbers)
     "x86_64": (0xC000003E, {"clone": 56, "clone3": 435, "unshare": 272, "setns": 308,
-                            "add_key": 248, "request_key": 249, "keyctl": 250}),
+                            "add_key": 248, "request_key": 249, "keyctl": 250, "ptrace": 101,
+                            "process_vm_readv": 310, "process_vm_writev": 311}),
     "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
-                             "add_key": 217, "request_key": 218, "keyctl": 219}),
+                             "add_key": 217, "request_key": 218, "keyctl": 219, "ptrace": 117,
+                             "process_vm_readv": 270, "process_vm_writev": 271}),
 }
 _RET_ALLOW, _RET_KILL = 0x7FFF0000, 0x80000000
 _EPERM, _ENOSYS = 0x00050000 | 1, 0x00050000 | 38
@@ -135,7 +156,9 @@ def seccomp_program(machine: str | None = None) -> bytes:
     """The filter as packed ``struct sock_filter`` instructions for ``machine``.
 
     Refused with EPERM: ``unshare``, ``setns``, ``clone`` with any ``CLONE_NEW*`` flag,
-    ``add_key``, ``request_key``, ``keyctl``; with ENOSYS: ``clone3`` (its flags live in
+    ``add_key``, ``request_key``, ``keyctl``, and ``ptrace`` / ``process_vm_readv`` /
+    ``process_vm_writev`` (a program that traces its own main process keeps that process's
+    zombie from the worker, which reaps it); with ENOSYS: ``clone3`` (its flags live in
     memory a filter cannot read; libc falls back to ``clone``) and x32 system calls; a system
     call of another architecture (e.g. ``int 0x80``) kills the process.
 
@@ -150,7 +173,8 @@ def seccomp_program(machine: str | None = None) -> bytes:
     if machine == "x86_64":
         prog += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _ENOSYS)]
     prog += [(_JEQ, 0, 1, nr["clone3"]), (_RET, 0, 0, _ENOSYS)]
-    for name in ("unshare", "setns", "add_key", "request_key", "keyctl"):
+    for name in ("unshare", "setns", "add_key", "request_key", "keyctl", "ptrace", "process_vm_readv",
+                 "process_vm_writev"):
         prog += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, _EPERM)]
     prog += [(_JEQ, 0, 3, nr["clone"]), (_LD_ABS, 0, 0, 16), (_JSET, 0, 1, _NS_FLAGS),
              (_RET, 0, 0, _EPERM), (_RET, 0, 0, _RET_ALLOW)]

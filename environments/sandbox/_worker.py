@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _confine
@@ -216,6 +217,10 @@ class _Prefork:
         self.ns_fds = []
 
 
+#: cgroup v1's separate limit of the TCP socket buffers (unaccounted until set): ``memory_mb`` too.
+TCP_LIMIT = "memory.kmem.tcp.limit_in_bytes"
+
+
 class _Cgroups:
     """The worker's handles on its slot's cgroups (opened once at start-up, after which the
     cgroup mounts are detached, so no call's mount namespace contains them): moving a call
@@ -230,7 +235,7 @@ class _Cgroups:
             if path is not None:
                 self.procs.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY))
         if opts.cg_memory is not None:
-            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", TCP_LIMIT):
                 with contextlib.suppress(FileNotFoundError):  # memsw: only with swap accounting
                     self.fds[name] = os.open(os.path.join(opts.cg_memory, name), os.O_WRONLY)
             self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -247,7 +252,8 @@ class _Cgroups:
             os.pwrite(fd, str(pid).encode(), 0)
 
     def set_limit(self, memory_mb: int) -> None:
-        """Limit the call's memory (all processes, tmpfs, shared memory, kernel objects)."""
+        """Limit the call's memory (all processes, tmpfs, shared memory, kernel objects) to
+        ``memory_mb``, and its TCP socket buffers (charged apart by cgroup v1) to as much."""
         new = memory_mb * 1024 * 1024
         if not self.fds or new == self.limit:
             return
@@ -256,6 +262,8 @@ class _Cgroups:
             grow = self.limit is not None and new > self.limit  # (unset: unlimited)
             memsw = "memory.memsw.limit_in_bytes"
             order = [memsw, *order] if grow else [*order, memsw]
+        if TCP_LIMIT in self.fds:  # cgroup v1 accounts socket buffers apart, only once limited
+            order.append(TCP_LIMIT)
         for name in order:
             os.pwrite(self.fds[name], str(new).encode(), 0)
         self.limit = new
@@ -296,6 +304,28 @@ def _sweep(opts: Options, pgid: int) -> None:
             return
         time.sleep(0.0005)
     raise TimeoutError(f"processes of the call still alive {SWEEP_TIMEOUT_S:g} s after SIGKILL")
+
+
+def _kill_and_reap(opts: Options, pid: int) -> tuple[int, Any]:
+    """SIGKILL the call's main process ``pid`` and its group (in a PID namespace: every process
+    but us, so also a tracer outside the group) until ``pid`` is reaped; ``(status, rusage)``.
+
+    Raises:
+        TimeoutError: ``pid`` not reaped ``SWEEP_TIMEOUT_S`` after the first SIGKILL.
+    """
+    end = time.monotonic() + SWEEP_TIMEOUT_S
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        if opts.in_pid_ns:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(-1, signal.SIGKILL)
+        got, status, rusage = os.wait4(pid, os.WNOHANG)
+        if got:
+            return status, rusage
+        if time.monotonic() > end:
+            raise TimeoutError(f"the call's process {pid} not reaped {SWEEP_TIMEOUT_S:g} s after SIGKILL")
+        time.sleep(0.0005)
 
 
 def _wait_ready(child: _Prefork) -> str | None:
@@ -355,9 +385,11 @@ def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
             break
         for key, _ in sel.select(remaining):
             fd = key.fd
-            if fd == pidfd:
-                _, status, rusage = os.wait4(pid, 0)
+            if fd == pidfd:  # exited; never block on it (a traced zombie is its tracer's first)
+                got, st, ru = os.wait4(pid, os.WNOHANG)
                 sel.unregister(pidfd)
+                if got:
+                    status, rusage = st, ru
                 continue
             if fd == cg.efd:
                 if cg.oom_events():
@@ -376,9 +408,7 @@ def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
                 truncated = True
                 reason = "output_limit"
     if status is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        _, status, rusage = os.wait4(pid, 0)
+        status, rusage = _kill_and_reap(opts, pid)
     duration = time.perf_counter() - t0
     with contextlib.suppress(BlockingIOError, OSError):
         go += os.read(child.ready_r, 8192)  # "G", or "E" and why the set-up failed

@@ -95,7 +95,8 @@ def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
     worker_args = ["--pid-ns", "--namespaces", "--tmp-bytes", str(cfg.tmp_size_mb << 20),
                    "--proc-scratch", "/run/copc-proc"]
     caps = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL",
-            "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
+            "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
+            "--cap-add", "CAP_NET_ADMIN"]  # lo up in each call's own network namespace
     if os.geteuid() == 0:
         uid = cfg.uid_base + slot if uid is None else uid
         argv += ["--cap-drop", "ALL", *caps]

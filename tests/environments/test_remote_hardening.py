@@ -122,6 +122,25 @@ def test_unparsable_json_values_are_400_not_500(server):
     assert httpx.delete(f"{url}/sessions/{sid}").json()["closed"] is True
 
 
+def test_a_lone_surrogate_in_a_reset_sample_is_422_and_opens_no_session(server):
+    """Valid JSON (``\\ud800``) that is no Unicode text: was a 500 whose opened session leaked
+    (three of them and every client got 503 until the idle timeout)."""
+    url = server.url
+    before = httpx.get(f"{url}/sessions").json()["opened_total"]
+    bad = '{"sample": {"id": "x", "problem": "\\ud800", "answer": "1"}}'
+    for _ in range(4):
+        r = httpx.post(f"{url}/reset", content=bad, headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["code"], r.json()["field"]) == (422, "VALIDATION_ERROR",
+                                                                        "sample.problem"), r.text
+    assert httpx.get(f"{url}/sessions").json()["opened_total"] == before
+    with connect(ws_url(url)) as ws:
+        frame = exchange(ws, '{"type": "reset", "data": {"sample": {"id": "x", "problem": "ok", '
+                             '"tags": ["\\udfff"]}}}')
+        assert (frame["type"], frame["data"]["status"], frame["data"]["field"]) == (
+            "error", 422, "data.sample.tags[0]")
+        assert exchange(ws, {"type": "reset", "data": {"sample": SAMPLE}})["type"] == "observation"
+
+
 def test_state_requests_keep_a_session_alive(server):
     url = server.url
     sid = httpx.post(f"{url}/reset", json={"sample": SAMPLE}).json()["metadata"]["session_id"]
