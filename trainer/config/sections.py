@@ -523,7 +523,7 @@ class LearnerSection:
             extra memory ~3 × chunk × vocabulary × 4 bytes), >= 1.
         malloc_mmap_threshold: bytes from which the learner's process ``mmap``-s an allocation
             (glibc ``mallopt``, :mod:`trainer.learner.allocator`): freed activations leave the
-            resident set instead of staying in the heap (1 MiB: ~1/3 less peak RSS, ~20 %
+            resident set instead of staying in the heap (1 MiB: ~1/3 less peak RSS, 0–20 %
             slower steps, ``benchmarks/bench_learner_memory.py``); 0 (default): glibc's dynamic
             threshold.
         autocast_dtype: ``bfloat16``: the learner's forward passes (actor and critic, recompute and

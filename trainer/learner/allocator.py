@@ -8,11 +8,12 @@ learner step allocates and frees thousands of such activations, so its resident 
 above the live tensors on SmolLM2-135M at 8 × 512 tokens (``benchmarks/bench_learner_memory.py``).
 A fixed threshold (``learner.malloc_mmap_threshold``, e.g. :data:`LOW_MEMORY_MMAP_THRESHOLD`)
 keeps resident memory near the live tensors, but every large allocation is then freshly mapped
-and page-faulted: measured on that step, peak RSS 6.97 → 4.67 GiB and step time 212 → 256 s
-(system time 106 → 176 s). So the default is 0 (glibc's dynamic threshold, the fastest) and the
-fixed threshold is the option for a run that does not fit. Setting it disables the dynamic
-adjustment (glibc's documented behaviour, as the ``MALLOC_MMAP_THRESHOLD_`` environment variable
-does).
+and page-faulted: measured on that step with gradient checkpointing, peak RSS 6.26–6.87 →
+4.73 GiB; the step time was 212 → 256 s (system time 106 → 176 s) on 2026-12-03 under load, and
+102 → 103 s and 98 → 97 s on 2026-12-04, idle. So the default stays 0 (glibc's dynamic
+threshold, never slower) and the fixed threshold is the option for a run that must fit.
+Setting it disables the dynamic adjustment (glibc's documented behaviour, as the
+``MALLOC_MMAP_THRESHOLD_`` environment variable does).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3
 #: ``learner.malloc_mmap_threshold``'s default: 0, glibc's dynamic threshold (the fastest).
 DEFAULT_MMAP_THRESHOLD = 0
-#: The fixed threshold that trades ~20 % step time for ~1/3 less peak RSS (bench_learner_memory).
+#: The fixed threshold: ~1/3 less peak RSS, at 0–20 % of step time (bench_learner_memory).
 LOW_MEMORY_MMAP_THRESHOLD = 2**20
 #: The largest threshold glibc accepts on 64-bit (``HEAP_MAX_SIZE / 2`` = ``DEFAULT_MMAP_THRESHOLD_MAX``).
 MAX_MMAP_THRESHOLD = 32 * 2**20
