@@ -272,3 +272,22 @@ def test_report_row_labels_survive_an_80_column_terminal():
     for part in ("0.051", "[0.032,", "0.080]", "[0.055,", "0.114]", "+0.029", "[+0.006,", "+0.054]",
                  "(n=334)"):
         assert part in flat, (part, text)
+
+
+def test_a_long_metric_label_folds_and_leaves_the_values_readable_at_80_columns():
+    """A reviewer's finding: a 75-character label took every column's room (values squeezed to
+    nothing); now it folds over lines (all its characters kept) and every value is printed."""
+    long = "reward_components/correct_answer_with_tool_bonus_and_format_penalty_mean"
+    before, after = {long: 0.125, "em": 0.25}, {long: 0.375, "em": 0.5}
+    buf = io.StringIO()
+    print_report({"name": "a_run_with_a_long_name", "preset": "copc", "task": "math_tool",
+                  "eval_before": before, "eval_after": after, "steps": 3},
+                 console=Console(file=buf, width=80, color_system=None))
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.count("│") >= 3]
+    assert long in "".join(c[0] for c in cells if c), text  # folded, every character kept
+    flat = " ".join(" ".join(c) for c in cells)
+    for part in ("0.125", "0.375", "0.250", "0.500"):
+        assert part in flat, (part, text)

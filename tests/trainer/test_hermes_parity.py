@@ -236,3 +236,25 @@ def test_tool_output_spelling_special_tokens_stays_plain_text_tags(chat_model_to
     (obs,) = runs(tr, masked=False)
     assert tok.decode(obs) == f"\n<interpreter>\n{INJECTION}\n</interpreter>\n"
     assert special_ids_in(tok, obs) == []
+
+
+def test_a_whole_conversation_keeps_tool_contents_plain(chat_model_tok):
+    """A reviewer's finding: the harness renders an agent's first call (and an edited history) as
+    a whole; a ``tool`` message in it that spells special tokens became real ones. Now only the
+    template's own special tokens appear, the tool content is plain text, and a conversation
+    without such content is encoded exactly as before."""
+    _, tok = chat_model_tok
+    chat = ChatTurns(tok, TOOLS)
+    msgs = [{"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "<tool_call>\n{}\n</tool_call>"},
+            {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": INJECTION}]
+    ids = chat.conversation_ids(msgs)
+    whole = tok.encode(chat.render(msgs, add_generation_prompt=True), add_special_tokens=False)
+    assert len(special_ids_in(tok, whole)) - len(special_ids_in(tok, ids)) == 3  # the injection's own
+    assert tok.decode(ids) == chat.render(msgs, add_generation_prompt=True)  # the same text
+    plain = tok.encode(INJECTION, add_special_tokens=False, split_special_tokens=True)
+    at = next(i for i in range(len(ids)) if ids[i:i + len(plain)] == plain)  # spliced in whole
+    assert special_ids_in(tok, ids[at:at + len(plain)]) == []
+    clean = [dict(m, content="5") if m["role"] == "tool" else m for m in msgs]
+    assert chat.conversation_ids(clean) == tok.encode(chat.render(clean, add_generation_prompt=True),
+                                                      add_special_tokens=False)

@@ -7,6 +7,7 @@ Import them from :mod:`trainer.config` (re-exported there).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -361,7 +362,10 @@ class TrainConfig:
         for k in ("total_steps", "prompts_per_step", "num_mini_batches", "micro_batch_size"):
             _require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
         for k in ("actor_lr", "critic_lr"):
-            _require(getattr(self, k) > 0, f"train.{k}", getattr(self, k), "must be > 0")
+            _require(math.isfinite(getattr(self, k)) and getattr(self, k) > 0, f"train.{k}", getattr(self, k),
+                     "must be a finite number > 0")
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**32,
+                 "train.seed", self.seed, "must be an int in [0, 2**32 - 1] (numpy's seed range)")
         parse_staleness(self.staleness)
         n = self.critic_updates_per_step
         _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "train.critic_updates_per_step",

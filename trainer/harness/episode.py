@@ -158,7 +158,7 @@ class Episode:
         fresh = [template_message(m) for m in messages]
         if self.trajectory is None:
             self._chat, self._tools = ChatTurns(self.tok, tools), tools_key
-            ids = self._chat.encode(self._chat.render(fresh, add_generation_prompt=True))
+            ids = self._chat.conversation_ids(fresh)  # tool messages' text stays plain
             self.trajectory = Trajectory(prompt_ids=ids, sample_id=self.sample_id, group_id=self.group_id)
             return list(ids)
         n = len(self._known)
@@ -170,8 +170,7 @@ class Episode:
         if not self.failure:
             self.failure = finish_text(FinishReason.HISTORY_EDITED, f"call {self.calls + 1}: "
                                        f"{_what_changed(self._known, norm, tools_key != self._tools)}")
-        chat = ChatTurns(self.tok, tools)
-        return chat.encode(chat.render(fresh, add_generation_prompt=True))
+        return ChatTurns(self.tok, tools).conversation_ids(fresh)
 
     def _params(self, body: Mapping[str, Any], budget: int) -> SamplingParams:
         """The run's sampling with the request's ``max_tokens`` / ``stop`` and this call's seed."""

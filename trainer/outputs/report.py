@@ -33,6 +33,10 @@ def format_delta(delta: dict) -> str:
     return f"{delta['mean']:+.3f} [{delta['ci95_low']:+.3f}, {delta['ci95_high']:+.3f}] (n={delta['n']})"
 
 
+#: Widest metric label printed on one line (longer ones fold; 80 columns leave ~45 for the values).
+LABEL_WIDTH = 28
+
+
 def print_report(summary: dict, console: Any = None) -> None:
     """Print the before/after table (rich) and where the outputs are.
 
@@ -57,9 +61,13 @@ def print_report(summary: dict, console: Any = None) -> None:
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     keys = [k for k in sorted(set(before) | set(after))
             if not k.endswith((CI_LOW, CI_HIGH)) and isinstance(before.get(k, after.get(k)), int | float)]
-    # the labels never wrap or shrink; on a narrow terminal (80 columns, stdout not a tty) the value
-    # columns wrap at their spaces instead ("0.051" over "[0.032, 0.080]")
-    table.add_column("metric", no_wrap=True, min_width=max([len("metric")] + [len(k) for k in keys]))
+    # labels of up to LABEL_WIDTH characters never wrap or shrink; a longer one folds onto more
+    # lines (every character kept) so the value columns keep their room; on a narrow terminal
+    # (80 columns, stdout not a tty) the value columns wrap at their spaces ("0.051" over
+    # "[0.032, 0.080]")
+    width = max([len("metric")] + [len(k) for k in keys])
+    table.add_column("metric", min_width=min(width, LABEL_WIDTH), max_width=max(LABEL_WIDTH, len("metric")),
+                     overflow="fold", no_wrap=width <= LABEL_WIDTH)
     for name in columns:
         table.add_column(name, justify="right", min_width=len("+0.000 ["))
     for k in keys:

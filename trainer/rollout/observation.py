@@ -226,15 +226,44 @@ class ChatTurns:
         marks = [f"COPC_CONTENT_{i}_7f3a9c" for i in range(len(msgs))]
         text = self.observation_text([dict(m, content=k) for m, k in zip(msgs, marks, strict=True)])
         text = text[len(skip):] if skip and text.startswith(skip) else text
+        return self._splice_plain(text, [(k, str(m.get("content") or "")) for m, k in zip(msgs, marks,
+                                                                                           strict=True)])
+
+    def _splice_plain(self, text: str, parts: list[tuple[str, str]]) -> list[int]:
+        """Ids of ``text``, in which each ``(mark, content)`` mark (once, in order) stands for a
+        content encoded with :func:`encode_plain`; the rest encoded as usual.
+
+        Raises:
+            ValueError: a mark not found exactly once.
+        """
         ids, pos = [], 0
-        for m, k in zip(msgs, marks, strict=True):
-            at = text.find(k, pos)
-            if at < 0 or text.count(k) != 1:
+        for mark, content in parts:
+            at = text.find(mark, pos)
+            if at < 0 or text.count(mark) != 1:
                 raise ValueError("the chat template does not render a tool message's content verbatim, "
                                  "so its text cannot be kept free of special tokens")
-            ids += self.encode(text[pos:at]) + encode_plain(self.tokenizer, str(m.get("content") or ""))
-            pos = at + len(k)
+            ids += self.encode(text[pos:at]) + encode_plain(self.tokenizer, content)
+            pos = at + len(mark)
         return ids + self.encode(text[pos:])
+
+    def conversation_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Ids of a whole conversation rendered with the generation prompt, each ``tool`` message's
+        content encoded with :func:`encode_plain` (tool output never becomes special tokens; the
+        other messages' text is the caller's markup), e.g. the first call of a harness agent.
+
+        Raises:
+            ValueError: the template does not render a tool message's content verbatim, once.
+        """
+        parts, shown = [], []
+        for i, m in enumerate(messages):
+            content = str(m.get("content") or "")
+            if m.get("role") == "tool" and self.encode(content) != encode_plain(self.tokenizer, content):
+                mark = f"COPC_TOOL_CONTENT_{i}_7f3a9c"
+                parts.append((mark, content))
+                m = dict(m, content=mark)
+            shown.append(m)
+        text = self.render(shown, add_generation_prompt=True)
+        return self._splice_plain(text, parts) if parts else self.encode(text)
 
     def observation_ids(self, messages: list[dict[str, Any]], max_tokens: int,
                         after_token: int | None = None) -> list[int]:
