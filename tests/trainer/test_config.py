@@ -425,3 +425,17 @@ def test_copc_train_refuses_a_run_directory_another_process_writes(capsys, monke
         holder.kill()
         holder.wait()
     assert not (out / "config.yaml").exists()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.seed=-3", "train.seed=-3: must be an int in [0, 2**32 - 1]"),
+    ("train.seed=4294967296", "train.seed=4294967296: must be an int in [0, 2**32 - 1]"),
+    ("train.actor_lr=.inf", "train.actor_lr=inf: must be a finite number > 0"),
+    ("train.critic_lr=.nan", "train.critic_lr=nan: must be a finite number > 0"),
+])
+def test_seed_and_learning_rates_out_of_range_are_one_line_exit_2(override, message, capsys, tmp_path):
+    """A reviewer's finding (issue 21 item 17): these reached numpy / the optimizer as tracebacks."""
+    rc = cli_main(["train", "--config", "configs/math_tool/cpu_tiny.yaml", override,
+                   f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
