@@ -2,9 +2,10 @@
 ``test_harness_train`` (two tools, three calls per episode), its episodes played in a Ray rollout
 worker against that worker's own endpoint and engine, through ``copc train`` for 2 RL steps.
 
-Checked: every trained episode is the agent's (3 model calls, the scripted ids exactly, tool results
-masked), its rewards (1 + tool bonus 0.1) arrive, and the behaviour log-probs equal the learner's
-recomputed ones (≤ 1e-5, tokens of the learner's version).
+Checked as for the local run (``check_saved_batches``): every trained episode is the agent's (3 model
+calls, the scripted ids exactly, tool results masked), its rewards (1 + tool bonus 0.1) arrive, and
+the behaviour log-probs equal the learner's recomputed ones (≤ 1e-5, tokens of the learner's
+version).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from bpe_tokenizer import bpe_tokenizer
 from chat_tokenizer import chat_tokenizer
-from test_harness_train import ACTIONS, PLUGIN, TESTS
+from test_harness_train import PLUGIN, TESTS, check_saved_batches
 
 from trainer.cli import main as cli_main
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -41,7 +41,7 @@ def test_harness_episodes_play_in_a_ray_worker(batches, tmp_path):
     model = save_tiny_checkpoint(tmp_path / "model",
                                  TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1),
                                  tokenizer=chat_tokenizer(bpe_tokenizer()))
-    (tmp_path / "plugin.py").write_text(PLUGIN)
+    (tmp_path / "ray_harness_plugin.py").write_text(PLUGIN)  # a stem of its own: one process
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"id": f"q{i}", "problem": f"What is (2+3)*5? ({i})", "answer": "25"} for i in range(4)]
@@ -50,7 +50,7 @@ def test_harness_episodes_play_in_a_ray_worker(batches, tmp_path):
     agent = str(TESTS / "harness_agent.py") + ":run"
     assert cli_main([
         "train", "--config", str(ROOT / "configs/examples/calc_tiny.yaml"),
-        f"plugins=[{tmp_path / 'plugin.py'}]",
+        f"plugins=[{tmp_path / 'ray_harness_plugin.py'}]",
         f"model.path={model}", "task.env=harness", f"task.data_dir={data}", "task.train_data=[train.jsonl]",
         "task.eval_data=[]", f"task.env_kwargs={{agent: '{agent}', timeout_s: 120}}",
         "rollout.engine=scripted_embedded", "rollout.max_new_tokens=64", "rollout.max_total_tokens=1024",
@@ -58,28 +58,6 @@ def test_harness_episodes_play_in_a_ray_worker(batches, tmp_path):
         "logging.plots=false", "learner.backend=recording", f"output_dir={out}", "train.total_steps=2",
         "train.prompts_per_step=2", "train.micro_batch_size=2", "train.staleness={mode: fixed, lag: 0}",
         "eval.enabled=false", "launcher.kind=ray", "launcher.num_rollout_workers=1"]) == 0
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    want = [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ACTIONS]
-    for v in (0, 1):
-        b = torch.load(batches / f"step{v}.pt")
-        P = b["prompt_len"]
-        for row in range(2):
-            ids, mask = b["input_ids"][row, P:].tolist(), b["loss_mask"][row].tolist()
-            runs, cur = [], []
-            for t, m in zip(ids, mask, strict=True):
-                if m:
-                    cur.append(t)
-                elif cur:
-                    runs.append(cur)
-                    cur = []
-            assert runs + ([cur] if cur else []) == want  # the three calls' sampled ids, exactly
-            text = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
-            assert "<tool_response>\n5\n</tool_response>" in text  # tool results are there, masked
-            assert float(b["rewards"][row].sum()) == pytest.approx(1.1)
-        fresh = (b["versions"] == b["version"]) & b["loss_mask"].bool()
-        assert fresh.any()
-        assert (b["logp_old"] - b["logp_mu"])[fresh].abs().max().item() <= 1e-5
+    check_saved_batches(batches, str(model))  # the worker's episodes, exactly as the local run's
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["episodes_trained"], summary["infra_failed"]) == (2, 4, 0)

@@ -67,6 +67,38 @@ register_learner("recording", RecordingLearner.from_config, overwrite=True)
 '''
 
 
+def check_saved_batches(batches: Path, model: str) -> None:
+    """The recording learner's batches of steps 0 and 1 (2 episodes each): every model run is the
+    scripted call's sampled ids exactly, the tool results and prompt are masked, the reward is
+    1 + the tool bonus 0.1, and the behaviour log-probs equal the learner's (≤ 1e-5)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    want = [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ACTIONS]
+    for v in (0, 1):
+        b = torch.load(batches / f"step{v}.pt")
+        assert b["input_ids"].shape[0] == 2
+        P = b["prompt_len"]
+        for row in range(2):
+            ids, mask = b["input_ids"][row, P:].tolist(), b["loss_mask"][row].tolist()
+            model_runs, cur = [], []
+            for t, m in zip(ids, mask, strict=True):
+                if m:
+                    cur.append(t)
+                elif cur:
+                    model_runs.append(cur)
+                    cur = []
+            assert model_runs + ([cur] if cur else []) == want  # the sampled ids, exactly
+            n = int(b["loss_mask"][row].sum())
+            assert n == sum(len(w) for w in want)  # tool results (and the prompt) are masked
+            text = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+            assert "<tool_response>\n5\n</tool_response>" in text and "<tool_response>\n25\n" in text
+            assert float(b["rewards"][row].sum()) == pytest.approx(1.1)  # correct 1 + tool bonus 0.1
+        fresh = (b["versions"] == b["version"]) & b["loss_mask"].bool()
+        assert fresh.any()
+        assert (b["logp_old"] - b["logp_mu"])[fresh].abs().max().item() <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("harness_train")
@@ -101,32 +133,7 @@ def test_train_two_steps_then_eval(setup, tmp_path, monkeypatch):
                      "learner.backend=recording", f"output_dir={out}", "train.total_steps=2",
                      "train.prompts_per_step=2", "train.micro_batch_size=2",
                      "train.staleness={mode: fixed, lag: 0}", "eval.num_samples=2"]) == 0
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(setup["model"])
-    want = [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ACTIONS]
-    saved = [torch.load(batches / f"step{v}.pt") for v in (0, 1)]
-    for b in saved:
-        assert b["input_ids"].shape[0] == 2
-        P = b["prompt_len"]
-        for row in range(2):
-            ids, mask = b["input_ids"][row, P:].tolist(), b["loss_mask"][row].tolist()
-            model_runs, cur = [], []
-            for t, m in zip(ids, mask, strict=True):
-                if m:
-                    cur.append(t)
-                elif cur:
-                    model_runs.append(cur)
-                    cur = []
-            assert model_runs + ([cur] if cur else []) == want  # the sampled ids, exactly
-            n = int(b["loss_mask"][row].sum())
-            assert n == sum(len(w) for w in want)  # tool results (and the prompt) are masked
-            text = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
-            assert "<tool_response>\n5\n</tool_response>" in text and "<tool_response>\n25\n" in text
-            assert float(b["rewards"][row].sum()) == pytest.approx(1.1)  # correct 1 + tool bonus 0.1
-        fresh = (b["versions"] == b["version"]) & b["loss_mask"].bool()
-        assert fresh.any()
-        assert (b["logp_old"] - b["logp_mu"])[fresh].abs().max().item() <= 1e-5
+    check_saved_batches(batches, setup["model"])
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["task"], summary["steps"], summary["episodes_trained"], summary["infra_failed"]) == \
         ("harness", 2, 4, 0)
