@@ -170,6 +170,13 @@ def test_attestation_is_off_when_a_side_cannot_take_part():
 
     assert asyncio.run(refs()) == [3, 4, 5]
 
+    class Broken:
+        def next_token_logprobs(self, ids, t):
+            raise RuntimeError("no device")
+
+    off = SyncAttestor(SyncCheck(1e-3), LocalRollouts.__new__(LocalRollouts), Broken(), 3)
+    assert asyncio.run(off.reference(0)) == 0.0 and not off.enabled  # logged, never the run's failure
+
 
 def test_the_tolerance_is_validated_in_one_line():
     with pytest.raises(ConfigError, match=r"train\.sync_check_tolerance=0.*must be a number > 0"):

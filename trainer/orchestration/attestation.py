@@ -108,7 +108,9 @@ class SyncAttestor:
         self.checked: dict[int, float] = {}
 
     async def reference(self, version: int) -> float:
-        """Take the learner's reference for ``version`` (its current weights), in a worker thread.
+        """Take the learner's reference for ``version`` (its current weights), in a worker thread;
+        a reference that fails (or a vocabulary smaller than the probe's ids) turns the
+        attestation off, logged once.
 
         Returns:
             Seconds it took (0 when off).
@@ -118,7 +120,13 @@ class SyncAttestor:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         ids = torch.tensor(PROBE_PROMPTS, dtype=torch.long)
-        ref = await asyncio.to_thread(self._score, ids, self.check.temperature)
+        try:
+            ref = await asyncio.to_thread(self._score, ids, self.check.temperature)
+        except Exception as e:  # a secondary check: its own failure is logged, never the run's
+            log.warning("weight-sync attestation off: the learner's reference failed: %s: %s",
+                        type(e).__name__, e)
+            self.enabled = False
+            return 0.0
         if ref.shape[-1] <= int(ids.max()):
             log.info("weight-sync attestation off: vocabulary of %d < the probe's ids", ref.shape[-1])
             self.enabled = False
