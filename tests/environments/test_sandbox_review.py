@@ -99,3 +99,14 @@ def test_tcp_socket_buffers_are_bounded_by_memory_mb(one_worker):
     assert r.status in ("ok", "memory_limit"), r
     if r.status == "ok":  # the sends stop at the limit instead
         assert int(r.stdout) <= 128, r.stdout
+
+
+def test_the_code_sees_only_its_own_processes_in_proc(one_worker):
+    """The fork server's ``/proc/<pid>/stat`` (page faults, peak RSS) moved with what earlier calls
+    did (a few bits between calls); the call's own ``/proc`` hides other uids' processes."""
+    code = ("import os\n"
+            "print(sorted(p for p in os.listdir('/proc') if p.isdigit()) == [str(os.getpid())])\n"
+            "print(os.path.exists('/proc/2/stat'), os.path.exists('/proc/1/stat'))")
+    for _ in range(2):
+        r = one_worker.run(code)
+        assert (r.status, r.stdout) == ("ok", "True\nFalse False\n"), r
