@@ -25,6 +25,7 @@ import copc
 
 from ..errors import ConfigError
 from ..plugins import check_plugins, import_plugins, plugin_metadata
+from .learner_section import LearnerSection
 from .sections import (  # noqa: F401 - re-exported: import sections from here
     OLD_STALENESS_KEYS,
     BoundedStaleness,
@@ -32,7 +33,6 @@ from .sections import (  # noqa: F401 - re-exported: import sections from here
     EvalConfig,
     FixedStaleness,
     LauncherConfig,
-    LearnerSection,
     LoggingConfig,
     ModelConfig,
     RolloutConfig,
@@ -40,9 +40,9 @@ from .sections import (  # noqa: F401 - re-exported: import sections from here
     TinyModelSpec,
     TrainConfig,
     WarmStartConfig,
-    _require,
     moved_key_hint,
     parse_staleness,
+    require,
 )
 
 _ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
@@ -152,11 +152,11 @@ class ExperimentConfig:
         _ = self.staleness  # a preset's own staleness vs train.staleness
         n = self.rollout.n_samples_per_prompt
         if copc.ADVANTAGE_ESTIMATORS.metadata(algo.advantage_estimator)["needs_groups"]:
-            _require(n >= 2, "rollout.n_samples_per_prompt", n,
+            require(n >= 2, "rollout.n_samples_per_prompt", n,
                      f"advantage estimator {algo.advantage_estimator!r} (preset {self.preset!r}) is "
                      "group-relative (needs_groups): needs >= 2")
         if algo.n_samples_per_prompt is not None:
-            _require(n == algo.n_samples_per_prompt, "rollout.n_samples_per_prompt", n,
+            require(n == algo.n_samples_per_prompt, "rollout.n_samples_per_prompt", n,
                      f"preset {self.preset!r} is defined for exactly {algo.n_samples_per_prompt} "
                      "sample(s) per prompt (its n_samples_per_prompt)")
         return self

@@ -13,11 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from ..learner.allocator import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold
-from ..learner.settings import AUTOCAST_DTYPES
-from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ..models.pull.store import resolve_model_path
-from .lora import CriticLoraSection, LoraSection, resolve_lora
 
 #: Keys that moved into a plug-in's own settings: old dotted key → its new spelling. A config
 #: (YAML or override) that still sets one is refused with one line naming both (:func:`moved_key_hint`).
@@ -36,7 +32,12 @@ REMOVED_KEYS: dict[str, str] = {
 }
 
 
-def _require(cond: bool, key: str, value: Any, why: str) -> None:
+def require(cond: bool, key: str, value: Any, why: str) -> None:
+    """The config sections' check: unless ``cond``, raise one line naming the key and the value.
+
+    Raises:
+        ConfigError: ``"<key>=<value!r>: <why>"``.
+    """
     if not cond:
         raise ConfigError(f"{key}={value!r}: {why}")
 
@@ -117,11 +118,11 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value; resolve ``path``
         (:func:`trainer.models.pull.resolve_model_path`: a directory, or a pulled model's name)."""
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+        require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
-        _require(self.tiny.tokenizer in ("byte", "bpe"), "model.tiny.tokenizer", self.tiny.tokenizer,
+        require(self.tiny.tokenizer in ("byte", "bpe"), "model.tiny.tokenizer", self.tiny.tokenizer,
                  "must be 'byte' or 'bpe'")
-        _require(isinstance(self.tiny.vocab_size, int) and not isinstance(self.tiny.vocab_size, bool)
+        require(isinstance(self.tiny.vocab_size, int) and not isinstance(self.tiny.vocab_size, bool)
                  and self.tiny.vocab_size >= 512, "model.tiny.vocab_size", self.tiny.vocab_size,
                  "must be an int >= 512 (256 byte tokens, special tokens, merges)")
         # a pulled model's name becomes its directory; a pulled directory is checked against its manifest
@@ -170,9 +171,9 @@ class TaskConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(bool(self.env), "task.env", self.env, "must name a registered environment")
-        _require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
-        _require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
+        require(bool(self.env), "task.env", self.env, "must name a registered environment")
+        require(self.max_train_samples >= 0, "task.max_train_samples", self.max_train_samples, ">= 0")
+        require(self.max_eval_samples >= 0, "task.max_eval_samples", self.max_eval_samples, ">= 0")
 
 
 @dataclass
@@ -222,18 +223,18 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop),
+        require(isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop),
                  "rollout.stop", self.stop, "must be a list of non-empty strings")
-        _require(self.observation_role in ("", "user", "tool"), "rollout.observation_role",
+        require(self.observation_role in ("", "user", "tool"), "rollout.observation_role",
                  self.observation_role, "must be '' (inline), 'user' or 'tool'")
         for k in ("system_prompt", "observation_role"):
-            _require(self.use_chat_template or not getattr(self, k), f"rollout.{k}", getattr(self, k),
+            require(self.use_chat_template or not getattr(self, k), f"rollout.{k}", getattr(self, k),
                      "needs rollout.use_chat_template=true (it is a chat-template turn)")
-        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
-        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
                   "max_turns", "max_observation_tokens", "engine_max_batch_size"):
-            _require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")
+            require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -286,10 +287,10 @@ def parse_staleness(raw: Any) -> BoundedStaleness | FixedStaleness:
     """
     if isinstance(raw, BoundedStaleness | FixedStaleness):
         return raw
-    _require(isinstance(raw, Mapping), "train.staleness", raw,
+    require(isinstance(raw, Mapping), "train.staleness", raw,
              "must be a mapping: {mode: bounded, max: s} or {mode: fixed, lag: k}")
     mode = raw.get("mode", "bounded")
-    _require(mode in STALENESS_MODES, "train.staleness.mode", mode,
+    require(mode in STALENESS_MODES, "train.staleness.mode", mode,
              f"must be one of {sorted(STALENESS_MODES)}")
     cls = STALENESS_MODES[mode]
     own = [f.name for f in dataclasses.fields(cls)]
@@ -297,9 +298,9 @@ def parse_staleness(raw: Any) -> BoundedStaleness | FixedStaleness:
         if k == "mode":
             continue
         hint = "; set train.staleness.mode=fixed for an exact lag" if k == "lag" else ""
-        _require(k in own, f"train.staleness.{k}", v,
+        require(k in own, f"train.staleness.{k}", v,
                  f"not a setting of train.staleness.mode={mode!r} (its settings: {', '.join(own)}){hint}")
-        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"train.staleness.{k}", v,
+        require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"train.staleness.{k}", v,
                  "must be an int >= 0")
     return cls(**{k: v for k, v in raw.items() if k != "mode"})
 
@@ -360,22 +361,22 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
         for k in ("total_steps", "prompts_per_step", "num_mini_batches", "micro_batch_size"):
-            _require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
+            require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
         for k in ("actor_lr", "critic_lr"):
-            _require(math.isfinite(getattr(self, k)) and getattr(self, k) > 0, f"train.{k}", getattr(self, k),
+            require(math.isfinite(getattr(self, k)) and getattr(self, k) > 0, f"train.{k}", getattr(self, k),
                      "must be a finite number > 0")
-        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**32,
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**32,
                  "train.seed", self.seed, "must be an int in [0, 2**32 - 1] (numpy's seed range)")
         parse_staleness(self.staleness)
         n = self.critic_updates_per_step
-        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "train.critic_updates_per_step",
+        require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "train.critic_updates_per_step",
                  n, "must be an int >= 1")
         for k in ("weight_decay", "warmup_steps", "grad_clip", "critic_warmup_steps", "torch_threads"):
-            _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
+            require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0")
         tol = self.sync_check_tolerance
-        _require(tol is None or (isinstance(tol, int | float) and not isinstance(tol, bool) and tol > 0),
+        require(tol is None or (isinstance(tol, int | float) and not isinstance(tol, bool) and tol > 0),
                  "train.sync_check_tolerance", tol, "must be a number > 0 (nats) or null (off)")
-        _require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
+        require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
                  self.max_infra_failure_fraction, "must be in [0, 1]")
 
 
@@ -410,13 +411,13 @@ class WarmStartConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(self.schedule in ("cosine", "constant"), "warm_start.schedule", self.schedule,
+        require(self.schedule in ("cosine", "constant"), "warm_start.schedule", self.schedule,
                  "must be 'cosine' or 'constant'")
-        _require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
+        require(isinstance(self.kind, str) and bool(self.kind), "warm_start.kind", self.kind,
                  "must be a non-empty string (the task checks it supports it)")
         for k in ("num_examples", "steps", "batch_size"):
-            _require(getattr(self, k) >= 1, f"warm_start.{k}", getattr(self, k), "must be >= 1")
-        _require(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
+            require(getattr(self, k) >= 1, f"warm_start.{k}", getattr(self, k), "must be >= 1")
+        require(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
 
 
 @dataclass
@@ -444,14 +445,14 @@ class EvalConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(self.num_samples >= 1, "eval.num_samples", self.num_samples, "must be >= 1")
-        _require(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
-        _require(self.k >= 1, "eval.k", self.k, "must be >= 1")
-        _require(isinstance(self.every_steps, int) and not isinstance(self.every_steps, bool)
+        require(self.num_samples >= 1, "eval.num_samples", self.num_samples, "must be >= 1")
+        require(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
+        require(self.k >= 1, "eval.k", self.k, "must be >= 1")
+        require(isinstance(self.every_steps, int) and not isinstance(self.every_steps, bool)
                  and self.every_steps >= 0, "eval.every_steps", self.every_steps,
                  "must be an int >= 0 (0: off)")
         for kind, settings in self.kind_settings.items():
-            _require(isinstance(settings, dict), f"eval.kind_settings.{kind}", settings,
+            require(isinstance(settings, dict), f"eval.kind_settings.{kind}", settings,
                      "must be a mapping of the kind's settings")
 
 
@@ -464,8 +465,8 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
-        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
+        require(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
+        require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1")
 
 
 @dataclass
@@ -490,176 +491,10 @@ class LoggingConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
-        _require(self.samples_per_step >= 0, "logging.samples_per_step", self.samples_per_step,
+        require(self.samples_per_step >= 0, "logging.samples_per_step", self.samples_per_step,
                  "must be >= 0")
-        _require(self.samples_max_bytes >= 4096, "logging.samples_max_bytes", self.samples_max_bytes,
+        require(self.samples_max_bytes >= 4096, "logging.samples_max_bytes", self.samples_max_bytes,
                  "must be >= 4096")
-
-
-@dataclass
-class LearnerSection:
-    """Which learner backend trains the actor and critic, and how its ranks are laid out.
-
-    Attributes:
-        backend: a registered backend (:mod:`trainer.learner.base`): ``torch`` (one process,
-            CPU or one GPU; default) | ``fsdp`` (PyTorch FSDP2, data parallel) | ``megatron``
-            (Megatron-core, tensor/pipeline/data parallel) | a user's.
-        world_size: rank processes of a distributed backend (1 for ``torch``).
-        tensor_parallel_size / pipeline_parallel_size: model-parallel sizes (``megatron``;
-            1 for ``torch`` and ``fsdp``). Data parallel size =
-            ``world_size / (tensor_parallel_size × pipeline_parallel_size)``.
-        launch: how the rank processes start: ``spawn`` (child processes on this machine,
-            default) | ``ray`` (one Ray actor per rank in a placement group; ``launcher.ray_address``
-            joins an existing cluster) | ``torchrun`` (this process is rank 0 of a group started by
-            ``torchrun``; the other ranks serve it).
-        dist_backend: ``auto`` (nccl with CUDA, else gloo) | ``gloo`` | ``nccl``.
-        cpu_offload: keep the optimizer state (and the sharded fp32 parameters) in CPU memory
-            (``fsdp``: FSDP2's ``CPUOffloadPolicy``).
-        optimizer: ``adamw`` (default) | ``sgd`` (plain SGD at the same learning rates; for exact
-            cross-backend parity checks, where Adam amplifies rounding differences).
-        timeout_s: seconds a collective or a rank's reply may take before the run fails
-            (a crashed or hung rank raises in the driver instead of hanging it).
-        gradient_checkpointing: activation checkpointing of the actor's and the critic's decoder
-            layers (recomputed in backward instead of kept: less memory, ~1/3 more compute per
-            update; ``megatron``: its full activation recompute).
-        logprob_chunk_tokens: tokens whose logits the LM head computes at a time for the actor's
-            log-probs (``torch`` / ``fsdp``: the full-vocabulary logits are never held; peak
-            extra memory ~3 × chunk × vocabulary × 4 bytes), >= 1.
-        malloc_mmap_threshold: bytes from which the learner's process ``mmap``-s an allocation
-            (glibc ``mallopt``, :mod:`trainer.learner.allocator`): freed activations leave the
-            resident set instead of staying in the heap (1 MiB: ~1/3 less peak RSS, 0–20 %
-            slower steps, ``benchmarks/bench_learner_memory.py``); 0 (default): glibc's dynamic
-            threshold.
-        autocast_dtype: ``bfloat16``: the learner's forward passes (actor and critic, recompute and
-            training) run under :func:`torch.autocast` in bfloat16 (weights, gradients and
-            optimizer state stay float32; the LM head's log-softmax stays float32); ~2x faster
-            steps on a CPU with AMX / bf16 units and on GPUs, at the price of log-probs that
-            differ from the engine's float32 ones by bfloat16 rounding (~1e-2 nats); the
-            weight-sync attestation's reference stays float32. null (default): float32
-            throughout. Backends with the ``autocast`` capability only (``torch``).
-        critic_freeze_attention: the critic's attention parameters are not trained (SAO's critic
-            recipe; :func:`~trainer.learner.critic.freeze_attention`); backends with the
-            ``critic_freeze_attention`` capability only (``torch``).
-        backend_settings: the backend's own settings, validated by the settings dataclass it
-            was registered with (none of the built-in backends has any yet); empty: defaults.
-        lora: the actor's LoRA adapter (:class:`~trainer.config.lora.LoraSection`: ``rank``,
-            ``alpha``, ``dropout``, ``target_modules``); null: full fine-tuning. Only adapter
-            parameters (and the critic's value head) are trained, optimised and checkpointed, and
-            weight syncs send the adapter only.
-        critic_lora: the critic's (:class:`~trainer.config.lora.CriticLoraSection`); null: the
-            actor's ``lora``; a field set here overrides it, ``enabled: false`` trains the critic fully.
-
-    Which rank-layout keys a backend accepts is its capability metadata
-    (:data:`~trainer.learner.base.LEARNER_METADATA`: ``distributed``, ``tensor_parallel``,
-    ``pipeline_parallel``), checked by :meth:`check_plugin`.
-    """
-
-    backend: str = "torch"
-    world_size: int = 1
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    launch: str = "spawn"
-    dist_backend: str = "auto"
-    cpu_offload: bool = False
-    optimizer: str = "adamw"
-    timeout_s: float = 1800.0
-    gradient_checkpointing: bool = False
-    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    malloc_mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
-    autocast_dtype: str | None = None
-    critic_freeze_attention: bool = False
-    backend_settings: dict[str, Any] = field(default_factory=dict)
-    lora: LoraSection | None = None
-    critic_lora: CriticLoraSection | None = None
-
-    def lora_settings(self) -> tuple[Any, Any]:
-        """``(actor, critic)`` :class:`~trainer.models.lora.LoraSettings` of ``lora`` /
-        ``critic_lora`` (None: full fine-tuning; :func:`~trainer.config.lora.resolve_lora`)."""
-        return resolve_lora(self.lora, self.critic_lora)
-
-    @property
-    def data_parallel_size(self) -> int:
-        """``world_size // (tensor_parallel_size × pipeline_parallel_size)`` (exact after
-        :meth:`validate`)."""
-        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the key on a bad value.
-
-        Model-dependent checks (``tensor_parallel_size`` vs the number of attention heads) run
-        when the learner is built (:func:`trainer.learner.distributed.runtime.check_model_parallel`).
-        """
-        for k in ("world_size", "tensor_parallel_size", "pipeline_parallel_size"):
-            v = getattr(self, k)
-            _require(isinstance(v, int) and v >= 1, f"learner.{k}", v, "must be an int >= 1")
-        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
-        _require(self.world_size % model_parallel == 0, "learner.world_size", self.world_size,
-                 f"must be divisible by learner.tensor_parallel_size × learner.pipeline_parallel_size "
-                 f"= {self.tensor_parallel_size} × {self.pipeline_parallel_size}")
-        _require(self.launch in ("spawn", "ray", "torchrun"), "learner.launch", self.launch,
-                 "must be 'spawn', 'ray' or 'torchrun'")
-        _require(self.dist_backend in ("auto", "gloo", "nccl"), "learner.dist_backend", self.dist_backend,
-                 "must be 'auto', 'gloo' or 'nccl'")
-        _require(self.optimizer in ("adamw", "sgd"), "learner.optimizer", self.optimizer,
-                 "must be 'adamw' or 'sgd'")
-        _require(self.timeout_s > 0, "learner.timeout_s", self.timeout_s, "must be > 0")
-        self.lora_settings()
-        _require(isinstance(self.logprob_chunk_tokens, int) and self.logprob_chunk_tokens >= 1,
-                 "learner.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an int >= 1")
-        _require(self.autocast_dtype in AUTOCAST_DTYPES, "learner.autocast_dtype", self.autocast_dtype,
-                 "must be null (float32) or 'bfloat16'")
-        try:
-            check_mmap_threshold(self.malloc_mmap_threshold)
-        except ValueError as e:  # the allocator's own one-line check, naming the key
-            raise ConfigError(str(e)) from None
-
-    def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
-        """Check the rank layout against the backend's capability metadata (called by
-        :func:`trainer.plugins.check_plugins` once ``backend`` is known to be registered).
-
-        Args:
-            meta: the backend's metadata (``distributed``, ``tensor_parallel``,
-                ``pipeline_parallel``).
-            registry: the learner-backend registry (to name the backends that can).
-
-        Raises:
-            ConfigError: a rank-layout key the backend does not support, naming it.
-        """
-        b = self.backend
-        if self.autocast_dtype is not None and not meta.get("autocast", False):
-            raise ConfigError(f"learner.autocast_dtype={self.autocast_dtype!r}: learner.backend={b!r} does "
-                              f"not run its forward passes under autocast (backends that do: "
-                              f"{registry.names(autocast=True)})")
-        if self.critic_freeze_attention and not meta.get("critic_freeze_attention", False):
-            raise ConfigError(f"learner.critic_freeze_attention: learner.backend={b!r} cannot freeze the "
-                              f"critic's attention (backends that can: "
-                              f"{registry.names(critic_freeze_attention=True)})")
-        if any(self.lora_settings()) and not meta.get("lora", False):
-            key = "learner.lora" if self.lora is not None else "learner.critic_lora"
-            raise ConfigError(f"{key}: learner.backend={b!r} does not train LoRA adapters (backends that "
-                              f"do: {registry.names(lora=True)}); drop {key} or use one of those")
-        if not meta.get("distributed", False):  # a single-process backend (torch, a user's)
-            for k, default in (("world_size", 1), ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1),
-                               ("cpu_offload", False), ("launch", "spawn"), ("dist_backend", "auto")):
-                _require(getattr(self, k) == default, f"learner.{k}", getattr(self, k),
-                         f"only for a distributed backend ({registry.names(distributed=True)}); "
-                         f"learner.backend={b!r} runs in one process (leave it at {default!r})")
-            return
-        tp, pp = meta.get("tensor_parallel", False), meta.get("pipeline_parallel", False)
-        if not (tp or pp):
-            for k in ("tensor_parallel_size", "pipeline_parallel_size"):
-                _require(getattr(self, k) == 1, f"learner.{k}", getattr(self, k),
-                         f"learner.backend={b!r} is data parallel only (model-parallel backends: "
-                         f"{registry.names(tensor_parallel=True)})")
-        _require(tp or self.tensor_parallel_size == 1, "learner.tensor_parallel_size",
-                 self.tensor_parallel_size,
-                 f"learner.backend={b!r} has no tensor parallelism (backends with it: "
-                 f"{registry.names(tensor_parallel=True)})")
-        _require(pp or self.pipeline_parallel_size == 1, "learner.pipeline_parallel_size",
-                 self.pipeline_parallel_size,
-                 f"learner.backend={b!r} runs pipeline size 1 only" + (
-                     " (tensor x data parallel); use learner.tensor_parallel_size for model parallelism"
-                     if tp else ""))
 
 
 @dataclass
@@ -685,5 +520,5 @@ class LauncherConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value (``kind`` and ``settings`` are
         checked by :func:`trainer.plugins.check_plugins`)."""
-        _require(self.num_rollout_workers >= 1, "launcher.num_rollout_workers",
+        require(self.num_rollout_workers >= 1, "launcher.num_rollout_workers",
                  self.num_rollout_workers, "must be >= 1")

@@ -72,7 +72,7 @@ LearnerFactory = Callable[[Any, Path], Learner]
 
 
 #: Capability metadata of a learner backend (checked against the config's ``learner`` section by
-#: :meth:`~trainer.config.sections.LearnerSection.check_plugin`): ``distributed`` (it runs on
+#: :meth:`~trainer.config.learner_section.LearnerSection.check_plugin`): ``distributed`` (it runs on
 #: ``learner.world_size`` rank processes; set by
 #: :func:`~trainer.learner.distributed.registry.register_rank_learner`), ``tensor_parallel`` and
 #: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
