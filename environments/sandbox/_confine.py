@@ -91,7 +91,7 @@ def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = (
     """Move the calling process into a new mount + IPC + network namespace with fresh tmpfs
     mounts and only a loopback interface (so no socket state, e.g. a TIME_WAIT connection or a
     bound port, outlives the call), and a ``/proc`` of its own that hides other uids' processes
-    (``hidepid=invisible``: the fork server's counters are not readable).
+    (``hidepid=2``, "invisible": the fork server's counters are not readable).
 
     ``/tmp`` and ``/dev/shm`` become new, empty tmpfs instances of ``tmp_bytes`` bytes and
     ``inodes`` inodes each (mode 1777); the read-only binds in ``keep`` (interpreter prefixes
@@ -110,8 +110,9 @@ def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = (
     for target in ("/tmp", "/dev/shm"):
         mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, opts)
     # a proc instance of the call's own: other uids' processes (the fork server) are invisible,
-    # so their counters (page faults, peak RSS) cannot carry what earlier calls did
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+    # so their counters (page faults, peak RSS) cannot carry what earlier calls did ("2" is
+    # "invisible" on kernels >= 5.8 and understood by older ones too)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     for fd, path in kept:
         os.makedirs(path, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
