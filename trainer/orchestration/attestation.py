@@ -20,9 +20,10 @@ counter), µ is not that version and the run looks merely stale. So:
 Because the reference is taken before the sync, the engine's side runs entirely beside training
 (nothing waits for it; the loop collects finished checks at each step and awaits the rest only
 when more than :data:`MAX_PENDING` are outstanding and at the end of the run), and a fixed lag is
-checked too: references of the last ``lag + 2`` versions are kept (``(lag + 2) × K × V × 4``
-bytes; 4.8 MB per version for a 151k vocabulary). A check therefore reports a failure up to a few
-steps after the sync it concerns, not before the next step.
+checked too: references of the last ``s + 2`` versions are kept, ``s`` the staleness number (bound
+or lag): ``(s + 2) × K × V × 4`` bytes, 4.8 MB per version for a 151k vocabulary. A check
+therefore reports a failure up to a few steps after the sync it concerns, not before the next
+step.
 
 Off (:attr:`SyncAttestor.enabled` False, logged once) when the rollouts cannot sample one request
 directly (no ``probe``: Ray rollouts) or the learner cannot give its next-token distribution (no
