@@ -157,9 +157,10 @@ def check_reset_args(args: dict[str, Any], prefix: str) -> None:
 
 
 def lone_surrogate(value: Any, path: str) -> str | None:
-    """The dotted path of the first string (or key) under ``value`` that holds a lone UTF-16
-    surrogate (JSON's ``\\ud800`` escapes can carry one; it is not text a tool or a JSON reply can
-    take), or None. Iterative: any nesting depth."""
+    """The dotted path of a string (or of the mapping whose key is one) under ``value`` that holds
+    a lone UTF-16 surrogate (JSON's ``\\ud800`` escapes can carry one; it is not text a tool or a
+    JSON reply can take), or None; with several, which one is named is unspecified. Iterative:
+    any nesting depth."""
     todo = [(value, path)]
     while todo:
         v, at = todo.pop()
