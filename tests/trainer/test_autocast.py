@@ -26,9 +26,10 @@ def tiny(tmp_path_factory):
                                     TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2)))
 
 
-def _learner(tiny, autocast, optim=OPT):
+def _learner(tiny, autocast, optim=OPT, **settings):
+    """A torch learner on ``tiny`` (``settings``: more LearnerConfig fields) with a random value head."""
     actor, tok = load_model_and_tokenizer(tiny)
-    cfg = LearnerConfig(optim=optim, autocast_dtype=autocast)
+    cfg = LearnerConfig(optim=optim, autocast_dtype=autocast, **settings)
     learner = TorchLearner(actor, copc.get_preset("copc"), cfg)
     g = torch.Generator().manual_seed(0)  # a value head that reads the hidden states (it starts at 0)
     head = learner.critic.value_head.weight

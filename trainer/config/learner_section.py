@@ -60,6 +60,13 @@ class LearnerSection:
             differ from the engine's float32 ones by bfloat16 rounding (~1e-2 nats); the
             weight-sync attestation's reference stays float32. null (default): float32
             throughout. Backends with the ``autocast`` capability only (``torch``).
+        shared_prefix_tokens: when every row of a micro-batch begins with the same >= this many
+            tokens (a few-shot prompt), the learner's forward passes (actor and critic, recompute
+            and training) run that prefix once and the rows' remaining tokens against its keys and
+            values (:mod:`trainer.models.shared_prefix`): the same log-probs, values and gradients,
+            up to float rounding; ~3.5x faster on the search main job's micro-batches. 0 (default):
+            off. Backends with the ``shared_prefix`` capability only (``torch``); not with
+            ``gradient_checkpointing`` (whose recomputation keeps no key/value cache).
         critic_freeze_attention: the critic's attention parameters are not trained (SAO's critic
             recipe; :func:`~trainer.learner.critic.freeze_attention`); backends with the
             ``critic_freeze_attention`` capability only (``torch``).
@@ -90,6 +97,7 @@ class LearnerSection:
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     malloc_mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
     autocast_dtype: str | None = None
+    shared_prefix_tokens: int = 0
     critic_freeze_attention: bool = False
     backend_settings: dict[str, Any] = field(default_factory=dict)
     lora: LoraSection | None = None
@@ -131,6 +139,12 @@ class LearnerSection:
                  "learner.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an int >= 1")
         require(self.autocast_dtype in AUTOCAST_DTYPES, "learner.autocast_dtype", self.autocast_dtype,
                  "must be null (float32) or 'bfloat16'")
+        n = self.shared_prefix_tokens
+        require(isinstance(n, int) and not isinstance(n, bool) and n >= 0, "learner.shared_prefix_tokens",
+                n, "must be an int >= 0 (0: off)")
+        require(not (n and self.gradient_checkpointing), "learner.shared_prefix_tokens", n,
+                "cannot be combined with learner.gradient_checkpointing: true (the recomputed layers keep "
+                "no key/value cache); set one of them off")
         try:
             check_mmap_threshold(self.malloc_mmap_threshold)
         except ValueError as e:  # the allocator's own one-line check, naming the key
@@ -153,6 +167,10 @@ class LearnerSection:
             raise ConfigError(f"learner.autocast_dtype={self.autocast_dtype!r}: learner.backend={b!r} does "
                               f"not run its forward passes under autocast (backends that do: "
                               f"{registry.names(autocast=True)})")
+        if self.shared_prefix_tokens and not meta.get("shared_prefix", False):
+            raise ConfigError(f"learner.shared_prefix_tokens={self.shared_prefix_tokens}: "
+                              f"learner.backend={b!r} cannot run a shared prefix once (backends that can: "
+                              f"{registry.names(shared_prefix=True)})")
         if self.critic_freeze_attention and not meta.get("critic_freeze_attention", False):
             raise ConfigError(f"learner.critic_freeze_attention: learner.backend={b!r} cannot freeze the "
                               f"critic's attention (backends that can: "

@@ -32,7 +32,8 @@ def _build_fsdp(exp_cfg, model_dir, ctx):
     return build_fsdp_rank_learner(exp_cfg, model_dir, ctx)
 
 
-register_learner("torch", TorchLearner.from_config, lora=True, critic_freeze_attention=True, autocast=True)
+register_learner("torch", TorchLearner.from_config, lora=True, critic_freeze_attention=True, autocast=True,
+                 shared_prefix=True)
 register_rank_learner("fsdp", _build_fsdp)
 _MEGATRON = f"{__name__}.backends.megatron"
 if importlib.util.find_spec(_MEGATRON) is not None:  # registers "megatron" (lazy factory)

@@ -78,10 +78,12 @@ LearnerFactory = Callable[[Any, Path], Learner]
 #: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
 #: ``learner.pipeline_parallel_size`` > 1), ``lora`` (it trains ``learner.lora`` /
 #: ``learner.critic_lora`` adapters and has ``export_adapter()``), ``critic_freeze_attention`` (it
-#: honours ``learner.critic_freeze_attention``), ``autocast`` (it honours ``learner.autocast_dtype``).
+#: honours ``learner.critic_freeze_attention``), ``autocast`` (it honours ``learner.autocast_dtype``),
+#: ``shared_prefix`` (it honours ``learner.shared_prefix_tokens``).
 LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
                     "pipeline_parallel": (bool, False), "lora": (bool, False),
-                    "critic_freeze_attention": (bool, False), "autocast": (bool, False)}
+                    "critic_freeze_attention": (bool, False), "autocast": (bool, False),
+                    "shared_prefix": (bool, False)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
 #: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`);

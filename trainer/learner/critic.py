@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from ..models.shared_prefix import decoder_hidden_states
+
 Tensor = torch.Tensor
 
 
@@ -45,17 +47,21 @@ class ValueModel(nn.Module):
         critic = cls(copy.deepcopy(backbone, memo), int(lm.config.hidden_size))
         return critic.to(device=p.device, dtype=p.dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                shared_prefix_tokens: int = 0) -> Tensor:
         """``(B, L)`` float32 values of every prefix (the head runs in its own dtype: float32 on a
-        bfloat16 LoRA backbone, :func:`~trainer.learner.lora.prepare_models`)."""
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids).last_hidden_state
+        bfloat16 LoRA backbone, :func:`~trainer.learner.lora.prepare_models`); a common prefix of
+        the rows of at least ``shared_prefix_tokens`` tokens is run once
+        (:func:`~trainer.models.shared_prefix.decoder_hidden_states`; 0: the plain forward)."""
+        h = decoder_hidden_states(self.backbone, input_ids, attention_mask, position_ids,
+                                  shared_prefix_tokens)
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                        prompt_len: int) -> Tensor:
-        """``(B, T)`` values ``V(s_t)`` of the states before each response token."""
-        v = self(input_ids, attention_mask, position_ids)
+                        prompt_len: int, shared_prefix_tokens: int = 0) -> Tensor:
+        """``(B, T)`` values ``V(s_t)`` of the states before each response token
+        (``shared_prefix_tokens``: see :meth:`forward`)."""
+        v = self(input_ids, attention_mask, position_ids, shared_prefix_tokens)
         return v[:, prompt_len - 1:-1]
 
 

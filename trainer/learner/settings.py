@@ -109,6 +109,8 @@ class LearnerConfig:
             (``learner.critic_freeze_attention``; :func:`~trainer.learner.critic.freeze_attention`).
         autocast_dtype: ``"bfloat16"``: forward passes under :func:`torch.autocast`
             (``learner.autocast_dtype``); None: float32.
+        shared_prefix_tokens: shortest common prefix of a micro-batch's rows run once
+            (``learner.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`); 0: off.
 
     Raises:
         ValueError: ``logprob_chunk_tokens`` or ``critic_updates_per_step`` not an int >= 1, or an
@@ -127,6 +129,7 @@ class LearnerConfig:
     critic_updates_per_step: int = 1
     critic_freeze_attention: bool = False
     autocast_dtype: str | None = None
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         for key, n in (("learner.logprob_chunk_tokens", self.logprob_chunk_tokens),
@@ -150,4 +153,5 @@ class LearnerConfig:
                    logprob_chunk_tokens=exp.learner.logprob_chunk_tokens,
                    critic_updates_per_step=t.critic_updates_per_step,
                    critic_freeze_attention=exp.learner.critic_freeze_attention,
-                   autocast_dtype=exp.learner.autocast_dtype)
+                   autocast_dtype=exp.learner.autocast_dtype,
+                   shared_prefix_tokens=exp.learner.shared_prefix_tokens)

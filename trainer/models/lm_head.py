@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .chunked_logprobs import DEFAULT_CHUNK_TOKENS, chunk_logits, chunked_token_scores
+from .shared_prefix import decoder_hidden_states
 
 Tensor = torch.Tensor
 
@@ -78,22 +79,22 @@ def output_head(model: nn.Module) -> OutputHead:
 
 
 def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                        position_ids: Tensor) -> Tensor:
+                        position_ids: Tensor, shared_prefix_tokens: int = 0) -> Tensor:
     """``(B, L, H)`` hidden states after the decoder's final norm: the output head's input.
 
     Args:
         model: a causal LM (or a ``PeftModel`` wrapping one) with ``get_decoder()``.
         input_ids / attention_mask / position_ids: ``(B, L)`` int64 (left padding allowed).
+        shared_prefix_tokens: run a common prefix of the rows of at least this many tokens once
+            (:func:`~trainer.models.shared_prefix.decoder_hidden_states`); 0: the plain forward.
     """
-    decoder = model.get_decoder()
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False)
-    return out.last_hidden_state
+    return decoder_hidden_states(model.get_decoder(), input_ids, attention_mask, position_ids,
+                                 shared_prefix_tokens)
 
 
 def token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                  score_mask: Tensor, *, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                 entropy: bool = False, shared_prefix_tokens: int = 0) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the tokens at the columns ``score_mask`` selects, each token
     ``input_ids[b, i]`` scored by the model's distribution at column ``i − 1``.
 
@@ -108,6 +109,7 @@ def token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, po
             nothing predicts it).
         temperature: > 0. chunk_tokens: >= 1.
         entropy: also the entropy (nats) of each scored position's distribution at ``temperature``.
+        shared_prefix_tokens: see :func:`final_hidden_states`.
 
     Returns:
         ``(logp, entropy)``: ``(N,)`` float32, ``N = score_mask.sum()``, in row-major order
@@ -124,7 +126,7 @@ def token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, po
     if bool(keep[:, 0].any()):
         raise ValueError("score_mask: column 0 cannot be scored (no position predicts it)")
     head = output_head(model)
-    hidden = final_hidden_states(model, input_ids, attention_mask, position_ids)[:, :-1]
+    hidden = final_hidden_states(model, input_ids, attention_mask, position_ids, shared_prefix_tokens)[:, :-1]
     return chunked_token_scores(hidden[keep[:, 1:]], head.weight, input_ids[:, 1:][keep[:, 1:]],
                                 bias=head.bias, temperature=temperature, scale=head.scale,
                                 chunk_tokens=chunk_tokens, entropy=entropy)

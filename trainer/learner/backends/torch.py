@@ -46,8 +46,8 @@ Tensor = torch.Tensor
 
 def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy: bool = False,
-                    scorer: Callable[..., tuple[Tensor, Tensor | None]] | None = None
-                    ) -> tuple[Tensor, Tensor | None]:
+                    scorer: Callable[..., tuple[Tensor, Tensor | None]] | None = None,
+                    shared_prefix_tokens: int = 0) -> tuple[Tensor, Tensor | None]:
     """``(B, T)`` float32 log-probs (and entropies) of the response's model tokens: token ``t`` (column
     ``P + t``) scored by the distribution at column ``P + t − 1``, ``log softmax(logits / temperature)``
     (:mod:`trainer.logprobs`); 0 at columns with ``loss_mask`` 0 (observation and padding tokens).
@@ -62,6 +62,9 @@ def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
         entropy: also the entropy (nats) of each model token's distribution at ``temperature``.
         scorer: what runs :func:`~trainer.models.lm_head.token_scores` on ``model`` with the remaining
             arguments (default: that function; the fsdp backend passes the actor's FSDP forward method).
+        shared_prefix_tokens: a common prefix of the rows of at least this many tokens is run once
+            (``learner.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`; 0: off; not
+            passed to a ``scorer``).
 
     Returns:
         ``(logp, entropy)``, ``(B, T)`` float32 each (entropy None when not asked for).
@@ -69,7 +72,7 @@ def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
     mask = b.loss_mask.bool()
     score_mask = torch.zeros(b.input_ids.shape, dtype=torch.bool, device=mask.device)
     score_mask[:, b.prompt_len:] = mask
-    fn = scorer or (lambda *a, **k: token_scores(model, *a, **k))
+    fn = scorer or (lambda *a, **k: token_scores(model, *a, shared_prefix_tokens=shared_prefix_tokens, **k))
     lp, ent = fn(b.input_ids, b.attention_mask, b.position_ids, score_mask, temperature=temperature,
                  chunk_tokens=chunk_tokens, entropy=entropy)
     lp = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
@@ -97,9 +100,11 @@ def enable_activation_checkpointing(*models: nn.Module | None) -> None:
             target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def mb_values(critic: ValueModel, b: RolloutBatch) -> Tensor:
-    """``(B, T)`` float32 critic values of the states before each response token."""
-    return critic.response_values(b.input_ids, b.attention_mask, b.position_ids, b.prompt_len)
+def mb_values(critic: ValueModel, b: RolloutBatch, shared_prefix_tokens: int = 0) -> Tensor:
+    """``(B, T)`` float32 critic values of the states before each response token (a common prefix
+    of at least ``shared_prefix_tokens`` run once, :meth:`ValueModel.forward`; 0: off)."""
+    return critic.response_values(b.input_ids, b.attention_mask, b.position_ids, b.prompt_len,
+                                  shared_prefix_tokens)
 
 
 class TransformersForward:
@@ -125,7 +130,8 @@ class TransformersForward:
         ``cfg.logprob_chunk_tokens``), float32, under :meth:`forward_context`."""
         with self.forward_context():
             return response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy, scorer=self.scorer,
-                                   chunk_tokens=self.cfg.logprob_chunk_tokens)
+                                   chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                   shared_prefix_tokens=self.cfg.shared_prefix_tokens)
 
     def logprobs(self, mb: RolloutBatch) -> Tensor:
         """The actor's response log-probs of ``mb`` (:meth:`scores`)."""
@@ -136,9 +142,10 @@ class TransformersForward:
         return self.scores(mb, True)
 
     def values(self, mb: RolloutBatch) -> Tensor:
-        """The critic's values of ``mb`` (:func:`mb_values`), float32, under :meth:`forward_context`."""
+        """The critic's values of ``mb`` (:func:`mb_values`, ``learner.shared_prefix_tokens``),
+        float32, under :meth:`forward_context`."""
         with self.forward_context():
-            return mb_values(self.critic, mb).float()
+            return mb_values(self.critic, mb, self.cfg.shared_prefix_tokens).float()
 
     @torch.no_grad()
     def next_token_logprobs(self, prompt_ids: Tensor, temperature: float) -> Tensor:
