@@ -218,7 +218,7 @@ def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities
     assert dict(plugin_metadata(cfg, "learner.backend")) == {"distributed": False, "tensor_parallel": False,
                                                               "pipeline_parallel": False, "lora": False,
                                                               "critic_freeze_attention": False,
-                                                              "autocast": False}
+                                                              "autocast": False, "shared_prefix": False}
     with pytest.raises(ConfigError, match=r"^learner\.lora: learner\.backend='lora' does not train LoRA"):
         load_config(None, [*base, "learner.lora.rank=4"])  # lora=False: the capability is checked
     with pytest.raises(ConfigError, match=r"^learner\.backend_settings\.rank='x': must be an int$"):
