@@ -22,11 +22,12 @@ from .test_run_e2e import REPO
 #: In a fresh process: set the threshold (argv[1] bytes, 0: glibc default), free one 16 MiB tensor
 #: (raises glibc's dynamic threshold to 16 MiB), allocate 150 tensors of 2 MiB interleaved with 64 KiB
 #: small ones that stay alive (so the heap cannot shrink from the top), free the large ones;
-#: print how much resident memory the free gave back, in MiB.
+#: with argv[2] == "trim", then hand the free heap back (``release_free_heap``); print how much
+#: resident memory the free (and the trim) gave back, in MiB.
 CHILD = r"""
 import json, os, sys
 import torch
-from trainer.learner.allocator import set_malloc_mmap_threshold
+from trainer.learner.allocator import release_free_heap, set_malloc_mmap_threshold
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -39,13 +40,15 @@ for _ in range(150):
     small.append(torch.ones(2**14))  # 64 KiB: from the top of the heap, between the large ones
 before = rss()
 del large
-print(json.dumps({"applied": applied, "released_mib": before - rss()}))
+trimmed = release_free_heap() if sys.argv[2] == "trim" else None
+print(json.dumps({"applied": applied, "trimmed": trimmed, "released_mib": before - rss()}))
 """
 
 
-def _released(threshold: int) -> dict:
-    res = subprocess.run([sys.executable, "-c", CHILD, str(threshold)], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+def _released(threshold: int, trim: bool = False) -> dict:
+    res = subprocess.run([sys.executable, "-c", CHILD, str(threshold), "trim" if trim else "keep"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -55,6 +58,12 @@ def test_fixed_threshold_gives_freed_tensors_back_and_glibc_default_keeps_them()
     assert default["applied"] is False and fixed["applied"] is True
     assert default["released_mib"] < 30, default  # 300 MiB freed, kept resident in the heap
     assert fixed["released_mib"] > 280, fixed  # 150 × 2 MiB unmapped
+
+
+def test_malloc_trim_gives_the_heap_kept_freed_tensors_back():
+    trimmed = _released(DEFAULT_MMAP_THRESHOLD, trim=True)
+    assert trimmed["applied"] is False and trimmed["trimmed"] is True
+    assert trimmed["released_mib"] > 280, trimmed  # the 300 MiB the default threshold kept resident
 
 
 @pytest.mark.parametrize("value", [-1, 2**25 + 1, 1.5, True])

@@ -11,6 +11,7 @@ import torch
 
 import copc
 from environments.base import RegexTool, ToolEnv
+from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.learner.backends.torch import TorchLearner
@@ -79,7 +80,7 @@ class Recorder(LoopHooks):
         return True
 
 
-def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_step=2, n=1):
+def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_step=2, n=1, trim=False):
     actor, tok = load_model_and_tokenizer(path)
     engine_model = copy.deepcopy(actor)
     algo = copc.get_preset(preset)
@@ -101,7 +102,7 @@ def run_loop(path, preset, s, *, learner_delay=0.0, env_delay=0.0, steps=6, per_
         loop = AsyncTrainingLoop(
             learner, rollouts, PromptStream(SAMPLES, 0),
             LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=n,
-                       pad_token_id=tok.pad_token_id, staleness=BoundedAdmission(s)), hooks)
+                       pad_token_id=tok.pad_token_id, staleness=BoundedAdmission(s), malloc_trim=trim), hooks)
         await loop.run()
         await rollouts.close()
         await eng.close()
@@ -128,6 +129,24 @@ def test_staleness_never_exceeds_bound(tiny_small, s, who_is_slow):
     uids = [u for m in seen for u in m["uids"]]
     assert len(uids) == len(set(uids)) == 12
     assert loop.version == 6
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_malloc_trim_runs_after_every_learner_step_when_on(tiny_small, trim):
+    _, seen = run_loop(tiny_small, "copc", 1, steps=2, trim=trim)
+    assert [m["step"] for m in seen] == [1, 2]
+    if trim:
+        assert all(0.0 <= m["perf/malloc_trim_s"] < 60.0 for m in seen)
+    else:
+        assert not any("perf/malloc_trim_s" in m for m in seen)
+
+
+def test_malloc_trim_is_on_by_default_and_reaches_the_loop():
+    assert LoopConfig.from_config(load_config(None, []), pad_token_id=0).malloc_trim is True
+    off = load_config(None, ["learner.malloc_trim=false"])
+    assert LoopConfig.from_config(off, pad_token_id=0).malloc_trim is False
+    with pytest.raises(ConfigError, match=r"^learner\.malloc_trim"):
+        load_config(None, ["learner.malloc_trim=sometimes"])
 
 
 def test_stale_groups_are_dropped_counted_and_requeued(tiny_small):

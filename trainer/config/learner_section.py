@@ -53,6 +53,10 @@ class LearnerSection:
             resident set instead of staying in the heap (1 MiB: ~1/3 less peak RSS, 0–20 %
             slower steps, ``benchmarks/bench_learner_memory.py``); 0 (default): glibc's dynamic
             threshold.
+        malloc_trim: after every learner step, hand the C heap's free pages back to the OS
+            (glibc ``malloc_trim(0)``, :func:`trainer.learner.allocator.release_free_heap`; metric
+            ``perf/malloc_trim_s``): without it a long run's resident set can grow by the step's
+            fragments each step (the search main job: ~3 GB per step, OOM at step 5); default True.
         autocast_dtype: ``bfloat16``: the learner's forward passes (actor and critic, recompute and
             training) run under :func:`torch.autocast` in bfloat16 (weights, gradients and
             optimizer state stay float32; the LM head's log-softmax stays float32); ~2x faster
@@ -96,6 +100,7 @@ class LearnerSection:
     gradient_checkpointing: bool = False
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     malloc_mmap_threshold: int = DEFAULT_MMAP_THRESHOLD
+    malloc_trim: bool = True
     autocast_dtype: str | None = None
     shared_prefix_tokens: int = 0
     critic_freeze_attention: bool = False

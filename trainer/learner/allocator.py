@@ -14,6 +14,13 @@ and page-faulted: measured on that step with gradient checkpointing, peak RSS 6.
 threshold, never slower) and the fixed threshold is the option for a run that must fit.
 Setting it disables the dynamic adjustment (glibc's documented behaviour, as the
 ``MALLOC_MMAP_THRESHOLD_`` environment variable does).
+
+Between steps the freed heap can also be handed back with glibc's ``malloc_trim(0)``
+(:func:`release_free_heap`, ``learner.malloc_trim``, on by default): it returns every arena's free
+pages to the OS. Without it the search main job's process (SmolLM2-135M, learner and rollout
+engine in two threads) grew by ~3 GB per learner step, 5 → 21 GB in 4 steps, and was OOM-killed at
+24.6 GB; with it the resident set falls back to ~3.5 GB after every step (peak ~9.7 GB within one),
+at ~0.25 s per call and no slower steps (measured 2026-12-04, 2 cores).
 """
 
 from __future__ import annotations
@@ -32,6 +39,23 @@ DEFAULT_MMAP_THRESHOLD = 0
 LOW_MEMORY_MMAP_THRESHOLD = 2**20
 #: The largest threshold glibc accepts on 64-bit (``HEAP_MAX_SIZE / 2`` = ``DEFAULT_MMAP_THRESHOLD_MAX``).
 MAX_MMAP_THRESHOLD = 32 * 2**20
+
+
+def release_free_heap() -> bool:
+    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``: every arena, top and
+    free pages inside), e.g. after a learner step.
+
+    Returns:
+        True when glibc's ``malloc_trim`` ran (whether or not it released anything); False where the
+        C library has none (not glibc), logged once at info level per call site's process.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        log.info("learner.malloc_trim: this C library has no glibc malloc_trim; nothing released")
+        return False
+    trim(0)
+    return True
 
 
 def check_mmap_threshold(nbytes: object) -> int:

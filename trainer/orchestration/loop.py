@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TrainingError
+from ..learner.allocator import release_free_heap
 from ..learner.base import Learner
 from ..models.lora import adapter_of
 from ..rollout.batch import to_batch
@@ -73,6 +74,8 @@ class LoopConfig:
             (:mod:`.attestation`; both staleness modes), None: off.
         eval_every: call ``hooks.evaluate(step)`` after every this many steps (not after the last:
             the run's own after-RL evaluation covers it), 0: never.
+        malloc_trim: after every learner step, return this process's free C heap to the OS
+            (``learner.malloc_trim``; :func:`~trainer.learner.allocator.release_free_heap`).
 
     Raises:
         ValueError: a failure fraction outside [0, 1], or a staleness that is no strategy.
@@ -87,6 +90,7 @@ class LoopConfig:
     max_infra_failure_fraction: float = 0.5
     sync_check: SyncCheck | None = None
     eval_every: int = 0
+    malloc_trim: bool = False
 
     @classmethod
     def from_config(cls, exp: Any, *, pad_token_id: int) -> LoopConfig:
@@ -99,7 +103,8 @@ class LoopConfig:
                    prompts_per_step=exp.train.prompts_per_step,
                    n_samples_per_prompt=exp.rollout.n_samples_per_prompt, pad_token_id=pad_token_id,
                    staleness=staleness_strategy(exp.staleness), checkpoint_every=exp.checkpoint.every_steps,
-                   max_infra_failure_fraction=exp.train.max_infra_failure_fraction)
+                   max_infra_failure_fraction=exp.train.max_infra_failure_fraction,
+                   malloc_trim=exp.learner.malloc_trim)
 
     def __post_init__(self) -> None:
         """Validate the failure threshold and the staleness strategy."""
@@ -302,7 +307,7 @@ class AsyncTrainingLoop:
     async def _learner_step(self, batch: Any) -> dict:
         """``learner.step(batch)`` in a worker thread; a failure becomes a :class:`TrainingError`."""
         try:
-            return await asyncio.to_thread(self.learner.step, batch)
+            metrics = await asyncio.to_thread(self.learner.step, batch)
         except Exception as e:  # the learner may be half-updated: no checkpoint of it
             log.error("learner step %d failed", self.state.step + 1, exc_info=e)
             done = self.state.last_checkpoint_step
@@ -310,6 +315,11 @@ class AsyncTrainingLoop:
                 f"the last checkpoint is step {done} (continue with --resume)"
             raise TrainingError(f"learner step {self.state.step + 1} failed: {type(e).__name__}: {e}; "
                                 f"{last}") from e
+        if self.cfg.malloc_trim:  # the step's freed activations leave the resident set
+            t0 = time.perf_counter()
+            await asyncio.to_thread(release_free_heap)
+            metrics["perf/malloc_trim_s"] = time.perf_counter() - t0
+        return metrics
 
     async def _train_step(self) -> None:
         """Take a batch, train on it, move the version, report and checkpoint."""

@@ -38,7 +38,6 @@ from .worker import (
     RankServer,
     RankSpec,
     broadcast_command,
-    build_rank_learner,
     init_rank,
     run_and_report,
     torchrun_spec,
@@ -229,7 +228,7 @@ class RankActor:
     def setup(self, spec: RankSpec, exp_cfg: Any, model_dir: str) -> int:
         """Join the group and build the rank learner; returns its policy version."""
         ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
-        self.server = RankServer(build_rank_learner(exp_cfg, model_dir, ctx), ctx)
+        self.server = RankServer.build(exp_cfg, model_dir, ctx)
         return self.server.learner.policy_version
 
     def call(self, cmd: str, args: tuple) -> Any:
@@ -347,8 +346,8 @@ class TorchrunGroup:
         self.ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
         self._closed = False
         self.server: RankServer | None = None
-        self.server = self._run("build", (exp_cfg, str(model_dir)), build=lambda: RankServer(
-            build_rank_learner(exp_cfg, model_dir, self.ctx), self.ctx))
+        self.server = self._run("build", (exp_cfg, str(model_dir)), build=lambda: RankServer.build(
+            exp_cfg, model_dir, self.ctx))
         self.ready = [self.server.learner.policy_version]
 
     def _run(self, cmd: str, args: tuple, build: Any = None) -> Any:

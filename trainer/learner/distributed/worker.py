@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError
 from ...parent_watch import exit_with_parent
-from ..allocator import set_malloc_mmap_threshold
+from ..allocator import release_free_heap, set_malloc_mmap_threshold
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
 from .collectives import all_gather_objects, broadcast_object
 
@@ -142,10 +142,17 @@ class RankServer:
 
     Args:
         learner: the :class:`RankLearner`. ctx: its :class:`RankContext`.
+        malloc_trim: after every ``step``, return the rank's free C heap to the OS
+            (``learner.malloc_trim``; :func:`~..allocator.release_free_heap`).
     """
 
-    def __init__(self, learner: RankLearner, ctx: RankContext) -> None:
-        self.learner, self.ctx = learner, ctx
+    def __init__(self, learner: RankLearner, ctx: RankContext, malloc_trim: bool = False) -> None:
+        self.learner, self.ctx, self.malloc_trim = learner, ctx, malloc_trim
+
+    @classmethod
+    def build(cls, exp_cfg: Any, model_dir: str, ctx: RankContext) -> RankServer:
+        """The server of a rank learner built from ``exp_cfg`` (:func:`build_rank_learner`)."""
+        return cls(build_rank_learner(exp_cfg, model_dir, ctx), ctx, exp_cfg.learner.malloc_trim)
 
     def handle(self, cmd: str, args: tuple) -> Any:
         """Run one command; returns its picklable result (rank 0's is the one the driver reads).
@@ -165,6 +172,8 @@ class RankServer:
         lrn = self.learner
         if cmd == "step":  # args: (batch,) or (batch, with_inputs)
             out = {"metrics": lrn.step(args[0]), "policy_version": lrn.policy_version}
+            if self.malloc_trim:
+                release_free_heap()
             x = getattr(lrn, "last_step_inputs", None)
             if len(args) > 1 and args[1] and self.ctx.is_rank0 and x is not None:
                 out["step_inputs"] = x.to(torch.device("cpu"))
@@ -215,7 +224,7 @@ def spawn_main(conn: Any) -> None:
     try:
         spec, exp_cfg, model_dir = conn.recv()
         ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
-        server = RankServer(build_rank_learner(exp_cfg, model_dir, ctx), ctx)
+        server = RankServer.build(exp_cfg, model_dir, ctx)
         conn.send(("ok", server.learner.policy_version))
         while True:
             try:
@@ -303,7 +312,7 @@ def serve_torchrun_worker(exp_cfg: Any) -> None:
                 return
             result, errors = run_and_report(
                 server, cmd, args, ctx,
-                build=lambda a=args: RankServer(build_rank_learner(a[0], a[1], ctx), ctx))
+                build=lambda a=args: RankServer.build(a[0], a[1], ctx))
             if cmd == "build" and errors[ctx.rank] is None:
                 server = result
             if any(errors):
