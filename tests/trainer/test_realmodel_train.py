@@ -118,11 +118,12 @@ def test_one_lora_copc_step_through_the_real_tool(realmodel_path, tmp_path, case
     assert any("lora_B" in n for n in state["critic_lora"]["tensors"])
 
 
-def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path):
+def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
     """``configs/search/cpu_smollm.yaml`` (the search main job) as committed, cut to 2 RL steps of 4
     prompts: the real retriever was queried, every ``<information>`` block is masked from the
-    loss, both roles' LoRA adapters moved, and the held-out evaluation (one question here) wrote its
-    EM, tool-call and invalid-action rates before and after RL to ``summary.json``."""
+    loss, both roles' LoRA adapters moved, the heap was trimmed after each step, the held-out
+    evaluation (one question here) showed its progress bar and wrote its EM, tool-call and
+    invalid-action rates before and after RL to ``summary.json``."""
     if not (CORPUS.is_file() and (QA_DIR / "qa" / "nq.jsonl").is_file()):
         pytest.skip(f"shared data not found under {QA_DIR}")
     nq = [json.loads(x) for x in (QA_DIR / "qa" / "nq.jsonl").read_text().splitlines()]
@@ -135,7 +136,7 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path):
         f"model.path={realmodel_path}", f"output_dir={out}", f"task.train_data=[{data}]",
         f"task.eval_data=[{data}]", "task.settings.held_out_every=100", "eval.num_samples=1",
         "train.total_steps=2", "train.prompts_per_step=4", "train.micro_batch_size=4",
-        "rollout.concurrency=4", "logging.samples_per_step=8", "logging.progress=false",
+        "rollout.concurrency=4", "logging.samples_per_step=8", "logging.progress=true",
         "checkpoint.every_steps=2"])
     assert cfg.train.staleness["max"] == 14 and cfg.learner.lora is not None  # the job's own settings
     summary = run_experiment(cfg)
@@ -143,6 +144,9 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in lines if '"actor/pg_loss"' in x]
     assert len(steps) == 2 and all(s["time/rollout_env_s"] > 0 for s in steps)  # the retriever answered
+    assert all(s["perf/malloc_trim_s"] >= 0 for s in steps)  # learner.malloc_trim, on by default
+    err = capsys.readouterr().err
+    assert "eval before_rl" in err and "eval after_rl" in err and "1/1" in err, err[-2000:]
     recs = read_samples(out)
     calls = sum(r["tool_calls"] for r in recs)
     assert calls >= 1 and sum(_tool_spans_masked(r, "<information>", "</information>") for r in recs) == calls

@@ -207,7 +207,8 @@ async def evaluate_held_out(cfg: ExperimentConfig, engine: InferenceEngine, task
                             name: str) -> dict[str, float]:
     """``copc train``'s held-out evaluation: ``task.eval_samples`` with ``eval.k`` episodes each
     at ``eval.temperature``, seed ``train.seed``, the rollout budgets; records written atomically
-    to ``<output_dir>/eval/<name>.jsonl`` (ordered by question, then episode).
+    to ``<output_dir>/eval/<name>.jsonl`` (ordered by question, then episode); a progress bar
+    with its ETA (``eval <name>``) while it runs, unless ``logging.progress`` is off.
 
     Returns:
         :func:`summarize_records` of the records.
@@ -217,7 +218,13 @@ async def evaluate_held_out(cfg: ExperimentConfig, engine: InferenceEngine, task
     settings = EvalSettings(seed=cfg.train.seed, max_new_tokens=cfg.rollout.max_new_tokens,
                             agent=AgentLoopConfig.from_config(cfg), retries=0,
                             concurrency=HELD_OUT_CONCURRENCY)
-    records = await run_benchmark(engine, tokenizer, job, settings)  # ordered by question, episode
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(job.rows) * job.n, desc=f"eval {name}", disable=not cfg.logging.progress)
+    try:  # ordered by question, then episode
+        records = await run_benchmark(engine, tokenizer, job, settings, progress=bar)
+    finally:
+        bar.close()
     write_records(Path(cfg.output_dir) / "eval" / f"{name}.jsonl", records)
     return summarize_records(records, cfg.eval.k)
 

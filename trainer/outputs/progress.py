@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 
 class TrainProgress:
-    """A ``rich`` progress bar updated after every RL step (no-op when disabled).
+    """A ``rich`` progress bar updated after every RL step, with elapsed time and ETA (no-op when
+    disabled).
 
     Args:
         total_steps: steps of the run. start_step: steps already done (resume).
@@ -19,7 +27,8 @@ class TrainProgress:
         self.enabled = enabled
         self.tokens = 0.0
         self._p = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[info]}"), disable=not enabled)
+                           TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                           disable=not enabled)
         self._task = self._p.add_task("rl", total=total_steps, completed=start_step, info="")
 
     def __enter__(self) -> TrainProgress:

@@ -1,0 +1,29 @@
+"""The RL progress bar (:class:`trainer.outputs.progress.TrainProgress`): step count, elapsed time,
+an ETA and the step's key metrics, rendered as a terminal would show them."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from trainer.outputs.progress import TrainProgress
+
+
+def _render(p: TrainProgress) -> str:
+    console = Console(file=io.StringIO(), width=200, force_terminal=False, color_system=None)
+    console.print(p._p.make_tasks_table(p._p.tasks))
+    return console.file.getvalue()
+
+
+def test_the_rl_bar_shows_steps_done_an_eta_and_the_reward():
+    p = TrainProgress(total_steps=24, start_step=0, enabled=True)
+    before = _render(p)
+    assert "0/24" in before and "ETA" in before and "-:--:--" in before  # no rate yet: ETA unknown
+    p._p.start_task(p._task)
+    p.update(1, {"rollout/reward_mean": 0.125, "perf/tokens": 800.0}, elapsed_s=80.0)
+    p.update(2, {"rollout/reward_mean": 0.25, "perf/tokens": 800.0}, elapsed_s=160.0)
+    after = _render(p)
+    assert "2/24" in after and "reward 0.250" in after and "10 tok/s" in after, after
+    assert "ETA" in after and "-:--:--" not in after, after  # two steps done: a remaining time
+
