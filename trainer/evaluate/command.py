@@ -310,21 +310,16 @@ async def _play_all(engine: Any, tok: Any, cfg: Any, settings: Any,
                     benchmarks: list[tuple[Any, Any, list[dict]]], services: Any, writer: Any,
                     done: dict) -> dict[str, dict]:
     """Play each benchmark through the evaluation core; its metrics (with ``k`` and ``temperature``)."""
-    from tqdm.auto import tqdm
-
     from .metrics import summarize_benchmark
-    from .runner import BenchmarkJob, run_benchmark
+    from .runner import BenchmarkJob, run_benchmark_with_bar
 
     per_benchmark: dict[str, dict] = {}
     for spec, kind, rows in benchmarks:
         n = settings.k or spec.default_k
         temp = spec.default_temperature if settings.temperature is None else settings.temperature
         job = BenchmarkJob(spec.name, kind, rows, services.env_factory(spec), n, temp)
-        bar = tqdm(total=len(rows) * n, desc=spec.name, disable=not cfg.logging.progress)
-        try:
-            recs = await run_benchmark(engine, tok, job, settings, writer, done, progress=bar)
-        finally:
-            bar.close()
+        recs = await run_benchmark_with_bar(engine, tok, job, settings, show=cfg.logging.progress,
+                                            writer=writer, done=done)
         per_benchmark[spec.name] = {**summarize_benchmark(recs, kind), "k": n, "temperature": temp}
     return per_benchmark
 

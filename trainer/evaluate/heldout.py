@@ -25,7 +25,7 @@ from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.trajectory import Trajectory, split_finish
 from .kinds import BenchmarkKind, kind_of_row, make_kind
 from .records import is_failed, read_records, record_of, score_value, write_records
-from .runner import BenchmarkJob, EvalSettings, play_benchmark, run_benchmark
+from .runner import BenchmarkJob, EvalSettings, play_benchmark, run_benchmark, run_benchmark_with_bar
 from .stats import paired_bootstrap, proportion_or_mean_interval
 
 if TYPE_CHECKING:
@@ -218,13 +218,8 @@ async def evaluate_held_out(cfg: ExperimentConfig, engine: InferenceEngine, task
     settings = EvalSettings(seed=cfg.train.seed, max_new_tokens=cfg.rollout.max_new_tokens,
                             agent=AgentLoopConfig.from_config(cfg), retries=0,
                             concurrency=HELD_OUT_CONCURRENCY)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(job.rows) * job.n, desc=f"eval {name}", disable=not cfg.logging.progress)
-    try:  # ordered by question, then episode
-        records = await run_benchmark(engine, tokenizer, job, settings, progress=bar)
-    finally:
-        bar.close()
+    records = await run_benchmark_with_bar(engine, tokenizer, job, settings, show=cfg.logging.progress,
+                                           desc=f"eval {name}")  # ordered by question, then episode
     write_records(Path(cfg.output_dir) / "eval" / f"{name}.jsonl", records)
     return summarize_records(records, cfg.eval.k)
 

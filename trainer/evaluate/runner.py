@@ -199,5 +199,26 @@ async def run_benchmark(engine: InferenceEngine, tokenizer: Any, job: BenchmarkJ
     return [records[key] for key in sorted(records)]
 
 
+async def run_benchmark_with_bar(engine: InferenceEngine, tokenizer: Any, job: BenchmarkJob,
+                                 settings: EvalSettings, *, show: bool, desc: str | None = None,
+                                 writer: RecordWriter | None = None,
+                                 done: Mapping[tuple[str, int, int], Mapping[str, Any]] | None = None
+                                 ) -> list[dict[str, Any]]:
+    """:func:`run_benchmark` with a ``tqdm`` bar of its ``len(job.rows) × job.n`` episodes (count,
+    rate, ETA; labelled ``desc``, default the benchmark's name), closed when the run ends or raises;
+    ``show=False``: no bar.
+
+    Raises:
+        RuntimeError: as :func:`run_benchmark`.
+    """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(job.rows) * job.n, desc=desc or job.name, disable=not show)
+    try:
+        return await run_benchmark(engine, tokenizer, job, settings, writer, done, progress=bar)
+    finally:
+        bar.close()
+
+
 __all__ = ["BenchmarkJob", "EvalSettings", "OnEpisode", "eval_sampling_params",
-           "play_benchmark", "run_benchmark"]
+           "play_benchmark", "run_benchmark", "run_benchmark_with_bar"]

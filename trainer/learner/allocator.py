@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,23 @@ def release_free_heap() -> bool:
 
     Returns:
         True when glibc's ``malloc_trim`` ran (whether or not it released anything); False where the
-        C library has none (not glibc), logged once at info level per call site's process.
+        C library has none (not glibc), logged once per process at info level.
     """
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    trim = getattr(libc, "malloc_trim", None)
+    trim = _malloc_trim()
     if trim is None:
-        log.info("learner.malloc_trim: this C library has no glibc malloc_trim; nothing released")
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> object | None:
+    """The C library's ``malloc_trim`` (looked up once per process: ``find_library`` runs
+    ``ldconfig``), or None where it has none (logged then, once)."""
+    trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    if trim is None:
+        log.info("learner.malloc_trim: this C library has no glibc malloc_trim; nothing released")
+    return trim
 
 
 def check_mmap_threshold(nbytes: object) -> int:
