@@ -158,6 +158,11 @@ class SearchConfig:
         retriever_url: server URL used when no retriever object is passed.
         topk: passages per search (Search-R1 default 3).
         reward: ``"em"`` (exact match), ``"substring_em"`` or ``"f1"``.
+        format_score: the reward floor of an episode that ends with a well-formed ``<answer>``,
+            in ``[0, 1)``: reward ``= format_score + (1 − format_score) · metric`` when answered,
+            0 when not (Search-R1's ``compute_score_em(format_score=…)``, ``qa_em.py``: a wrong
+            answer in the format scores ``format_score``, a right one 1; here also for F1's
+            partial credit). Default 0: the reward is the metric itself.
         limits: :class:`EnvLimits`; ``max_turns`` default 4 (Search-R1).
         prompt_template: ``str.format`` template with ``{question}`` (left at the default
             :data:`PROMPT`, the native formats use :data:`NATIVE_PROMPT`).
@@ -171,6 +176,7 @@ class SearchConfig:
     retriever_url: str = "http://127.0.0.1:8000"
     topk: int = 3
     reward: str = "em"
+    format_score: float = 0.0
     limits: EnvLimits = field(default_factory=lambda: EnvLimits(max_turns=4, max_tool_calls=4))
     prompt_template: str = PROMPT
     tool_format: str = "tags"
@@ -179,6 +185,9 @@ class SearchConfig:
         call_format(self.tool_format, "SearchConfig")
         if self.reward not in ("em", "substring_em", "f1"):
             raise ValueError(f"SearchConfig.reward={self.reward!r}: em | substring_em | f1")
+        if isinstance(self.format_score, bool) or not isinstance(self.format_score, int | float) \
+                or not 0.0 <= self.format_score < 1.0:
+            raise ValueError(f"SearchConfig.format_score={self.format_score!r}: must be a number in [0, 1)")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) \
                 or not 1 <= self.topk <= MAX_TOPK:
             raise ValueError(f"SearchConfig.topk={self.topk!r}: must be an int in [1, {MAX_TOPK}] "
@@ -267,7 +276,9 @@ class SearchEnv(ToolEnv):
 
     def score(self, sample: Mapping[str, Any], response: str, answer: str | None,
               tool_calls: int) -> tuple[float, dict[str, float]]:
-        """EM / substring EM / F1 of ``answer`` against ``sample["golden_answers"]``."""
+        """EM / substring EM / F1 of ``answer`` against ``sample["golden_answers"]`` (the
+        components; a missing answer scores 0 on each); the reward is the configured metric, lifted
+        to ``format_score + (1 − format_score) · metric`` when there is an answer."""
         golden = sample.get("golden_answers")
         if not isinstance(golden, list | tuple):
             raise ValueError(f"QA sample {sample.get('id')!r}: golden_answers must be a list")
@@ -277,7 +288,9 @@ class SearchEnv(ToolEnv):
             comps = {"em": exact_match(answer, golden),
                      "substring_em": substring_match(answer, golden),
                      "f1": f1_score(answer, golden), "has_answer": 1.0}
-        return comps[self.config.reward], comps
+        floor = float(self.config.format_score)
+        reward = comps[self.config.reward]
+        return (floor + (1.0 - floor) * reward if answer is not None else reward), comps
 
     def close(self) -> None:
         """Close the retriever client if the env created it."""

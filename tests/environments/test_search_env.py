@@ -84,3 +84,32 @@ def test_substring_em_reward_option():
     env.reset(options={"sample": {"id": "q", "question": "q?", "golden_answers": ["Paris"]}})
     _, r, term, _, info = env.step("<answer>the city of Paris</answer>")
     assert term and r == 1.0 and info["reward_components"]["em"] == 0.0
+
+
+def test_format_score_lifts_answered_episodes_only():
+    """Search-R1's format score: answered and wrong -> format_score, right -> 1, partial F1 in
+    between on the same line; no answer (or an unclosed tag) -> 0; components stay the metric."""
+    class Empty:
+        def retrieve(self, queries, topk=None):
+            return [[] for _ in queries]
+
+    sample = {"id": "q", "question": "q?", "golden_answers": ["Paris"]}
+    env = SearchEnv(retriever=Empty(), reward="f1", format_score=0.2)
+    got = {}
+    for action in ("<answer>Lyon</answer>", "<answer>Paris</answer>", "<answer>Paris France</answer>"):
+        env.reset(options={"sample": sample})
+        _, r, term, _, info = env.step(action)
+        assert term
+        got[action] = (r, info["reward_components"]["f1"])
+    assert got["<answer>Lyon</answer>"] == (pytest.approx(0.2), 0.0)
+    assert got["<answer>Paris</answer>"] == (pytest.approx(1.0), 1.0)
+    # F1 2/3 -> 0.2 + 0.8 * 2/3
+    assert got["<answer>Paris France</answer>"] == (pytest.approx(0.2 + 0.8 * 2 / 3), pytest.approx(2 / 3))
+    env = SearchEnv(retriever=Empty(), reward="em", format_score=0.2,
+                    limits={"max_turns": 1, "max_tool_calls": 1})
+    env.reset(options={"sample": sample})
+    _, r, term, trunc, info = env.step("<answer>Paris")  # unclosed: invalid, then out of turns
+    assert (r, term, trunc) == (0.0, False, True)
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match=r"SearchConfig.format_score="):
+            SearchEnv(retriever=Empty(), format_score=bad)

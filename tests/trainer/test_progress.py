@@ -27,3 +27,19 @@ def test_the_rl_bar_shows_steps_done_an_eta_and_the_reward():
     assert "2/24" in after and "reward 0.250" in after and "10 tok/s" in after, after
     assert "ETA" in after and "-:--:--" not in after, after  # two steps done: a remaining time
 
+
+
+def test_without_a_terminal_every_step_prints_one_line(capsys):
+    """Output sent to a file gets no live bar from rich: each update prints the bar as a line."""
+    p = TrainProgress(total_steps=24, start_step=0, enabled=True)
+    with p:
+        p.update(1, {"rollout/reward_mean": 0.125, "perf/tokens": 800.0}, elapsed_s=80.0)
+        p.update(2, {"rollout/reward_mean": 0.25, "perf/tokens": 800.0}, elapsed_s=160.0)
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("RL ")]
+    assert len(lines) >= 2 and lines[0].startswith("RL 1/24 elapsed ") and "reward 0.125" in lines[0], out
+    assert lines[1].startswith("RL 2/24 ") and "ETA " in lines[1] and "10 tok/s" in lines[1], out
+    q = TrainProgress(total_steps=24, enabled=False)
+    with q:
+        q.update(1, {"rollout/reward_mean": 0.5}, elapsed_s=1.0)
+    assert "RL 1/24" not in capsys.readouterr().out

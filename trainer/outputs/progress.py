@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from rich.progress import (
@@ -16,7 +17,9 @@ from rich.progress import (
 
 class TrainProgress:
     """A ``rich`` progress bar updated after every RL step, with elapsed time and ETA (no-op when
-    disabled).
+    disabled). When the console is not a terminal (output sent to a file, ``nohup``, a batch job),
+    ``rich`` draws no live bar, so every update prints one line instead:
+    ``RL 8/24 elapsed 0:10:40 ETA 0:21:20 reward ...``.
 
     Args:
         total_steps: steps of the run. start_step: steps already done (resume).
@@ -46,3 +49,13 @@ class TrainProgress:
                 f"masked {m.get('actor/dis_masked_frac', 0):.3f} "
                 f"{self.tokens / max(elapsed_s, 1e-9):.0f} tok/s")
         self._p.update(self._task, completed=step, info=info)
+        if self.enabled and not self._p.console.is_terminal:
+            self._p.console.print(self.line(), markup=False, highlight=False, soft_wrap=True)
+
+    def line(self) -> str:
+        """The bar as one plain line: steps done / total, elapsed, ETA (``-:--:--`` before a rate
+        is known) and the latest step's metrics."""
+        t = self._p.tasks[0]
+        eta = "-:--:--" if t.time_remaining is None else str(timedelta(seconds=round(t.time_remaining)))
+        elapsed = str(timedelta(seconds=round(t.elapsed or 0.0)))
+        return f"RL {t.completed:.0f}/{t.total:.0f} elapsed {elapsed} ETA {eta} {t.fields['info']}"
