@@ -43,3 +43,17 @@ def test_without_a_terminal_every_step_prints_one_line(capsys):
     with q:
         q.update(1, {"rollout/reward_mean": 0.5}, elapsed_s=1.0)
     assert "RL 1/24" not in capsys.readouterr().out
+
+
+def test_the_eta_uses_the_whole_run_when_steps_take_minutes(capsys):
+    """Steps 80 s apart (rich's default rate window is 30 s): after 2 of 24 steps the ETA is
+    22 x 80 s = 0:29:20, on the bar and on the printed line."""
+    now = [1000.0]
+    p = TrainProgress(total_steps=24, start_step=0, enabled=True, clock=lambda: now[0])
+    with p:
+        for step in (1, 2):
+            now[0] += 80.0
+            p.update(step, {"rollout/reward_mean": 0.0, "perf/tokens": 800.0}, elapsed_s=80.0 * step)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RL 2/24")]
+    assert lines and "elapsed 0:02:40 ETA 0:29:20" in lines[0], lines
+    assert "0:29:20" in _render(p)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +16,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+#: rich's ``speed_estimate_period`` for the RL bar: longer than any run, so the ETA uses every step.
+WHOLE_RUN_S = 10 * 365 * 86400.0
+
 
 class TrainProgress:
     """A ``rich`` progress bar updated after every RL step, with elapsed time and ETA (no-op when
@@ -21,17 +26,22 @@ class TrainProgress:
     ``rich`` draws no live bar, so every update prints one line instead:
     ``RL 8/24 elapsed 0:10:40 ETA 0:21:20 reward ...``.
 
+    The ETA is the rate over the whole run (rich's default estimates it over the last 30 s only,
+    and an RL step often takes longer, which left the ETA unknown for the whole run).
+
     Args:
         total_steps: steps of the run. start_step: steps already done (resume).
         enabled: show it (False in tests / when ``logging.progress`` is off).
+        clock: seconds since an arbitrary origin (default ``time.monotonic``; tests pass their own).
     """
 
-    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True) -> None:
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = enabled
         self.tokens = 0.0
         self._p = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                           disable=not enabled)
+                           disable=not enabled, speed_estimate_period=WHOLE_RUN_S, get_time=clock)
         self._task = self._p.add_task("rl", total=total_steps, completed=start_step, info="")
 
     def __enter__(self) -> TrainProgress:
