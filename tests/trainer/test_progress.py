@@ -28,7 +28,6 @@ def test_the_rl_bar_shows_steps_done_an_eta_and_the_reward():
     assert "ETA" in after and "-:--:--" not in after, after  # two steps done: a remaining time
 
 
-
 def test_without_a_terminal_every_step_prints_one_line(capsys):
     """Output sent to a file gets no live bar from rich: each update prints the bar as a line."""
     p = TrainProgress(total_steps=24, start_step=0, enabled=True)
