@@ -155,6 +155,9 @@ class ExperimentConfig:
             require(n >= 2, "rollout.n_samples_per_prompt", n,
                      f"advantage estimator {algo.advantage_estimator!r} (preset {self.preset!r}) is "
                      "group-relative (needs_groups): needs >= 2")
+        if self.train.filter_groups:
+            require(n >= 2, "rollout.n_samples_per_prompt", n,
+                     "train.filter_groups drops groups whose episodes all got one reward: needs >= 2")
         if algo.n_samples_per_prompt is not None:
             require(n == algo.n_samples_per_prompt, "rollout.n_samples_per_prompt", n,
                      f"preset {self.preset!r} is defined for exactly {algo.n_samples_per_prompt} "

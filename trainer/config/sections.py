@@ -339,6 +339,13 @@ class TrainConfig:
             retriever, reward checker, engine) are never trained on (their group is dropped and
             the prompt re-queued); when more than this fraction of a step's episodes fail that
             way before the step is trained, the run stops with an error (0: at the first one).
+        filter_groups: dynamic sampling (DAPO §3.2, verl's ``algorithm.filter_groups``): a prompt
+            group whose episodes all got the same reward is dropped and another prompt drawn in
+            its place (:mod:`trainer.orchestration.group_filter`); needs
+            ``rollout.n_samples_per_prompt >= 2``.
+        max_filtered_groups_per_batch: with ``filter_groups``, at most this many groups are
+            dropped for one batch; then it keeps groups whatever their rewards (a policy that
+            never earns a reward does not stall the run).
     """
 
     total_steps: int = 100
@@ -357,9 +364,16 @@ class TrainConfig:
     torch_threads: int = 0
     sync_check_tolerance: float | None = 1e-3
     max_infra_failure_fraction: float = 0.5
+    filter_groups: bool = False
+    max_filtered_groups_per_batch: int = 64
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
+        require(isinstance(self.filter_groups, bool), "train.filter_groups", self.filter_groups,
+                 "must be true or false")
+        cap = self.max_filtered_groups_per_batch
+        require(isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0,
+                 "train.max_filtered_groups_per_batch", cap, "must be an int >= 0")
         for k in ("total_steps", "prompts_per_step", "num_mini_batches", "micro_batch_size"):
             require(getattr(self, k) >= 1, f"train.{k}", getattr(self, k), "must be >= 1")
         for k in ("actor_lr", "critic_lr"):

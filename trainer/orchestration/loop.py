@@ -43,6 +43,7 @@ from ..learner.base import Learner
 from ..models.lora import adapter_of
 from ..rollout.batch import to_batch
 from .attestation import SyncAttestor, SyncCheck
+from .group_filter import GroupFilter
 from .prompts import PromptStream
 from .rollouts import LoopHooks, Rollouts, WeightSource
 from .staleness import BoundedAdmission, FixedLag, Staleness, staleness_strategy
@@ -76,6 +77,8 @@ class LoopConfig:
             the run's own after-RL evaluation covers it), 0: never.
         malloc_trim: after every learner step, return this process's free C heap to the OS
             (``learner.malloc_trim``; :func:`~trainer.learner.allocator.release_free_heap`).
+        group_filter: dynamic sampling (``train.filter_groups``, :mod:`.group_filter`): finished
+            groups whose episodes all got one reward are dropped and replaced; None: off.
 
     Raises:
         ValueError: a failure fraction outside [0, 1], or a staleness that is no strategy.
@@ -91,6 +94,7 @@ class LoopConfig:
     sync_check: SyncCheck | None = None
     eval_every: int = 0
     malloc_trim: bool = False
+    group_filter: GroupFilter | None = None
 
     @classmethod
     def from_config(cls, exp: Any, *, pad_token_id: int) -> LoopConfig:
@@ -104,7 +108,9 @@ class LoopConfig:
                    n_samples_per_prompt=exp.rollout.n_samples_per_prompt, pad_token_id=pad_token_id,
                    staleness=staleness_strategy(exp.staleness), checkpoint_every=exp.checkpoint.every_steps,
                    max_infra_failure_fraction=exp.train.max_infra_failure_fraction,
-                   malloc_trim=exp.learner.malloc_trim)
+                   malloc_trim=exp.learner.malloc_trim,
+                   group_filter=GroupFilter(exp.train.max_filtered_groups_per_batch)
+                   if exp.train.filter_groups else None)
 
     def __post_init__(self) -> None:
         """Validate the failure threshold and the staleness strategy."""
@@ -247,6 +253,8 @@ class AsyncTrainingLoop:
             st.counters["episodes"] += len(trajs)
             st.counters["tokens_generated"] += sum(t.num_model_tokens for t in trajs)
             st.recent.extend(t.infra_failed for t in trajs)
+            if not failed and self._filtered(uid, trajs, batch):
+                return
             if not failed:
                 st.ready.append(Group(uid, list(trajs), batch))
                 st.batch_ready[batch] = st.batch_ready.get(batch, 0) + 1
@@ -270,6 +278,27 @@ class AsyncTrainingLoop:
                 f"{in_window} of the last {per_step} finished episodes (a step's worth) ended by an "
                 f"infrastructure failure, more than train.max_infra_failure_fraction="
                 f"{self.cfg.max_infra_failure_fraction}; last: {failed[-1].finish_reason}"))
+
+    def _filtered(self, uid: int, trajs: list, batch: int) -> bool:
+        """Dynamic sampling, under ``state.cond``: drop a finished group whose episodes all got one
+        reward (:class:`~.group_filter.GroupFilter`); its prompt is consumed, the staleness strategy
+        draws a replacement. True when dropped."""
+        flt, st = self.cfg.group_filter, self.state
+        if flt is None:
+            return False
+        done = st.filtered.get(batch, 0)
+        if not flt.drops(trajs, done):
+            return False
+        st.filtered[batch] = done + 1
+        st.filtered_since_step += 1
+        st.counters["filtered_groups"] += 1
+        st.in_flight.discard(uid)
+        st.cond.notify_all()
+        if done + 1 == flt.max_per_batch:
+            log.warning("dynamic sampling dropped %d groups for batch %s "
+                        "(train.max_filtered_groups_per_batch); it now keeps groups whatever their "
+                        "rewards", done + 1, batch)
+        return True
 
     async def _producer(self) -> None:
         try:
@@ -353,6 +382,9 @@ class AsyncTrainingLoop:
             st.counters["tokens_trained"] += sum(t.num_model_tokens for t in trajs)
             infra_step, st.infra_since_step = st.infra_since_step, 0
             dropped, st.dropped_since_step = st.dropped_since_step, []
+            filtered_step, st.filtered_since_step = st.filtered_since_step, 0
+            for b in [b for b in st.filtered if b < st.step]:  # trained (fixed lag) or bounded (-1)
+                del st.filtered[b]
             st.cond.notify_all()
         metrics.update(rollout_metrics(trajs, st.version))
         metrics.update(dropped_metrics([t for g in dropped for t in g.trajs]))
@@ -360,7 +392,8 @@ class AsyncTrainingLoop:
                         "perf/weight_sync_s": time.perf_counter() - t_sync,
                         "perf/sync_check_wait_s": self._take_sync_wait(),
                         "rollout/in_flight": float(len(st.in_flight)),
-                        "rollout/infra_failed_step": float(infra_step)})
+                        "rollout/infra_failed_step": float(infra_step),
+                        "rollout/filtered_groups_step": float(filtered_step)})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
         metrics.update(self._step_time(sum(t.num_model_tokens for t in trajs)))
         every = self.cfg.eval_every
