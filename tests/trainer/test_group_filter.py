@@ -25,6 +25,7 @@ from trainer.orchestration.group_filter import GroupFilter, reward_spread
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, FixedLag, LoopConfig, LoopState
 from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.rollouts import LocalRollouts, engine_handle
+from trainer.outputs.plots import make_plots
 from trainer.rollout.agent_loop import AgentLoopConfig
 
 from .test_loop_learner import SAMPLES, EchoEnv, Recorder
@@ -97,6 +98,16 @@ def test_only_groups_with_a_reward_spread_are_trained(tiny, staleness):
     total = seen[-1]["rollout/filtered_groups"]  # a group may still be dropped after the last step
     assert total == sum(m["rollout/filtered_groups_step"] for m in seen) <= counters["filtered_groups"]
     assert counters["episodes"] >= 4 * (counters["filtered_groups"] + 2 * 3)
+    assert [m["rollout/groups_trained"] for m in seen] == [2.0, 2.0, 2.0]
+
+
+def test_the_end_of_run_plot(tmp_path):
+    metrics = [{"step": s, "rollout/filtered_groups_step": float(10 - s), "rollout/groups_trained": 4.0}
+               for s in range(1, 9)]
+    (path,) = make_plots(metrics, tmp_path)
+    assert path.name == "filtered_groups.png" and path.stat().st_size > 5000
+    assert make_plots([{"step": 1, "rollout/groups_trained": 4.0}], tmp_path / "b")[0].name == \
+        "filtered_groups.png"
 
 
 def test_a_policy_without_reward_never_stalls_the_run(tiny):

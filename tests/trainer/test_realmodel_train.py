@@ -119,11 +119,12 @@ def test_one_lora_copc_step_through_the_real_tool(realmodel_path, tmp_path, case
 
 
 def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
-    """``configs/search/cpu_smollm.yaml`` (the search main job) as committed, cut to 2 RL steps of 4
-    prompts: the real retriever was queried, every ``<information>`` block is masked from the
-    loss, both roles' LoRA adapters moved, the heap was trimmed after each step, the held-out
-    evaluation (one question here) showed its progress bar and wrote its EM, tool-call and
-    invalid-action rates before and after RL to ``summary.json``."""
+    """``configs/search/cpu_smollm.yaml`` (the search main job) as committed, cut to 2 RL steps of 2
+    prompts (4 prompts, groups of 4 episodes): the real retriever was queried, every
+    ``<information>`` block is masked from the loss, both roles' LoRA adapters moved, the heap was
+    trimmed after each step, dynamic sampling counted its drops (at most 2 per batch here, so the
+    test's time is bounded), the held-out evaluation (one question here) showed its progress bar
+    and wrote its EM, tool-call and invalid-action rates before and after RL to ``summary.json``."""
     if not (CORPUS.is_file() and (QA_DIR / "qa" / "nq.jsonl").is_file()):
         pytest.skip(f"shared data not found under {QA_DIR}")
     nq = [json.loads(x) for x in (QA_DIR / "qa" / "nq.jsonl").read_text().splitlines()]
@@ -135,17 +136,23 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
     cfg = load_config(str(REPO / "configs/search/cpu_smollm.yaml"), [
         f"model.path={realmodel_path}", f"output_dir={out}", f"task.train_data=[{data}]",
         f"task.eval_data=[{data}]", "task.settings.held_out_every=100", "eval.num_samples=1",
-        "train.total_steps=2", "train.prompts_per_step=4", "train.micro_batch_size=4",
-        "rollout.concurrency=4", "logging.samples_per_step=8", "logging.progress=true",
+        "train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=4",
+        "train.max_filtered_groups_per_batch=2",
+        "rollout.concurrency=8", "logging.samples_per_step=8", "logging.progress=true",
         "checkpoint.every_steps=2"])
     # the job's own settings
     assert cfg.train.staleness == {"mode": "fixed", "lag": 4} and cfg.learner.lora is not None
+    assert cfg.train.filter_groups and cfg.rollout.n_samples_per_prompt == 4
     summary = run_experiment(cfg)
-    assert summary["steps"] == 2 and summary["trained_uids"] == 8
+    assert summary["steps"] == 2 and summary["trained_uids"] == 4
     lines = (out / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in lines if '"actor/pg_loss"' in x]
     assert len(steps) == 2 and all(s["time/rollout_env_s"] > 0 for s in steps)  # the retriever answered
     assert all(s["perf/malloc_trim_s"] >= 0 for s in steps)  # learner.malloc_trim, on by default
+    assert all(s["rollout/episodes"] == 8 for s in steps)  # 2 groups of 4 trained per step
+    # each batch dropped at most 2 rewardless groups, all counted (cumulative = sum of the steps')
+    dropped = steps[-1]["rollout/filtered_groups"]
+    assert 0 <= dropped == sum(s["rollout/filtered_groups_step"] for s in steps) <= 4
     err = capsys.readouterr().err
     assert "eval before_rl" in err and "eval after_rl" in err and "1/1" in err, err[-2000:]
     recs = read_samples(out)

@@ -393,7 +393,8 @@ class AsyncTrainingLoop:
                         "perf/sync_check_wait_s": self._take_sync_wait(),
                         "rollout/in_flight": float(len(st.in_flight)),
                         "rollout/infra_failed_step": float(infra_step),
-                        "rollout/filtered_groups_step": float(filtered_step)})
+                        "rollout/filtered_groups_step": float(filtered_step),
+                        "rollout/groups_trained": float(len(groups))})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
         metrics.update(self._step_time(sum(t.num_model_tokens for t in trajs)))
         every = self.cfg.eval_every

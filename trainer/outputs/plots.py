@@ -24,6 +24,9 @@ rollout_time.png      where rollout time goes vs step: seconds summed over the s
                       generation, in the environment (tools, sandbox, retriever, remote env) and
                       the rest (``time/rollout_llm_s``, ``time/rollout_env_s``,
                       ``time/rollout_other_s``), stacked
+filtered_groups.png   dynamic sampling (``train.filter_groups``) vs step: prompt groups dropped because
+                      every episode got one reward (``rollout/filtered_groups_step``), beside the
+                      groups trained (``rollout/groups_trained``, when logged)
 diagnostics.png       off-policy diagnostics vs step, one panel per group present:
                       (1) fraction masked/clipped below and above each channel's interval
                       (``diag/policy_masked_{low,high}_frac``, else ``actor/dis_masked_*``;
@@ -70,6 +73,9 @@ VALUE_PI_KEYS = ("value/policy_value_gap", "value/b_hat")
 #: ``tool_calls.png`` curves, in legend order.
 TOOL_KEYS = ("rollout/tool_calls", "eval/mean_tool_calls", "eval/tool_call_rate",
              "rollout/invalid_action_rate", "eval/invalid_action_rate")
+
+#: ``filtered_groups.png`` curves.
+FILTER_KEYS = ("rollout/filtered_groups_step", "rollout/groups_trained")
 
 #: ``rollout_time.png`` areas, bottom to top.
 TIME_KEYS = ("time/rollout_llm_s", "time/rollout_env_s", "time/rollout_other_s")
@@ -317,6 +323,7 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
     ratio = [k for k in RATIO_KEYS if _keys(metrics, lambda q, k=k: q == k)]
     value = _keys(metrics, lambda q: q == "critic/value_loss")
     tools = [k for k in TOOL_KEYS if _keys(metrics, lambda q, k=k: q == k)]
+    filtered = [k for k in FILTER_KEYS if _keys(metrics, lambda q, k=k: q == k)]
     written = [
         _plot_reward_accuracy(metrics, out / "reward_accuracy.png"),
         _plot_staleness(metrics, out / "staleness.png"),
@@ -339,6 +346,8 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
         _simple(metrics, out / "tool_calls.png", tools, "per episode / share",
                 "tool calls per episode, tool-call rate, invalid actions"),
         _plot_rollout_time(metrics, out / "rollout_time.png"),
+        _simple(metrics, out / "filtered_groups.png", filtered, "prompt groups per step",
+                "dynamic sampling: groups dropped (one reward for all episodes) / trained"),
         _plot_diagnostics(metrics, out / "diagnostics.png"),
     ]
     return [p for p in written if p is not None]
