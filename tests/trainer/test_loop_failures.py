@@ -206,11 +206,12 @@ def test_zero_fraction_stops_at_the_first_infra_failure(tiny):
 def test_counters_continue_from_a_checkpoint(tiny):
     """Issue 9 fault 10: every cumulative counter continues across a resume."""
     saved = {"episodes": 11, "episodes_trained": 8, "tokens_generated": 40, "tokens_trained": 30,
-             "dropped_stale": 3, "infra_failed": 2, "infra_failed_groups": 1}
+             "dropped_stale": 3, "infra_failed": 2, "infra_failed_groups": 1, "filtered_groups": 5}
     loop, eng, seen = _loop(tiny, EchoEnv, steps=6, per_step=2, s=0, counters=saved, start_step=4)
     asyncio.run(_run(loop, eng))
     c = loop.counters
     assert c["episodes_trained"] == 8 + 4 and c["dropped_stale"] == 3 and c["infra_failed"] == 2
+    assert c["filtered_groups"] == 5 and seen[-1]["rollout/filtered_groups"] == 5.0  # no filter here
     assert c["episodes"] >= 11 + 4  # more may have finished than were trained, never fewer
     assert c["tokens_trained"] == 30 + sum(m["rollout/model_tokens"] * 2 for m in seen)
     assert seen[0]["rollout/dropped_stale"] == 3.0 and seen[0]["rollout/episodes_trained_total"] == 10.0
