@@ -331,3 +331,37 @@ def test_a_dead_worker_thread_fails_callers_instead_of_hanging(model_tok):
         await eng.close()
 
     asyncio.run(main())
+
+
+def test_intra_op_threads_are_set_in_the_worker_thread(model_tok):
+    """``set_intra_op_threads`` reaches the thread that runs the forward passes (torch's count is per
+    thread: set from the caller's thread it would not); the caller's own count is untouched."""
+    model, tok = model_tok
+    seen: list[int] = []
+
+    def proc(prompt, new, logits):  # runs in the engine's worker thread
+        seen.append(torch.get_num_threads())
+        return logits
+
+    async def one(eng):
+        await eng.generate(tok.encode("q", add_special_tokens=False), SamplingParams(max_new_tokens=1))
+        return seen[-1]
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=proc)
+        try:
+            eng.set_intra_op_threads(1)
+            first = await one(eng)
+            eng.set_intra_op_threads(2)
+            second = await one(eng)
+            eng.set_intra_op_threads(1)
+            return first, second, await one(eng)
+        finally:
+            await eng.close()
+
+    mine = torch.get_num_threads()
+    assert asyncio.run(main()) == (1, 2, 1)
+    torch.set_num_threads(mine)  # the global default the worker also set
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"set_intra_op_threads: n="):
+            EmbeddedEngine.set_intra_op_threads(object.__new__(EmbeddedEngine), bad)

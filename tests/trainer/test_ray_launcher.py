@@ -177,6 +177,7 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["staleness/max"] <= 2 and len(r["staleness/hist"]) - 1 <= 2
+        assert r["perf/learner_malloc_trim_s"] >= 0  # the learner actor's heap (learner.malloc_trim)
     ckpt = CheckpointManager(out / "checkpoints")
     assert CheckpointManager.step_of(ckpt.latest()) == 3
     state = ckpt.load()

@@ -67,6 +67,21 @@ async def open_engine(cfg: ExperimentConfig, model_dir: Path, tokenizer: Any, ou
     return await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
 
 
+async def _evaluate_alone(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any, name: str) -> dict:
+    """:func:`_evaluate` while nothing else computes (before and after RL): an engine with
+    ``set_intra_op_threads`` (the embedded one) runs it on every core, then goes back to
+    ``train.torch_threads`` (on 2 cores the held-out evaluation of the search main job takes
+    ~2.5 min instead of ~6)."""
+    set_threads = getattr(engine, "set_intra_op_threads", None)
+    if set_threads is None or not cfg.train.torch_threads:
+        return await _evaluate(cfg, engine, task, tok, name)
+    set_threads(max(cfg.train.torch_threads, os.cpu_count() or 1))
+    try:
+        return await _evaluate(cfg, engine, task, tok, name)
+    finally:
+        set_threads(cfg.train.torch_threads)
+
+
 async def _evaluate(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any, name: str) -> dict:
     """Held-out evaluation (:func:`trainer.evaluate.heldout.evaluate_held_out`, the evaluation
     core on ``task.eval_samples``); its records go to ``<output_dir>/eval/<name>.jsonl``."""
@@ -126,13 +141,14 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
                                weights=weights, adapter=adapter)
     try:
         if cfg.eval.enabled and "eval_before" not in ctx.summary:
-            ctx.summary["eval_before"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer,
-                                                         BEFORE_RL)
+            ctx.summary["eval_before"] = await _evaluate_alone(cfg, handle.engine, ctx.task, ctx.tokenizer,
+                                                               BEFORE_RL)
             ctx.logger.log(ctx.start_step, {f"eval/{k}": v for k, v in ctx.summary["eval_before"].items()
                                             if isinstance(v, int | float)})
         ctx.summary.update(await _rl(ctx, handle))
         if cfg.eval.enabled:
-            ctx.summary["eval_after"] = await _evaluate(cfg, handle.engine, ctx.task, ctx.tokenizer, AFTER_RL)
+            ctx.summary["eval_after"] = await _evaluate_alone(cfg, handle.engine, ctx.task, ctx.tokenizer,
+                                                              AFTER_RL)
             delta = eval_delta(ctx.out / "eval")  # paired after − before, per question
             if delta is not None:
                 ctx.summary["eval_delta"] = delta

@@ -139,6 +139,7 @@ class EmbeddedEngine:
         self._closed = False
         self._dead: EngineError | None = None  # set if the worker thread died
         self._taken: list[_Request] = []  # taken off the queue by the step in progress
+        self._threads: int | None = None  # intra-op threads the worker sets before its next step
         self._worker = threading.Thread(target=self._run, name="copc-embedded-engine", daemon=True)
         self._worker.start()
 
@@ -185,6 +186,22 @@ class EmbeddedEngine:
             self._queue.append(req)
             self._cv.notify_all()
         return await req.future
+
+    def set_intra_op_threads(self, n: int) -> None:
+        """Run the engine's forward passes on ``n`` torch intra-op threads from its next step on.
+
+        torch's intra-op thread count is per calling thread, so the engine's worker thread sets it
+        itself (``torch.set_num_threads``; that also becomes the default of threads that start
+        torch work later). ``copc train`` gives the held-out evaluations every core: nothing else
+        computes while they run.
+
+        Raises:
+            ValueError: ``n`` is not an int >= 1.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"set_intra_op_threads: n={n!r} must be an int >= 1")
+        with self._cv:
+            self._threads = n
 
     async def pause(self) -> None:
         """Admit no new request and wait until every running one has finished (the batch drains)."""
@@ -306,6 +323,9 @@ class EmbeddedEngine:
                 take = [] if self._paused else self._queue[: b.free_slots()]
                 del self._queue[: len(take)]
                 version = self._version  # cannot change while requests run (updates drain first)
+                threads, self._threads = self._threads, None
+            if threads is not None:
+                torch.set_num_threads(threads)
             self._taken = take  # off the queue, maybe not yet in the batch: failed too if this step dies
             try:
                 self._step([b.new_row(r, r.prompt_ids, r.params, version) for r in take])

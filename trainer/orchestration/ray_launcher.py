@@ -36,6 +36,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from ..engines.base import SamplingParams
+from ..learner.allocator import release_free_heap
 from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
@@ -148,10 +150,18 @@ class LearnerActor:
         import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
         self.learner = make_learner(exp_cfg, model_dir)
         self.learner.load_state_dict(state)
+        self.malloc_trim = bool(exp_cfg.learner.malloc_trim)
 
     def step(self, batch: Any) -> dict:
-        """:meth:`Learner.step` (metrics dict)."""
-        return self.learner.step(batch)
+        """:meth:`Learner.step` (metrics dict); with ``learner.malloc_trim`` this process's free C
+        heap is then returned to the OS (:func:`~trainer.learner.allocator.release_free_heap`), as
+        the local loop and every distributed rank do, and ``perf/learner_malloc_trim_s`` is added."""
+        metrics = self.learner.step(batch)
+        if self.malloc_trim:
+            t0 = time.perf_counter()
+            release_free_heap()
+            metrics["perf/learner_malloc_trim_s"] = time.perf_counter() - t0
+        return metrics
 
     def state_dict(self) -> dict:
         """:meth:`Learner.state_dict` (everything needed to resume)."""
