@@ -169,6 +169,7 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
         "rollout.concurrency": "4", "rollout.n_samples_per_prompt": "1",
         "eval.enabled": "false", "warm_start.enabled": "false", "logging.progress": "false",
         "logging.plots": "false", "checkpoint.every_steps": "1", "checkpoint.keep_last": "2",
+        "logging.samples_per_step": "2",
     }
     summary = run_experiment(load_config(None, [f"{k}={v}" for k, v in ov.items()]))
     assert summary["steps"] == 3 and summary["trained_uids"] == 6 and summary["duplicate_trained_uids"] == 0
@@ -182,6 +183,12 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
     assert CheckpointManager.step_of(ckpt.latest()) == 3
     state = ckpt.load()
     assert state["learner"]["steps_done"] == 3  # the learner actor's state reached the checkpoint
+    # the training samples come from the learner actor's step inputs, as with the local launcher
+    from trainer.outputs.viewer.samples import read_samples
+    recs = read_samples(out)
+    assert sorted({r["step"] for r in recs}) == [1, 2, 3] and all(len(r["advantage"]) == len(r["tokens"])
+                                                                for r in recs)
+    assert all(any(r["loss_mask"]) and len(r["ratio"]) == len(r["tokens"]) for r in recs)
 
 
 def test_ray_fixed_lag_staleness_is_exact_and_workers_end_on_the_newest(ray_cluster, tiny32):

@@ -163,6 +163,12 @@ class LearnerActor:
             metrics["perf/learner_malloc_trim_s"] = time.perf_counter() - t0
         return metrics
 
+    def step_inputs(self) -> Any:
+        """The last step's per-token inputs on the CPU (``last_step_inputs``: ``(B, T)`` log-probs and
+        advantages), for the run's training samples; None when the backend keeps none."""
+        x = getattr(self.learner, "last_step_inputs", None)
+        return None if x is None else x.to(torch.device("cpu"))
+
     def state_dict(self) -> dict:
         """:meth:`Learner.state_dict` (everything needed to resume)."""
         return self.learner.state_dict()
@@ -192,18 +198,32 @@ class RayLearner:
         actor: a :class:`LearnerActor` handle (:meth:`start` makes one).
     """
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, algorithm: Any = None, with_inputs: bool = False) -> None:
         self.actor = actor
+        #: the preset's algorithm (its channel intervals, for the run's samples; it trains nothing
+        #: here), or None
+        self.algorithm = algorithm
+        #: the last step's per-token inputs fetched from the actor (``logging.samples_per_step > 0``)
+        self.last_step_inputs: Any = None
+        self._with_inputs = with_inputs
 
     @classmethod
     def start(cls, exp_cfg: Any, model_dir: str | Path, state: dict,
               options: dict | None = None) -> RayLearner:
         """Start a :class:`LearnerActor` of ``exp_cfg``'s backend from ``state`` (``Learner.state_dict``
-        output); ``options``: Ray actor options (``num_gpus``, ...). Ray must be initialised."""
+        output); ``options``: Ray actor options (``num_gpus``, ...). Ray must be initialised.
+        With ``logging.samples_per_step > 0`` each step also fetches the actor's step inputs, so
+        the run writes its training samples as the local launcher does."""
         import ray
 
+        from ..learner.algorithm import ActorCriticAlgorithm
+        from ..learner.settings import LearnerConfig
+
         actor_cls = ray.remote(LearnerActor).options(**dict(options or {}))
-        return cls(actor_cls.remote(exp_cfg, str(model_dir), state))
+        algorithm = ActorCriticAlgorithm.from_config(exp_cfg.algorithm_config(),
+                                                     LearnerConfig.from_config(exp_cfg))
+        return cls(actor_cls.remote(exp_cfg, str(model_dir), state), algorithm,
+                   bool(exp_cfg.logging.samples_per_step))
 
     @property
     def policy_version(self) -> int:
@@ -216,7 +236,10 @@ class RayLearner:
         """:meth:`Learner.step` on the actor (blocks until it is done; the loop calls it in a thread)."""
         import ray
 
-        return ray.get(self.actor.step.remote(batch))
+        metrics = ray.get(self.actor.step.remote(batch))
+        if self._with_inputs:
+            self.last_step_inputs = ray.get(self.actor.step_inputs.remote())
+        return metrics
 
     def policy_weights_ref(self) -> Any:
         """An object reference to the actor's policy weights (produced once, pulled by each worker)."""
