@@ -253,12 +253,11 @@ class AsyncTrainingLoop:
             st.counters["episodes"] += len(trajs)
             st.counters["tokens_generated"] += sum(t.num_model_tokens for t in trajs)
             st.recent.extend(t.infra_failed for t in trajs)
-            if not failed and self._filtered(uid, trajs, batch):
-                return
             if not failed:
-                st.ready.append(Group(uid, list(trajs), batch))
-                st.batch_ready[batch] = st.batch_ready.get(batch, 0) + 1
-                st.cond.notify_all()
+                if not self._filtered(uid, trajs, batch):
+                    st.ready.append(Group(uid, list(trajs), batch))
+                    st.batch_ready[batch] = st.batch_ready.get(batch, 0) + 1
+                    st.cond.notify_all()
                 return
             # an infrastructure failure is not a wrong answer: the group is not trained on
             st.counters["infra_failed"] += len(failed)

@@ -152,22 +152,20 @@ class LearnerActor:
         self.learner.load_state_dict(state)
         self.malloc_trim = bool(exp_cfg.learner.malloc_trim)
 
-    def step(self, batch: Any) -> dict:
-        """:meth:`Learner.step` (metrics dict); with ``learner.malloc_trim`` this process's free C
-        heap is then returned to the OS (:func:`~trainer.learner.allocator.release_free_heap`), as
-        the local loop and every distributed rank do, and ``perf/learner_malloc_trim_s`` is added."""
+    def step(self, batch: Any, with_inputs: bool = False) -> tuple[dict, Any]:
+        """:meth:`Learner.step`: ``(metrics, step inputs)`` in one reply, the step inputs the
+        learner's ``last_step_inputs`` on the CPU (``(B, T)`` log-probs and advantages, for the
+        run's training samples) when ``with_inputs``, else None. With ``learner.malloc_trim`` this
+        process's free C heap is then returned to the OS
+        (:func:`~trainer.learner.allocator.release_free_heap`), as the local loop and every
+        distributed rank do, and ``perf/learner_malloc_trim_s`` is added."""
         metrics = self.learner.step(batch)
         if self.malloc_trim:
             t0 = time.perf_counter()
             release_free_heap()
             metrics["perf/learner_malloc_trim_s"] = time.perf_counter() - t0
-        return metrics
-
-    def step_inputs(self) -> Any:
-        """The last step's per-token inputs on the CPU (``last_step_inputs``: ``(B, T)`` log-probs and
-        advantages), for the run's training samples; None when the backend keeps none."""
-        x = getattr(self.learner, "last_step_inputs", None)
-        return None if x is None else x.to(torch.device("cpu"))
+        x = getattr(self.learner, "last_step_inputs", None) if with_inputs else None
+        return metrics, None if x is None else x.to(torch.device("cpu"))
 
     def state_dict(self) -> dict:
         """:meth:`Learner.state_dict` (everything needed to resume)."""
@@ -236,9 +234,9 @@ class RayLearner:
         """:meth:`Learner.step` on the actor (blocks until it is done; the loop calls it in a thread)."""
         import ray
 
-        metrics = ray.get(self.actor.step.remote(batch))
+        metrics, inputs = ray.get(self.actor.step.remote(batch, self._with_inputs))
         if self._with_inputs:
-            self.last_step_inputs = ray.get(self.actor.step_inputs.remote())
+            self.last_step_inputs = inputs
         return metrics
 
     def policy_weights_ref(self) -> Any:
