@@ -27,22 +27,24 @@ from ..errors import ConfigError
 from ..plugins import check_plugins, import_plugins, plugin_metadata
 from .learner_section import LearnerSection
 from .sections import (  # noqa: F401 - re-exported: import sections from here
-    OLD_STALENESS_KEYS,
-    BoundedStaleness,
     CheckpointConfig,
     EvalConfig,
-    FixedStaleness,
     LauncherConfig,
     LoggingConfig,
     ModelConfig,
     RolloutConfig,
     TaskConfig,
     TinyModelSpec,
-    TrainConfig,
     WarmStartConfig,
     moved_key_hint,
-    parse_staleness,
     require,
+)
+from .train_section import (
+    OLD_STALENESS_KEYS,
+    BoundedStaleness,
+    FixedStaleness,
+    TrainConfig,
+    parse_staleness,
 )
 
 _ALGORITHM_FIELDS = frozenset(f.name for f in dataclasses.fields(copc.AlgorithmConfig))
@@ -109,7 +111,7 @@ class ExperimentConfig:
         """The effective staleness settings, resolved here and only here (read this, not ``train``'s).
 
         Returns:
-            ``train.staleness`` parsed (:func:`~trainer.config.sections.parse_staleness`), its
+            ``train.staleness`` parsed (:func:`~trainer.config.train_section.parse_staleness`), its
             number replaced by the preset's own staleness when it fixes one
             (``algorithm_config().max_staleness``, ``ppo``: 0): in ``bounded`` mode that is the
             bound, in ``fixed`` mode the exact lag.
