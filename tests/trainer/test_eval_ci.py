@@ -16,6 +16,7 @@ from trainer.config import load_config
 from trainer.evaluate.heldout import episode_records, eval_delta, paired_difference, summarize
 from trainer.evaluate.records import read_records, write_records
 from trainer.evaluate.stats import Z95, normal_mean_interval, wilson_interval
+from trainer.outputs.metrics_log import read_metrics
 from trainer.outputs.report import format_delta, format_with_ci, print_report
 from trainer.rollout.trajectory import Trajectory
 
@@ -217,6 +218,12 @@ def test_report_shows_intervals_and_delta():
     assert "0.051 [0.032, 0.080]" in text and "0.080 [0.055, 0.114]" in text
     assert "+0.029 [+0.006, +0.054] (n=334)" in text and "paired bootstrap" in text
     assert "ci95" not in text  # the bounds are shown in brackets, not as rows
+    buf = io.StringIO()
+    tail = {"frac": 0.2, "steps": [20, 24], "rollout/invalid_action_rate": 0.0484, "rollout/tool_calls": 1.0}
+    print_report({"name": "r", "eval_before": before, "eval_after": after, "steps": 24, "train_tail": tail},
+                 console=Console(file=buf, width=200))
+    assert ("Training, last 20% of RL steps (steps 20–24), mean per step: invalid action rate 0.048, "
+            "tool calls 1.000") in buf.getvalue()
 
 
 # --- copc train end to end --------------------------------------------------------------------
@@ -245,6 +252,10 @@ def test_train_writes_records_and_paired_delta(tmp_path):
     change = summary["eval_after"]["accuracy"] - summary["eval_before"]["accuracy"]
     assert delta["mean"] == pytest.approx(change)
     assert json.loads((Path(out) / "summary.json").read_text())["eval_delta"] == delta
+    tail = summary["train_tail"]  # one RL step: the last 20 % is that step
+    step1 = [r for r in read_metrics(out) if r.get("step") == 1 and "rollout/reward_mean" in r][-1]
+    assert tail["steps"] == [1, 1]
+    assert tail["rollout/reward_mean"] == pytest.approx(step1["rollout/reward_mean"])
 
 
 def test_report_row_labels_survive_an_80_column_terminal():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.outputs.metrics_log import MetricsLogger, read_metrics, write_summary
+from trainer.outputs.metrics_log import MetricsLogger, last_steps_mean, read_metrics, write_summary
 from trainer.outputs.plots import make_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -261,3 +261,21 @@ def test_plots_from_logger_records(tmp_path):
             ml.log(r["step"], {k: v for k, v in r.items() if k not in ("step", "time")})
         recs = ml.read()
     assert len(make_plots(recs, tmp_path)) == 6
+
+
+def test_last_steps_mean_by_hand():
+    """24 steps, frac 0.2: ceil(4.8) = 5 steps (20–24); evaluation records, masked-out garbage in
+    other keys and a re-done step (resume: its last record counts) change nothing else."""
+    recs = [{"step": 0, "eval/invalid_action_rate": 9.0, "rollout/invalid_action_rate": 9.0}]
+    recs += [{"step": s, "rollout/invalid_action_rate": 0.01 * s, "other": "garbage"} for s in range(1, 25)]
+    recs += [{"step": 22, "rollout/invalid_action_rate": 0.5}, {"step": 25, "eval/em": 0.1}]
+    got = last_steps_mean(recs, keys=("rollout/invalid_action_rate", "rollout/missing"), frac=0.2)
+    assert got["steps"] == [20, 24] and got["frac"] == 0.2 and "rollout/missing" not in got
+    assert got["rollout/invalid_action_rate"] == pytest.approx((0.20 + 0.21 + 0.5 + 0.23 + 0.24) / 5)
+    # 3 steps: ceil(0.6) = 1 step; frac 1: every step
+    three = [{"step": s, "rollout/tool_calls": float(s)} for s in (1, 2, 3)]
+    assert last_steps_mean(three, ("rollout/tool_calls",))["rollout/tool_calls"] == 3.0
+    assert last_steps_mean(three, ("rollout/tool_calls",), frac=1.0)["rollout/tool_calls"] == 2.0
+    assert last_steps_mean([{"step": 0, "eval/em": 0.1}]) == {}
+    with pytest.raises(ValueError, match="frac=0"):
+        last_steps_mean(three, frac=0)

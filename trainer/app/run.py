@@ -37,7 +37,7 @@ from ..orchestration.samples import step_samples
 from ..orchestration.state import LoopState
 from ..outputs.checkpoint import CheckpointManager, rng_state
 from ..outputs.lock import lock_output_dir
-from ..outputs.metrics_log import write_summary
+from ..outputs.metrics_log import last_steps_mean, write_summary
 from ..outputs.progress import TrainProgress
 from ..outputs.report import print_report
 from ..outputs.viewer.samples import write_step_samples
@@ -121,6 +121,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         asyncio.run(_eval_rl_eval(ctx))
         summary = ctx.summary
         summary["wall_s"] = ctx.wall_s()
+        summary["train_tail"] = last_steps_mean(ctx.logger.read())  # the last 20 % of RL steps
         if cfg.logging.plots:
             from ..outputs.plots import make_plots
             summary["plots"] = [str(p) for p in make_plots(ctx.logger.read(), ctx.out)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import numbers
 import os
 import time
@@ -316,3 +317,43 @@ def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     path = out / SUMMARY_FILE
     _atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+#: Metrics of the training steps whose mean over the run's last steps goes into ``summary.json``
+#: (``train_tail``): what issue-style targets read ("invalid actions over the last 20 % of steps").
+TAIL_METRICS = ("rollout/invalid_action_rate", "rollout/tool_calls", "rollout/reward_mean")
+
+
+def last_steps_mean(records: list[dict], keys: tuple[str, ...] = TAIL_METRICS,
+                    frac: float = 0.2) -> dict[str, Any]:
+    """Mean of each metric over the last ``ceil(frac × n)`` training steps that logged it.
+
+    A training step is a record with ``step >= 1`` holding the key (evaluation records hold
+    ``eval/...`` keys only); a step logged twice (a resumed run re-doing it) counts once, its
+    last record. Keys no step logged are left out.
+
+    Args:
+        records: ``metrics.jsonl`` records (:func:`read_metrics`), in order.
+        keys: metric names to average.
+        frac: share of the logged steps, in (0, 1].
+
+    Returns:
+        ``{"frac": frac, "steps": [first, last], "<key>": mean, ...}``; ``{}`` when no step
+        logged any of ``keys``. E.g. 24 steps and ``frac=0.2``: the mean over steps 20–24.
+
+    Raises:
+        ValueError: ``frac`` outside (0, 1] (the message names it).
+    """
+    if not 0.0 < frac <= 1.0:
+        raise ValueError(f"frac={frac!r}: must be in (0, 1]")
+    out: dict[str, Any] = {}
+    span: list[int] = []
+    for key in keys:
+        by_step = {int(r["step"]): float(r[key]) for r in records
+                   if int(r.get("step", 0)) >= 1 and isinstance(r.get(key), int | float)}
+        if not by_step:
+            continue
+        steps = sorted(by_step)[-math.ceil(frac * len(by_step)):]
+        out[key] = sum(by_step[s] for s in steps) / len(steps)
+        span = [steps[0], steps[-1]] if not span else [min(span[0], steps[0]), max(span[1], steps[-1])]
+    return {"frac": frac, "steps": span, **out} if out else {}

@@ -47,7 +47,8 @@ def print_report(summary: dict, console: Any = None) -> None:
     Args:
         summary: the run summary (``eval_before`` / ``eval_after`` metric dicts, ``eval_delta``,
             ``steps``, ``episodes``, ``dropped_stale``, ``infra_failed``, ``wall_s`` in seconds,
-            ``output_dir``).
+            ``output_dir``, ``train_tail``: :func:`~trainer.outputs.metrics_log.last_steps_mean`
+            output, printed as one line when present).
         console: a ``rich.console.Console`` to print to (default: a new one on stdout).
     """
     from rich.console import Console
@@ -83,3 +84,9 @@ def print_report(summary: dict, console: Any = None) -> None:
               f"{summary.get('dropped_stale')}, infrastructure failures: {summary.get('infra_failed', 0)}, "
               f"wall time: {summary.get('wall_s', 0):.0f} s; "
               f"outputs in {summary.get('output_dir')}")
+    tail = summary.get("train_tail") or {}
+    if tail.get("steps"):
+        parts = [f"{k.split('/')[-1].replace('_', ' ')} {tail[k]:.3f}" for k in sorted(tail)
+                 if k.startswith("rollout/")]
+        con.print(f"Training, last {tail['frac']:.0%} of RL steps (steps {tail['steps'][0]}–"
+                  f"{tail['steps'][1]}), mean per step: " + ", ".join(parts))
