@@ -121,10 +121,11 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         asyncio.run(_eval_rl_eval(ctx))
         summary = ctx.summary
         summary["wall_s"] = ctx.wall_s()
-        summary["train_tail"] = last_steps_mean(ctx.logger.read())  # the last 20 % of RL steps
+        records = ctx.logger.read()  # metrics.jsonl, read once for the tail means and the plots
+        summary["train_tail"] = last_steps_mean(records)  # the last 20 % of RL steps
         if cfg.logging.plots:
             from ..outputs.plots import make_plots
-            summary["plots"] = [str(p) for p in make_plots(ctx.logger.read(), ctx.out)]
+            summary["plots"] = [str(p) for p in make_plots(records, ctx.out)]
         write_summary(ctx.out, summary)
         print_report(summary)
         return summary
