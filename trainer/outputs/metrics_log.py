@@ -319,6 +319,23 @@ def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     return path
 
 
+def is_metric_number(v: Any) -> bool:
+    """Whether a record value is a number to plot or average (int or float, not bool)."""
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def metric_series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that have a number under ``key``, in record order;
+    non-finite values become NaN (a gap in a plot)."""
+    xs, ys = [], []
+    for rec in records:
+        v = rec.get(key)
+        if is_metric_number(v):
+            xs.append(rec["step"])
+            ys.append(float(v) if math.isfinite(v) else math.nan)
+    return xs, ys
+
+
 #: Metrics of the training steps whose mean over the run's last steps goes into ``summary.json``
 #: (``train_tail``): what issue-style targets read ("invalid actions over the last 20 % of steps").
 TAIL_METRICS = ("rollout/invalid_action_rate", "rollout/tool_calls", "rollout/reward_mean")
@@ -349,8 +366,7 @@ def last_steps_mean(records: list[dict], keys: tuple[str, ...] = TAIL_METRICS,
     out: dict[str, Any] = {}
     span: list[int] = []
     for key in keys:
-        by_step = {int(r["step"]): float(r[key]) for r in records
-                   if int(r.get("step", 0)) >= 1 and isinstance(r.get(key), int | float)}
+        by_step = {int(st): v for st, v in zip(*metric_series(records, key), strict=True) if st >= 1}
         if not by_step:
             continue
         steps = sorted(by_step)[-math.ceil(frac * len(by_step)):]

@@ -55,6 +55,8 @@ import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .metrics_log import is_metric_number, metric_series
+
 _REWARD_RE = re.compile(r"(^|/)reward(_mean)?$")
 _ACC_RE = re.compile(r"(^|/)(accuracy|em|avg@\d+)$")
 _MASK_RE = re.compile(r"(masked_frac|clipped_frac)$")
@@ -81,29 +83,14 @@ FILTER_KEYS = ("rollout/filtered_groups_step", "rollout/groups_trained")
 TIME_KEYS = ("time/rollout_llm_s", "time/rollout_env_s", "time/rollout_other_s")
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def _keys(metrics: list[dict], pred: Callable[[str], bool]) -> list[str]:
     """Keys (first-seen order) that satisfy ``pred`` and hold a number in at least one record."""
     seen: dict[str, None] = {}
     for rec in metrics:
         for k, v in rec.items():
-            if k not in seen and k not in ("step", "time") and pred(k) and _is_number(v):
+            if k not in seen and k not in ("step", "time") and pred(k) and is_metric_number(v):
                 seen[k] = None
     return list(seen)
-
-
-def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the records that have a number under ``key``; non-finite -> NaN (a gap)."""
-    xs, ys = [], []
-    for rec in metrics:
-        v = rec.get(key)
-        if _is_number(v):
-            xs.append(rec["step"])
-            ys.append(float(v) if math.isfinite(v) else math.nan)
-    return xs, ys
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -117,7 +104,7 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def _line_plot(ax, metrics: list[dict], keys: list[str], ylabel: str) -> None:
     for k in keys:
-        xs, ys = _series(metrics, k)
+        xs, ys = metric_series(metrics, k)
         sparse = len(xs) < len(metrics) / 2  # e.g. eval metrics logged every N steps
         ax.plot(xs, ys, marker="o" if sparse or len(xs) < 30 else None, markersize=3, label=k)
     ax.set_xlabel("step")
@@ -145,7 +132,7 @@ def _staleness_counts(metrics: list[dict]) -> list[float] | None:
     counts: list[float] = []
 
     def add(k: int, c: Any) -> None:
-        if _is_number(c) and math.isfinite(c):
+        if is_metric_number(c) and math.isfinite(c):
             counts.extend([0.0] * (k + 1 - len(counts)))
             counts[k] += float(c)
 
@@ -179,7 +166,7 @@ def _plot_staleness(metrics: list[dict], path: Path) -> Path | None:
         if not keys:
             return None
         for k in keys:
-            vals = [v for v in _series(metrics, k)[1] if math.isfinite(v)]
+            vals = [v for v in metric_series(metrics, k)[1] if math.isfinite(v)]
             top = max(vals, default=0.0)
             bins = [b - 0.5 for b in range(math.floor(top) + 2)]  # unit-wide bins centred on ints
             ax.hist(vals, bins=bins, alpha=0.6, label=k)
@@ -200,7 +187,7 @@ def _simple(
     ax = fig.add_subplot(1, 1, 1)
     _line_plot(ax, metrics, keys, ylabel)
     if log_if_positive:
-        vals = [v for k in keys for v in _series(metrics, k)[1] if math.isfinite(v)]
+        vals = [v for k in keys for v in metric_series(metrics, k)[1] if math.isfinite(v)]
         if vals and min(vals) > 0 and max(vals) / min(vals) > 100:
             ax.set_yscale("log")
     ax.set_title(title)
@@ -214,7 +201,7 @@ def _present(metrics: list[dict], keys: tuple[str, ...]) -> list[str]:
 def _fraction_ylim(metrics: list[dict], keys: list[str]) -> tuple[float, float]:
     """y-range of a panel of fractions: 0 (less a 2 % margin) to the largest value plus 5 %, at
     least 0.001 wide, so that fractions of a few tokens in a thousand are not squashed flat."""
-    top = max((v for k in keys for v in _series(metrics, k)[1] if math.isfinite(v)), default=0.0)
+    top = max((v for k in keys for v in metric_series(metrics, k)[1] if math.isfinite(v)), default=0.0)
     top = max(top, 1e-3) * 1.05
     return -0.02 * top, top
 
@@ -268,12 +255,12 @@ def _plot_rollout_time(metrics: list[dict], path: Path) -> Path | None:
     keys = _present(metrics, TIME_KEYS)
     if not keys:
         return None
-    steps = sorted({int(r["step"]) for r in metrics if any(_is_number(r.get(k)) for k in keys)})
+    steps = sorted({int(r["step"]) for r in metrics if any(is_metric_number(r.get(k)) for k in keys)})
     by_step = {int(r["step"]): r for r in metrics}
 
     def val(st: int, k: str) -> float:
         v = by_step[st].get(k)
-        return float(v) if _is_number(v) and math.isfinite(float(v)) else 0.0
+        return float(v) if is_metric_number(v) and math.isfinite(float(v)) else 0.0
 
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot(1, 1, 1)
