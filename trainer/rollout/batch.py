@@ -76,6 +76,43 @@ class RolloutBatch:
                 out[f.name] = v
         return RolloutBatch(**out)
 
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the columns that are padding in every row: the leading prompt
+        columns no row attends to and the response columns after the last attended one (a
+        micro-batch of short episodes cut out of a batch with a long one). ``P`` and ``T`` shrink
+        by the dropped columns; every real token keeps its column relative to the prompt end, so
+        the forward pass over the trimmed batch gives each real token what it gives in the padded
+        one (causal attention never reads a later column; padding is never attended), and
+        :func:`pad_response` restores ``(B, T)`` outputs. A batch with no attended column is
+        returned as is."""
+        attended = self.attention_mask.bool().any(dim=0)
+        cols = attended.nonzero()
+        if len(cols) == 0:
+            return self
+        first, last = int(cols[0]), int(cols[-1]) + 1
+        first = min(first, self.prompt_len)
+        end = max(last - self.prompt_len, 1)  # keep >= 1 response column, as to_batch does
+        if first == 0 and end == self.loss_mask.shape[1]:
+            return self
+        full = slice(first, self.prompt_len + end)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("input_ids", "attention_mask", "position_ids"):
+                out[f.name] = v[:, full]
+            elif f.name in ("loss_mask", "logp_mu", "versions", "rewards"):
+                out[f.name] = v[:, :end]
+            else:
+                out[f.name] = v
+        out["prompt_len"] = self.prompt_len - first
+        return RolloutBatch(**out)
+
+
+def pad_response(x: Tensor, width: int) -> Tensor:
+    """``(B, t)`` response-aligned values of a :meth:`RolloutBatch.trimmed` batch as ``(B, width)``
+    (``width >= t``), zeros in the added columns (padding: never a model token)."""
+    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
 
 def to_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> RolloutBatch:
     """Pad a list of trajectories into a :class:`RolloutBatch`.

@@ -34,7 +34,7 @@ import copc
 from ...models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ...models.lm_head import check_output_head, token_scores
 from ...models.lora import AdapterWeights, merged_state_dict
-from ...rollout.batch import RolloutBatch
+from ...rollout.batch import RolloutBatch, pad_response
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
 from ..critic import ValueModel, freeze_attention
 from ..lora import check_trainable_dtype, load_role_state, prepare_models, role_state, trainable_parameters
@@ -128,10 +128,12 @@ class TransformersForward:
     def scores(self, mb: RolloutBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
         """The actor's response log-probs (and entropies) of ``mb`` (:func:`response_scores`, chunks of
         ``cfg.logprob_chunk_tokens``), float32, under :meth:`forward_context`."""
+        width, mb = mb.loss_mask.shape[1], mb.trimmed()
         with self.forward_context():
-            return response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy, scorer=self.scorer,
-                                   chunk_tokens=self.cfg.logprob_chunk_tokens,
-                                   shared_prefix_tokens=self.cfg.shared_prefix_tokens)
+            lp, ent = response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy,
+                                      scorer=self.scorer, chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                      shared_prefix_tokens=self.cfg.shared_prefix_tokens)
+        return pad_response(lp, width), None if ent is None else pad_response(ent, width)
 
     def logprobs(self, mb: RolloutBatch) -> Tensor:
         """The actor's response log-probs of ``mb`` (:meth:`scores`)."""
@@ -144,8 +146,9 @@ class TransformersForward:
     def values(self, mb: RolloutBatch) -> Tensor:
         """The critic's values of ``mb`` (:func:`mb_values`, ``learner.shared_prefix_tokens``),
         float32, under :meth:`forward_context`."""
+        width, mb = mb.loss_mask.shape[1], mb.trimmed()
         with self.forward_context():
-            return mb_values(self.critic, mb, self.cfg.shared_prefix_tokens).float()
+            return pad_response(mb_values(self.critic, mb, self.cfg.shared_prefix_tokens).float(), width)
 
     @torch.no_grad()
     def next_token_logprobs(self, prompt_ids: Tensor, temperature: float) -> Tensor:
@@ -268,16 +271,21 @@ class TorchLearner(TransformersForward, TemplateLearner):
     # -- the template step's hooks (forward passes: TransformersForward) ----------------------
     @torch.no_grad()
     def recompute(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
-        """Whole-batch ``logp_old`` / ``values_old`` over the micro-batches (eval mode)."""
+        """Whole-batch ``logp_old`` / ``values_old`` over micro-batches of rows of similar length
+        (eval mode): the rows sorted by real tokens, so each micro-batch's :meth:`RolloutBatch.trimmed`
+        padding is small; a row's outputs do not depend on the rows beside it, and are returned in
+        batch order."""
         self.actor.eval()
+        order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True).tolist()
         lps, vals = [], []
         for sl in self.algorithm.micro_slices(len(batch)):
-            mb = batch.select(sl)
+            mb = batch.select(order[sl])
             lps.append(self.logprobs(mb))
             if self.critic is not None:
                 self.critic.eval()
                 vals.append(self.values(mb))
-        return torch.cat(lps), (torch.cat(vals) if vals else None)
+        back = torch.argsort(torch.tensor(order))
+        return torch.cat(lps)[back], (torch.cat(vals)[back] if vals else None)
 
     def backward(self, role: str, mini: RolloutBatch, x: StepInputs, den: MiniBatchDenominators
                  ) -> list[tuple[dict[str, float], float]]:
