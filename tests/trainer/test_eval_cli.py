@@ -350,3 +350,20 @@ def test_checkpoint_identity_covers_sharded_learner_state(tmp_path):
         args.checkpoint = str(mgr.save(3, {"loop": {"step": 3}, "learner_shards": shards(payload)}))
         ids.append(policy_identity(args)["weights_sha256"])
     assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--max-samples", "40"], "--max-samples=40: an option of the --benchmarks form"),
+    (["--out", "elsewhere"], "--out='elsewhere': an option of the --benchmarks form"),
+    (["--k", "4"], "--k=4: an option of the --benchmarks form"),
+    (["--resume"], "--resume=True: an option of the --benchmarks form"),
+])
+def test_benchmark_options_with_config_are_refused_not_ignored(tmp_path, capsys, monkeypatch, flags, needle):
+    out = tmp_path / "run"
+    config = Path(__file__).resolve().parents[2] / "configs/search/cpu_smollm.yaml"
+    argv = ["eval", "--config", str(config), *flags, f"output_dir={out}"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("copc eval: config error: ") and needle in err[-1], err
+    assert "eval.num_samples=N" in err[-1]
+    assert not out.exists()  # refused before anything runs

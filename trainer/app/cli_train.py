@@ -122,6 +122,13 @@ def eval_command(args: argparse.Namespace) -> int:
         print("copc eval: config error: --config is required (or use --benchmarks with --model / "
               "--checkpoint / --endpoint)", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    from trainer.evaluate.command import check_no_benchmark_options
+
+    try:
+        check_no_benchmark_options(args)  # the --config form would silently ignore them
+    except ConfigError as e:
+        print(f"copc eval: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     cfg = _load(args, "eval")
     if cfg is None:
         return EXIT_CONFIG_ERROR

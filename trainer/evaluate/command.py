@@ -50,6 +50,28 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed")
 
 
+#: ``(flag, attribute, default)`` of the options only the ``--benchmarks`` form reads.
+BENCHMARK_ONLY = [("--model", "model", None), ("--endpoint", "endpoint", None),
+                  ("--tokenizer", "tokenizer", None), ("--request-timeout-s", "request_timeout_s", 600.0),
+                  ("--k", "k", None), ("--temperature", "temperature", None),
+                  ("--max-samples", "max_samples", 0), ("--out", "out", None), ("--resume", "resume", False),
+                  ("--engine", "engine", None), ("--retriever-url", "retriever_url", ""), ("--seed", "seed", 0)]
+
+
+def check_no_benchmark_options(args: argparse.Namespace) -> None:
+    """Refuse a ``--benchmarks``-form option given to ``copc eval --config`` (which would ignore it).
+
+    Raises:
+        ConfigError: naming the first such flag, its value and the config key to use instead.
+    """
+    for flag, attr, default in BENCHMARK_ONLY:
+        value = getattr(args, attr, default)
+        if value != default:
+            raise _fail(flag, value, "an option of the --benchmarks form; copc eval --config takes "
+                                     "config overrides instead (eval.num_samples=N, eval.temperature=T, "
+                                     "eval.k=K; results go to <output_dir>/eval)")
+
+
 def _fail(flag: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"{flag}={value!r}: {why}")
 
