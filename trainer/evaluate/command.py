@@ -55,7 +55,8 @@ BENCHMARK_ONLY = [("--model", "model", None), ("--endpoint", "endpoint", None),
                   ("--tokenizer", "tokenizer", None), ("--request-timeout-s", "request_timeout_s", 600.0),
                   ("--k", "k", None), ("--temperature", "temperature", None),
                   ("--max-samples", "max_samples", 0), ("--out", "out", None), ("--resume", "resume", False),
-                  ("--engine", "engine", None), ("--retriever-url", "retriever_url", ""), ("--seed", "seed", 0)]
+                  ("--engine", "engine", None), ("--retriever-url", "retriever_url", ""),
+                  ("--seed", "seed", 0)]
 
 
 def check_no_benchmark_options(args: argparse.Namespace) -> None:
