@@ -25,8 +25,10 @@ from trainer.orchestration.group_filter import GroupFilter, reward_spread
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, FixedLag, LoopConfig, LoopState
 from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.rollouts import LocalRollouts, engine_handle
+from trainer.orchestration.state import Group
 from trainer.outputs.plots import make_plots
 from trainer.rollout.agent_loop import AgentLoopConfig
+from trainer.rollout.trajectory import Trajectory
 
 from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 
@@ -146,3 +148,68 @@ def test_config_keys():
     with pytest.raises(ConfigError) as ei:
         load_config(None, ["train.filter_groups=3"])
     assert "train.filter_groups" in str(ei.value)
+
+
+def _group(uid, batch):
+    tr = Trajectory(prompt_ids=[1, 2], sample_id=f"s{uid}")
+    tr.append_model_tokens([3, 4], [-1.0, -1.0], 0)
+    return Group(uid, [tr], batch)
+
+
+def test_fixed_lag_groups_in_flight_by_hand():
+    """More groups in flight than the batch takes: what to start, and which kept groups the batch is."""
+    lag = FixedLag(1, groups_in_flight=6)
+    st = LoopState()
+    st.pending = {20: 0, 21: 0, 22: 1}
+    st.batch_ready = {0: 1}
+    assert lag.missing(st, 0, 2) == (6 - 1 - 2, 2)  # keep 6 running or kept while short
+    assert FixedLag(1).missing(st, 0, 2) == (2 - 1 - 2, 2)  # default: prompts_per_step
+    st.batch_ready = {0: 2}
+    assert lag.missing(st, 0, 2) == (0, 2)  # the batch has its groups: start none
+    # the batch: its first 2 kept groups in draw order, once no group of it runs
+    st.pending = {11: 0}
+    st.ready = [_group(5, 0), _group(3, 0), _group(9, 0), _group(4, 1)]
+    st.batch_ready, st.batch_version = {0: 3, 1: 1}, {0: 0}
+    st.in_flight = {3, 4, 5, 9, 11}
+    loop = SimpleNamespace(state=st, prompts=PromptStream(SAMPLES, 0), prompts_per_step=2)
+
+    async def go():
+        task = asyncio.create_task(lag.take_batch(loop))
+        await asyncio.sleep(0.05)
+        assert not task.done()  # group 11 of batch 0 still runs (it might come before 9 in draw order)
+        async with st.cond:
+            del st.pending[11]
+            st.in_flight.discard(11)
+            st.cond.notify_all()
+        return await asyncio.wait_for(task, 5.0)
+
+    batch = asyncio.run(go())
+    assert [g.uid for g in batch] == [3, 5]
+    assert [g.uid for g in st.ready] == [4]  # the next batch's group stays
+    assert st.counters["surplus_groups"] == 1 and st.surplus_since_step == 1
+    assert st.in_flight == {3, 4, 5} and loop.prompts.next() == 9  # surplus prompt re-queued, first
+
+
+def test_fixed_lag_with_more_groups_in_flight_trains_full_batches(tiny):
+    seen, trained, counters = _run_loop(tiny, FixedLag(1, groups_in_flight=6), steps=3)
+    assert [len(b) for b in trained] == [8, 8, 8]
+    assert all(int(sid[1:]) % 3 == 0 for b in trained for sid, _ in b)  # only groups with a spread
+    assert [m["rollout/groups_trained"] for m in seen] == [2.0, 2.0, 2.0]
+    assert counters["surplus_groups"] >= 1  # 6 groups at once for a batch of 2: some kept ones spare
+    assert seen[-1]["rollout/surplus_groups"] == sum(m["rollout/surplus_groups_step"] for m in seen)
+    assert counters["episodes"] >= 4 * (counters["filtered_groups"] + counters["surplus_groups"] + 2 * 3)
+
+
+def test_groups_in_flight_config():
+    base = ["train.filter_groups=true", "rollout.n_samples_per_prompt=4"]
+    cfg = load_config(None, [*base, "train.staleness={mode: fixed, lag: 2, groups_in_flight: 8}"])
+    assert LoopConfig.from_config(cfg, pad_token_id=0).staleness == FixedLag(2, 8)
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["train.staleness={mode: fixed, lag: 2, groups_in_flight: 8}"])
+    assert str(ei.value).startswith("train.staleness.groups_in_flight=8: needs train.filter_groups: true")
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [*base, "train.staleness={mode: bounded, max: 2, groups_in_flight: 8}"])
+    assert str(ei.value).startswith("train.staleness.groups_in_flight=8: not a setting of")
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [*base, "train.staleness={mode: fixed, groups_in_flight: -1}"])
+    assert str(ei.value).startswith("train.staleness.groups_in_flight=-1: must be an int >= 0")

@@ -124,7 +124,8 @@ class ExperimentConfig:
         if own is None:
             return settings
         # the preset's own staleness wins in either mode (``ppo``: 0)
-        return BoundedStaleness(max=own) if settings.mode == "bounded" else FixedStaleness(lag=own)
+        return BoundedStaleness(max=own) if settings.mode == "bounded" else \
+            dataclasses.replace(settings, lag=own)
 
     @property
     def max_staleness(self) -> int:

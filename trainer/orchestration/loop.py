@@ -382,6 +382,7 @@ class AsyncTrainingLoop:
             infra_step, st.infra_since_step = st.infra_since_step, 0
             dropped, st.dropped_since_step = st.dropped_since_step, []
             filtered_step, st.filtered_since_step = st.filtered_since_step, 0
+            surplus_step, st.surplus_since_step = st.surplus_since_step, 0
             for b in [b for b in st.filtered if b < st.step]:  # trained (fixed lag) or bounded (-1)
                 del st.filtered[b]
             st.cond.notify_all()
@@ -393,6 +394,7 @@ class AsyncTrainingLoop:
                         "rollout/in_flight": float(len(st.in_flight)),
                         "rollout/infra_failed_step": float(infra_step),
                         "rollout/filtered_groups_step": float(filtered_step),
+                        "rollout/surplus_groups_step": float(surplus_step),
                         "rollout/groups_trained": float(len(groups))})
         metrics.update({COUNTER_METRICS[k]: float(v) for k, v in st.counters.items()})
         metrics.update(self._step_time(sum(t.num_model_tokens for t in trajs)))

@@ -26,16 +26,18 @@ from .prompts import PromptStream
 #: ``tokens_generated`` / ``tokens_trained`` (model tokens, i.e. loss-mask-1 tokens),
 #: ``dropped_stale`` (groups dropped as too stale), ``infra_failed`` (episodes ended by an
 #: infrastructure failure), ``infra_failed_groups`` (groups dropped for one), ``filtered_groups``
-#: (groups dropped by dynamic sampling, :mod:`.group_filter`).
+#: (groups dropped by dynamic sampling, :mod:`.group_filter`), ``surplus_groups`` (kept groups
+#: beyond a fixed-lag batch's ``prompts_per_step``, ``train.staleness.groups_in_flight``).
 COUNTERS = ("episodes", "episodes_trained", "tokens_generated", "tokens_trained", "dropped_stale",
-            "infra_failed", "infra_failed_groups", "filtered_groups")
+            "infra_failed", "infra_failed_groups", "filtered_groups", "surplus_groups")
 #: Metric name of each counter in ``metrics.jsonl`` (logged every step, cumulative).
 COUNTER_METRICS = {"episodes": "rollout/episodes_total", "episodes_trained": "rollout/episodes_trained_total",
                    "tokens_generated": "rollout/tokens_generated_total",
                    "tokens_trained": "rollout/tokens_trained_total", "dropped_stale": "rollout/dropped_stale",
                    "infra_failed": "rollout/infra_failed",
                    "infra_failed_groups": "rollout/infra_failed_groups",
-                   "filtered_groups": "rollout/filtered_groups"}
+                   "filtered_groups": "rollout/filtered_groups",
+                   "surplus_groups": "rollout/surplus_groups"}
 
 
 @dataclass
@@ -70,6 +72,7 @@ class LoopState:
         filtered: batch → groups dynamic sampling dropped for it (fixed lag: the batch the group
             was generated for; bounded: -1, counted since the last step).
         filtered_since_step: groups dynamic sampling dropped since the last step.
+        surplus_since_step: fixed lag: surplus kept groups left out of batches since the last step.
         failure: the first fatal error (the learner side raises it).
         stop: producers stop admitting.
         start_step: the step the run (re)started at.
@@ -94,6 +97,7 @@ class LoopState:
     dropped_since_step: list[Group] = field(default_factory=list)
     filtered: dict[int, int] = field(default_factory=dict)
     filtered_since_step: int = 0
+    surplus_since_step: int = 0
     failure: TrainingError | None = None
     stop: bool = False
     start_step: int = -1
