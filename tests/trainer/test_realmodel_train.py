@@ -120,7 +120,7 @@ def test_one_lora_copc_step_through_the_real_tool(realmodel_path, tmp_path, case
 
 def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
     """``configs/search/cpu_smollm.yaml`` (the search main job) as committed, cut to 2 RL steps of 2
-    prompts (4 prompts, groups of 4 episodes): the real retriever was queried, every
+    prompts (4 prompts, groups of 4 episodes, 4 groups in flight): the real retriever was queried, every
     ``<information>`` block is masked from the loss, both roles' LoRA adapters moved, the heap was
     trimmed after each step, dynamic sampling counted its drops (at most 2 per batch here, so the
     test's time is bounded), the held-out evaluation (one question here) showed its progress bar
@@ -138,10 +138,13 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
         f"task.eval_data=[{data}]", "task.settings.held_out_every=100", "eval.num_samples=1",
         "train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=4",
         "train.max_filtered_groups_per_batch=2",
+        "train.staleness={mode: fixed, lag: 4, groups_in_flight: 4}",  # 2x the batch's groups, as 8 for 4
         "rollout.concurrency=8", "logging.samples_per_step=8", "logging.progress=true",
         "checkpoint.every_steps=2"])
     # the job's own settings
-    assert cfg.train.staleness == {"mode": "fixed", "lag": 4} and cfg.learner.lora is not None
+    job = load_config(str(REPO / "configs/search/cpu_smollm.yaml"), [f"model.path={realmodel_path}"])
+    assert job.train.staleness == {"mode": "fixed", "lag": 4, "groups_in_flight": 8}
+    assert job.model.dtype == "bfloat16" and cfg.learner.lora is not None
     assert cfg.train.filter_groups and cfg.rollout.n_samples_per_prompt == 4
     summary = run_experiment(cfg)
     assert summary["steps"] == 2 and summary["trained_uids"] == 4
@@ -153,6 +156,8 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
     # each batch dropped at most 2 rewardless groups, all counted (cumulative = sum of the steps')
     dropped = steps[-1]["rollout/filtered_groups"]
     assert 0 <= dropped == sum(s["rollout/filtered_groups_step"] for s in steps) <= 4
+    surplus = steps[-1]["rollout/surplus_groups"]  # kept groups beyond a batch's 2: counted, not trained
+    assert 0 <= surplus == sum(s["rollout/surplus_groups_step"] for s in steps)
     err = capsys.readouterr().err
     assert "eval before_rl" in err and "eval after_rl" in err and "1/1" in err, err[-2000:]
     recs = read_samples(out)
