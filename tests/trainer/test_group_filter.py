@@ -213,3 +213,12 @@ def test_groups_in_flight_config():
     with pytest.raises(ConfigError) as ei:
         load_config(None, [*base, "train.staleness={mode: fixed, groups_in_flight: -1}"])
     assert str(ei.value).startswith("train.staleness.groups_in_flight=-1: must be an int >= 0")
+    with pytest.raises(ConfigError) as ei:  # fewer than the batch's groups would change nothing
+        load_config(None, [*base, "train.prompts_per_step=4",
+                           "train.staleness={mode: fixed, groups_in_flight: 2}"])
+    assert str(ei.value).startswith(
+        "train.staleness.groups_in_flight=2: must be 0 or >= train.prompts_per_step=4")
+    with pytest.raises(ConfigError) as ei:  # nothing dropped: every extra group would be surplus
+        load_config(None, [*base, "train.max_filtered_groups_per_batch=0",
+                           "train.staleness={mode: fixed, groups_in_flight: 16}"])
+    assert "train.max_filtered_groups_per_batch=0 never drops a group" in str(ei.value)

@@ -158,6 +158,7 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
     assert 0 <= dropped == sum(s["rollout/filtered_groups_step"] for s in steps) <= 4
     surplus = steps[-1]["rollout/surplus_groups"]  # kept groups beyond a batch's 2: counted, not trained
     assert 0 <= surplus == sum(s["rollout/surplus_groups_step"] for s in steps)
+    assert steps[-1]["rollout/episodes_total"] >= 4 * (2 * 2 + dropped + surplus)  # every group generated
     err = capsys.readouterr().err
     assert "eval before_rl" in err and "eval after_rl" in err and "1/1" in err, err[-2000:]
     recs = read_samples(out)

@@ -52,6 +52,13 @@ def test_trimmed_by_hand():
     two = b.select([0, 1]).trimmed()  # the longer prompt and the longer response set the widths
     assert (two.prompt_len, two.loss_mask.shape[1]) == (5, 4)
     assert b.trimmed() is b  # nothing to cut
+    # rows without a prompt (never from the engine, which refuses one): a prompt column stays, so
+    # column 0 (never scored) is not a response token
+    no_prompt = Trajectory(prompt_ids=[], sample_id=0)
+    no_prompt.append_model_tokens([5, 6, 7], [-1.0] * 3, 0)
+    t = to_batch([no_prompt, _traj(1, 3, 2)], pad_token_id=0).select([0]).trimmed()
+    assert (t.prompt_len, t.loss_mask.shape[1]) == (1, 3)
+    assert t.input_ids[0].tolist() == [0, 5, 6, 7] and t.attention_mask[0].tolist() == [0, 1, 1, 1]
     # outputs back to (B, T): zeros in the cut columns
     x = torch.arange(4.0)[None]
     assert pad_response(x, 12).tolist() == [[0.0, 1.0, 2.0, 3.0] + [0.0] * 8]

@@ -175,6 +175,12 @@ class TrainConfig:
                 "train.staleness.groups_in_flight", getattr(st, "groups_in_flight", 0),
                 "needs train.filter_groups: true (without dynamic sampling every group is kept, and "
                 "more than train.prompts_per_step would only be surplus)")
+        g = getattr(st, "groups_in_flight", 0)
+        require(g == 0 or g >= self.prompts_per_step, "train.staleness.groups_in_flight", g,
+                f"must be 0 or >= train.prompts_per_step={self.prompts_per_step} (fewer changes nothing)")
+        require(not (g > self.prompts_per_step and self.max_filtered_groups_per_batch == 0),
+                "train.staleness.groups_in_flight", g, "train.max_filtered_groups_per_batch=0 never drops "
+                "a group, so every group beyond train.prompts_per_step would be surplus")
         n = self.critic_updates_per_step
         require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "train.critic_updates_per_step",
                  n, "must be an int >= 1")

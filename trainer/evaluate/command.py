@@ -68,9 +68,15 @@ def check_no_benchmark_options(args: argparse.Namespace) -> None:
     for flag, attr, default in BENCHMARK_ONLY:
         value = getattr(args, attr, default)
         if value != default:
-            raise _fail(flag, value, "an option of the --benchmarks form; copc eval --config takes "
-                                     "config overrides instead (eval.num_samples=N, eval.temperature=T, "
-                                     "eval.k=K; results go to <output_dir>/eval)")
+            hint = _CONFIG_FORM_HINTS.get(flag, "eval.num_samples=N, eval.temperature=T, eval.k=K")
+            raise _fail(flag, value, f"an option of the --benchmarks form; copc eval --config takes "
+                                     f"config overrides instead ({hint}; results go to <output_dir>/eval)")
+
+
+#: What ``copc eval --config`` takes instead of a ``--benchmarks``-form option (default: eval.*).
+_CONFIG_FORM_HINTS = {"--model": "--checkpoint DIR or model.path=DIR", "--engine": "rollout.engine=NAME",
+                      "--out": "output_dir=RUN_DIR, the run to evaluate", "--retriever-url":
+                      "task.retriever_url=URL", "--resume": "nothing: a run's evaluation is re-done whole"}
 
 
 def _fail(flag: str, value: Any, why: str) -> ConfigError:

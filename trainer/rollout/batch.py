@@ -90,7 +90,7 @@ class RolloutBatch:
         if len(cols) == 0:
             return self
         first, last = int(cols[0]), int(cols[-1]) + 1
-        first = min(first, self.prompt_len)
+        first = min(first, max(self.prompt_len - 1, 0))  # keep a prompt column: column 0 is never scored
         end = max(last - self.prompt_len, 1)  # keep >= 1 response column, as to_batch does
         if first == 0 and end == self.loss_mask.shape[1]:
             return self
