@@ -170,12 +170,10 @@ class TrainConfig:
                      "must be a finite number > 0")
         require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**32,
                  "train.seed", self.seed, "must be an int in [0, 2**32 - 1] (numpy's seed range)")
-        st = parse_staleness(self.staleness)
-        require(not (st.mode == "fixed" and st.groups_in_flight and not self.filter_groups),
-                "train.staleness.groups_in_flight", getattr(st, "groups_in_flight", 0),
+        g = getattr(parse_staleness(self.staleness), "groups_in_flight", 0)  # fixed mode only
+        require(not (g and not self.filter_groups), "train.staleness.groups_in_flight", g,
                 "needs train.filter_groups: true (without dynamic sampling every group is kept, and "
                 "more than train.prompts_per_step would only be surplus)")
-        g = getattr(st, "groups_in_flight", 0)
         require(g == 0 or g >= self.prompts_per_step, "train.staleness.groups_in_flight", g,
                 f"must be 0 or >= train.prompts_per_step={self.prompts_per_step} (fewer changes nothing)")
         require(not (g > self.prompts_per_step and self.max_filtered_groups_per_batch == 0),

@@ -50,24 +50,19 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed")
 
 
-#: ``(flag, attribute, default)`` of the options only the ``--benchmarks`` form reads.
-BENCHMARK_ONLY = [("--model", "model", None), ("--endpoint", "endpoint", None),
-                  ("--tokenizer", "tokenizer", None), ("--request-timeout-s", "request_timeout_s", 600.0),
-                  ("--k", "k", None), ("--temperature", "temperature", None),
-                  ("--max-samples", "max_samples", 0), ("--out", "out", None), ("--resume", "resume", False),
-                  ("--engine", "engine", None), ("--retriever-url", "retriever_url", ""),
-                  ("--seed", "seed", 0)]
-
-
 def check_no_benchmark_options(args: argparse.Namespace) -> None:
-    """Refuse a ``--benchmarks``-form option given to ``copc eval --config`` (which would ignore it).
+    """Refuse a ``--benchmarks``-form option given to ``copc eval --config`` (which would ignore it):
+    any option of :func:`add_benchmark_arguments` whose value is not its default.
 
     Raises:
         ConfigError: naming the first such flag, its value and the config key to use instead.
     """
-    for flag, attr, default in BENCHMARK_ONLY:
+    form = argparse.ArgumentParser(add_help=False)
+    add_benchmark_arguments(form)
+    for attr, default in vars(form.parse_args([])).items():
         value = getattr(args, attr, default)
-        if value != default:
+        if attr != "benchmarks" and value != default:
+            flag = "--" + attr.replace("_", "-")
             hint = _CONFIG_FORM_HINTS.get(flag, "eval.num_samples=N, eval.temperature=T, eval.k=K")
             raise _fail(flag, value, f"an option of the --benchmarks form; copc eval --config takes "
                                      f"config overrides instead ({hint}; results go to <output_dir>/eval)")
