@@ -1,5 +1,7 @@
 # Every target sets up ./.venv first (idempotent), so each is one command on a fresh machine.
 PY := .venv/bin/python
+# Config overrides passed to `copc train`, e.g. make main-search ARGS='train.seed=1 output_dir=runs/s1'
+ARGS ?=
 
 .PHONY: setup main main-search main-search-tiny test lint bench clean
 
@@ -7,14 +9,14 @@ setup:
 	@bash scripts/setup.sh
 
 main: setup
-	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml
+	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml $(ARGS)
 
 main-search: setup
 	$(PY) -m trainer.cli model pull smollm2-135m-instruct
-	$(PY) -m trainer.cli train --config configs/search/cpu_smollm.yaml
+	$(PY) -m trainer.cli train --config configs/search/cpu_smollm.yaml $(ARGS)
 
 main-search-tiny: setup
-	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml
+	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml $(ARGS)
 
 test:
 	@bash scripts/setup.sh --test-models
