@@ -1,0 +1,35 @@
+"""The Makefile's main jobs pass ``ARGS`` to ``copc train`` as config overrides (``make -n``: not run)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = {"main": "configs/math_tool/cpu_tiny.yaml", "main-search": "configs/search/cpu_smollm.yaml",
+        "main-search-tiny": "configs/search/cpu_tiny.yaml"}
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def _train_line(target: str, *make_args: str) -> str:
+    """The one ``trainer.cli train`` command ``make -n target`` would run."""
+    out = subprocess.run(["make", "-n", "-C", str(REPO), target, *make_args], capture_output=True,
+                         text=True, check=True).stdout
+    lines = [ln for ln in out.splitlines() if "trainer.cli train" in ln]
+    assert len(lines) == 1, out
+    return lines[0].strip()
+
+
+@pytest.mark.parametrize("target", sorted(JOBS))
+def test_args_reach_copc_train_after_the_config(target):
+    line = _train_line(target, "ARGS=train.seed=2 output_dir=runs/s2")
+    assert line.endswith(f"train --config {JOBS[target]} train.seed=2 output_dir=runs/s2"), line
+
+
+@pytest.mark.parametrize("target", sorted(JOBS))
+def test_without_args_the_command_is_the_config_alone(target):
+    assert _train_line(target).endswith(f"train --config {JOBS[target]}")
