@@ -1,7 +1,9 @@
 # Every target sets up ./.venv first (idempotent), so each is one command on a fresh machine.
 PY := .venv/bin/python
-# Config overrides passed to `copc train`, e.g. make main-search ARGS='train.seed=1 output_dir=runs/s1'
-ARGS ?=
+# Config overrides appended to `copc train`: make main-search ARGS='train.seed=1 output_dir=runs/s1'
+# (quote the whole value: an unquoted second override would become a make variable; write $ as $$;
+# give each seed its own output_dir). Set on the command line only: an ARGS in the environment is ignored.
+ARGS =
 
 .PHONY: setup main main-search main-search-tiny test lint bench clean
 

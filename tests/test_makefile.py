@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,10 +16,13 @@ JOBS = {"main": "configs/math_tool/cpu_tiny.yaml", "main-search": "configs/searc
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 
 
-def _train_line(target: str, *make_args: str) -> str:
-    """The one ``trainer.cli train`` command ``make -n target`` would run."""
+def _train_line(target: str, *make_args: str, env_args: str | None = None) -> str:
+    """The ``trainer.cli train`` command ``make -n target`` prints (``env_args``: ARGS in the environment)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ARGS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    if env_args is not None:
+        env["ARGS"] = env_args
     out = subprocess.run(["make", "-n", "-C", str(REPO), target, *make_args], capture_output=True,
-                         text=True, check=True).stdout
+                         text=True, check=True, env=env).stdout
     lines = [ln for ln in out.splitlines() if "trainer.cli train" in ln]
     assert len(lines) == 1, out
     return lines[0].strip()
@@ -33,3 +37,7 @@ def test_args_reach_copc_train_after_the_config(target):
 @pytest.mark.parametrize("target", sorted(JOBS))
 def test_without_args_the_command_is_the_config_alone(target):
     assert _train_line(target).endswith(f"train --config {JOBS[target]}")
+
+
+def test_args_in_the_environment_is_ignored():
+    assert _train_line("main-search", env_args="train.seed=9").endswith("configs/search/cpu_smollm.yaml")
