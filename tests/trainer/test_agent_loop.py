@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 
@@ -151,6 +152,26 @@ def test_engine_errors_are_retried_then_recorded(model_tok, sandbox):
     assert ok.finish_reason == "terminated" and ok.reward == 1.0
     failed = asyncio.run(main(3))
     assert failed.finish_reason.startswith("engine_error") and failed.response_ids == []
+
+
+def test_a_closed_engine_is_not_retried(model_tok, sandbox, caplog):
+    """Closing is deliberate (the run is stopping): one call, no retry warnings, the episode ends."""
+    model, tok = model_tok
+
+    async def main():
+        eng = EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of))
+        await eng.close()
+        counted = FlakyEngine(eng, 0)
+        tr = await run_episode(counted, MathToolEnv(sandbox=sandbox), tok, SAMPLE,
+                               SamplingParams(max_new_tokens=200),
+                               AgentLoopConfig(engine_retries=3, retry_backoff_s=0.01))
+        return tr, counted.calls
+
+    with caplog.at_level(logging.WARNING):
+        tr, calls = asyncio.run(main())
+    assert calls == 1
+    assert tr.finish_reason.startswith("engine_error") and "closed" in tr.finish_reason
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]
 
 
 def test_env_error_ends_episode_with_reason(model_tok, sandbox):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from trainer.engines.base import EngineError, SamplingParams
+from trainer.engines.base import EngineClosedError, EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from trainer.logprobs import sequence_logprobs, token_logprobs
 from trainer.models.loading import load_model_and_tokenizer
@@ -164,7 +164,7 @@ def test_requests_are_batched_and_errors_are_clear(model_tok):
             await eng.generate([1] * 5000, SamplingParams())
         stats = eng.stats
         await eng.close()
-        with pytest.raises(EngineError, match="closed"):
+        with pytest.raises(EngineClosedError, match="closed"):
             await eng.generate(p, SamplingParams())
         return stats
 

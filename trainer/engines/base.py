@@ -118,3 +118,7 @@ class InferenceEngine(Protocol):
 
 class EngineError(RuntimeError):
     """A generation request failed inside an engine (retryable by the caller)."""
+
+
+class EngineClosedError(EngineError):
+    """A generation request met an engine that was closed (the run is stopping): never retried."""

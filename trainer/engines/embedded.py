@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.lora import AdapterWeights, LoraSettings, inject_lora, load_adapter_tensors
-from .base import EngineError, GenerationResult, SamplingParams
+from .base import EngineClosedError, EngineError, GenerationResult, SamplingParams
 from .continuous import BatchStats, ContinuousBatcher, Row
 from .stop_strings import STOP_CONTEXT_TOKENS, STOP_MAX_PENDING_TOKENS, StopStringMatcher
 
@@ -166,11 +166,11 @@ class EmbeddedEngine:
         """Queue one request and wait for its result (see :class:`~trainer.engines.base.InferenceEngine`).
 
         Raises:
-            EngineError: if the engine is closed, its worker thread died, the prompt is empty or too
-                long, or decoding fails.
+            EngineClosedError: if the engine is closed (also for requests queued or running when it closes).
+            EngineError: if its worker thread died, the prompt is empty or too long, or decoding fails.
         """
         if self._closed:
-            raise EngineError("EmbeddedEngine is closed")
+            raise EngineClosedError("EmbeddedEngine is closed")
         if self._dead is not None:
             raise self._dead
         if not prompt_ids:
@@ -283,13 +283,13 @@ class EmbeddedEngine:
 
     async def close(self) -> None:
         """Stop the worker after its current step; queued and running requests fail with
-        :class:`EngineError`."""
+        :class:`EngineClosedError`."""
         with self._cv:
             self._closed = True
             pending, self._queue = self._queue, []
             self._cv.notify_all()
         for r in pending:
-            r.loop.call_soon_threadsafe(_set_exc, r.future, EngineError("engine closed"))
+            r.loop.call_soon_threadsafe(_set_exc, r.future, EngineClosedError("engine closed"))
         await asyncio.to_thread(self._worker.join, 5.0)
 
     # -- worker thread ------------------------------------------------------------------
@@ -306,7 +306,7 @@ class EmbeddedEngine:
             running = [row.handle for row in self._batcher.abort_all()]
             _fail([*pending, *self._taken, *running], self._dead)
         else:
-            _fail([row.handle for row in self._batcher.abort_all()], EngineError("engine closed"))
+            _fail([row.handle for row in self._batcher.abort_all()], EngineClosedError("engine closed"))
 
     def _serve(self) -> None:
         b = self._batcher

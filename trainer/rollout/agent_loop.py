@@ -20,7 +20,7 @@ from typing import Any
 
 from environments.errors import InfrastructureError
 
-from ..engines.base import EngineError, InferenceEngine, SamplingParams
+from ..engines.base import EngineClosedError, EngineError, InferenceEngine, SamplingParams
 from .observation import ChatTurns, truncate_observation_ids
 from .timing import EpisodeClock
 from .trajectory import FinishReason, Trajectory, finish_text
@@ -124,9 +124,10 @@ def observation_ids(tokenizer: Any, chat: ChatTurns | None, cfg: AgentLoopConfig
 async def generate_with_retries(engine: InferenceEngine, ctx: list[int], params: SamplingParams,
                                 cfg: AgentLoopConfig):
     """``engine.generate(ctx, params)``, retried ``cfg.engine_retries`` times on :class:`EngineError`
-    (delays ``cfg.retry_backoff_s``, doubling).
+    (delays ``cfg.retry_backoff_s``, doubling). A closed engine is not retried: the run is stopping.
 
     Raises:
+        EngineClosedError: at once, when the engine is closed.
         EngineError: the last failure, once the retries are spent.
     """
     delay = cfg.retry_backoff_s
@@ -134,7 +135,7 @@ async def generate_with_retries(engine: InferenceEngine, ctx: list[int], params:
         try:
             return await engine.generate(ctx, params)
         except EngineError as e:
-            if attempt == cfg.engine_retries:
+            if attempt == cfg.engine_retries or isinstance(e, EngineClosedError):
                 raise
             log.warning("generate failed (%s); retry %d/%d in %.2fs", e, attempt + 1,
                         cfg.engine_retries, delay)
