@@ -76,3 +76,14 @@ def test_metrics_count_by_the_reason_before_the_detail():
     assert stats["finish/terminated"] == pytest.approx(1 / 3)
     assert stats["finish/env_error"] == pytest.approx(1 / 3)
     assert stats["finish/unknown"] == pytest.approx(1 / 3) and stats["failed/infra_error"] == 1
+
+
+def test_one_public_name_per_thing():
+    """``FinishReason`` is the episode's reason only; a generation request's is ``StopReason``."""
+    import typing
+
+    from trainer.engines import base
+
+    assert not hasattr(base, "FinishReason")
+    assert typing.get_args(base.StopReason) == ("stop", "length", "eos", "abort")
+    assert typing.get_type_hints(base.GenerationResult)["finish_reason"] == base.StopReason

@@ -12,7 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length", "eos", "abort"]
+#: Why one generation request stopped (:attr:`GenerationResult.finish_reason`): a stop string, the
+#: length budget, EOS, or an abort. Not :class:`trainer.rollout.trajectory.FinishReason`, which is
+#: why a whole *episode* ended.
+StopReason = Literal["stop", "length", "eos", "abort"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class GenerationResult:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: FinishReason
+    finish_reason: StopReason
     text: str = ""
     meta: dict = field(default_factory=dict)
 

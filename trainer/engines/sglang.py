@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import httpx
 
-from trainer.engines.base import EngineError, FinishReason, GenerationResult, SamplingParams
+from trainer.engines.base import EngineError, GenerationResult, SamplingParams, StopReason
 from trainer.engines.sglang_lora import SGLangAdapters
 
 #: Oldest SGLang whose returned log-probs follow the convention above.
@@ -147,7 +147,7 @@ def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
             "logprob_start_len": -1, "top_logprobs_num": 0, "stream": False}
 
 
-def _finish_reason(fr: object) -> tuple[FinishReason, dict[str, Any]]:
+def _finish_reason(fr: object) -> tuple[StopReason, dict[str, Any]]:
     """Map SGLang's ``meta_info.finish_reason`` to ours (+ details for ``meta``).
 
     SGLang: ``{"type": "stop", "matched": <int token id>}`` (EOS / stop token),
