@@ -43,7 +43,7 @@ from trainer.rollout.agent_loop import AgentLoopConfig
 
 GOAL_RATIO = 4.0
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
+DATA = REPO / "data"
 
 
 def run_arm(engine: EmbeddedEngine, tok, spec, rows: list[dict], make_env, concurrency: int,

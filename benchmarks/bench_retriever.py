@@ -30,8 +30,8 @@ import numpy as np
 from retriever.launch import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = REPO.parent / "shared" / "data" / "wiki" / "corpus.jsonl"
-QA = REPO.parent / "shared" / "data" / "qa" / "hotpotqa.jsonl"
+CORPUS = REPO / "data" / "wiki" / "corpus.jsonl"
+QA = REPO / "data" / "qa" / "hotpotqa.jsonl"
 CONCURRENCY = (1, 8, 32)
 
 

@@ -3,9 +3,10 @@ numbers in errors).
 
 The data directory is, in order: an explicit ``data_dir`` (``task.data_dir`` in a config, the
 ``data_dir`` setting of an environment), else the environment variable ``COPC_DATA_DIR``, else
-``../shared/data``. A relative directory is taken relative to the current working directory
-(never to where the package is installed), so ``copc train`` run from a checkout's root finds
-``../shared/data`` next to it, and an installed copy finds whatever ``COPC_DATA_DIR`` names.
+the repository's own ``data/`` folder (found from this file, whatever the working directory). A
+relative ``data_dir`` or ``COPC_DATA_DIR`` is taken relative to the current working directory. An
+installed copy (``pip install .``) has no ``data/`` beside its packages: there ``COPC_DATA_DIR``
+names the data, and a missing file says so.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any
 
 #: Environment variable naming the data directory when no ``data_dir`` is given.
 DATA_DIR_ENV = "COPC_DATA_DIR"
-#: The data directory when neither ``data_dir`` nor ``COPC_DATA_DIR`` is set (relative to the
-#: current working directory).
-FALLBACK_DATA_DIR = "../shared/data"
+#: The data directory when neither ``data_dir`` nor ``COPC_DATA_DIR`` is set: ``data/`` of the
+#: checkout this package lives in (absolute; absent in an installed copy).
+FALLBACK_DATA_DIR = str(Path(__file__).resolve().parents[1] / "data")
 #: Default ``data_dir`` of loaders and environment settings: empty means "not given", i.e.
 #: ``COPC_DATA_DIR``, else :data:`FALLBACK_DATA_DIR` (see :func:`data_root`).
 DEFAULT_DATA_DIR = ""
@@ -31,8 +32,8 @@ def data_root(data_dir: str | Path = DEFAULT_DATA_DIR) -> Path:
 
     Args:
         data_dir: an explicit directory; empty (the default): ``$COPC_DATA_DIR`` if set and
-            non-empty, else :data:`FALLBACK_DATA_DIR`. A relative directory is resolved against
-            the current working directory.
+            non-empty, else :data:`FALLBACK_DATA_DIR` (the repository's ``data/``). A relative
+            directory is resolved against the current working directory.
 
     Returns:
         The directory as an absolute, normalised :class:`~pathlib.Path` (it need not exist).
@@ -97,7 +98,7 @@ def iter_jsonl(path: str | Path, required: Sequence[str] = (), limit: int | None
     """
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"data file {str(p)!r} not found")
+        raise FileNotFoundError(f"data file {str(p)!r} not found{_no_fallback_hint(p)}")
     rows: list[tuple[int, dict[str, Any]]] = []
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -116,3 +117,13 @@ def iter_jsonl(path: str | Path, required: Sequence[str] = (), limit: int | None
             if limit is not None and len(rows) >= limit:
                 break
     return rows
+
+
+def _no_fallback_hint(path: Path) -> str:
+    """What to do when ``path`` lies in the default data directory and that directory is absent
+    (an installed copy, or a checkout without ``data/``); empty otherwise."""
+    fallback = Path(FALLBACK_DATA_DIR)
+    if fallback.is_dir() or not path.resolve().is_relative_to(fallback):
+        return ""
+    return (f" (the default data directory {FALLBACK_DATA_DIR!r} does not exist, as in an installed "
+            f"copy: set ${DATA_DIR_ENV} to the folder holding the data)")

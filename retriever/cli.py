@@ -2,7 +2,7 @@
 
 Examples::
 
-    copc retriever build --corpus ../shared/data/wiki/corpus.jsonl --kind bm25 --out runs/idx/bm25
+    copc retriever build --corpus data/wiki/corpus.jsonl --kind bm25 --out runs/idx/bm25
     copc retriever serve --index runs/idx/bm25 --host 127.0.0.1 --port 8000
     copc retriever serve --index runs/idx/bm25 --host 0.0.0.0 --token-file /run/secrets/retriever-token
 
@@ -15,12 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+#: The repository's data folder (``environments.data.FALLBACK_DATA_DIR``; this lower layer
+#: cannot import it).
+REPO_DATA_DIR = str(Path(__file__).resolve().parents[1] / "data")
 
 
 def default_corpus() -> str:
-    """``$COPC_DATA_DIR/wiki/corpus.jsonl``, else ``../shared/data/wiki/corpus.jsonl`` (from the
-    current working directory): the same data-directory rule as the trainer's ``task.data_dir``."""
-    return os.path.join(os.environ.get("COPC_DATA_DIR") or "../shared/data", "wiki", "corpus.jsonl")
+    """``$COPC_DATA_DIR/wiki/corpus.jsonl``, else ``wiki/corpus.jsonl`` of the repository's
+    ``data/``: the same data-directory rule as the trainer's ``task.data_dir``."""
+    return os.path.join(os.environ.get("COPC_DATA_DIR") or REPO_DATA_DIR, "wiki", "corpus.jsonl")
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +33,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("build", help="build a BM25 / dense / pyserini index directory")
     b.add_argument("--corpus", default=None,
                    help="JSONL corpus {id, contents} (default: $COPC_DATA_DIR/wiki/corpus.jsonl, else "
-                        "../shared/data/wiki/corpus.jsonl)")
+                        "the repository's data/wiki/corpus.jsonl)")
     b.add_argument("--kind", choices=("bm25", "dense", "pyserini"), default="bm25")
     b.add_argument("--out", required=True, help="output index directory")
     b.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")

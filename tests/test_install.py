@@ -36,6 +36,16 @@ print(json.dumps({
 }))
 """
 
+#: An installed copy has no data/ beside its packages: a dataset read without COPC_DATA_DIR fails
+#: with a message naming the variable.
+NO_DATA = """
+from environments.math_tool.data import load_math
+try:
+    load_math("aime2024")
+except FileNotFoundError as e:
+    print(e)
+"""
+
 
 def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
     res = subprocess.run(argv, capture_output=True, text=True, **kw)
@@ -80,6 +90,11 @@ def test_non_editable_install_trains_from_another_directory(tmp_path):
     assert not any("__editable__" in f for f in info["meta_path"]), info["meta_path"]
     assert not any(Path(p).resolve() == REPO for p in info["path"] if p), info["path"]
     assert info["data_root"] == str(tmp_path / "data")  # COPC_DATA_DIR, not the source tree
+    no_var = {k: v for k, v in env.items() if k != "COPC_DATA_DIR"}
+    message = _run([str(py), "-c", NO_DATA], cwd=work, env=no_var, timeout=120).stdout.strip()
+    assert message == (f"data file '{site / 'data' / 'aime2024.jsonl'}' not found (the default data "
+                       f"directory '{site / 'data'}' does not exist, as in an installed copy: set "
+                       "$COPC_DATA_DIR to the folder holding the data)")
 
     copc_script = venv / "bin" / "copc"
     assert copc_script.read_text().splitlines()[0] == f"#!{py}"

@@ -1,4 +1,4 @@
-"""Math datasets (fields in ../shared/data/SOURCES.md): ``{"id", "problem", "answer", ...}``."""
+"""Math datasets (fields in data/SOURCES.md): ``{"id", "problem", "answer", ...}``."""
 
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ class MathToolConfig:
     Attributes:
         dataset: ``math_train`` | ``math500`` | ``aime2024`` | ``aime2025`` or a JSONL path;
             ``None`` for no dataset (pass samples via ``reset(options={"sample": ...})``).
-        data_dir: directory of the datasets (empty: ``$COPC_DATA_DIR``, else ``../shared/data``;
-            relative paths: from the current working directory).
+        data_dir: directory of the datasets (empty: ``$COPC_DATA_DIR``, else the repository's
+            ``data/``; relative paths: from the current working directory).
         limit: read at most this many rows.
         code_timeout_s / code_memory_mb: per-call sandbox limits (seconds / MiB).
         limits: :class:`EnvLimits` (turns, tool calls, observation length).

@@ -17,6 +17,9 @@ WORKER_SRC = Path(__file__).with_name("_worker.py")
 WORKER_IN_SANDBOX = "/opt/copc-sandbox/_worker.py"
 CONFINE_SRC = Path(__file__).with_name("_confine.py")
 CONFINE_IN_SANDBOX = "/opt/copc-sandbox/_confine.py"
+#: Where an interpreter directory that lives under /tmp on the host is bound in the sandbox (this
+#: folder + its host path), so that the calls' /tmp stays empty wherever the virtualenv lives.
+PREFIX_IN_SANDBOX = "/opt/copc-python"
 BWRAP_HINT = (
     "install bubblewrap ('apt-get install bubblewrap' on Debian/Ubuntu, or run "
     "scripts/setup.sh as root), or set SandboxConfig(isolation='process') to accept weaker "
@@ -35,8 +38,9 @@ class LaunchSpec:
 
 
 @lru_cache(maxsize=8)
-def python_prefixes(python: str) -> tuple[str, ...]:
-    """Return the directories an interpreter needs (``sys.prefix``, ``sys.base_prefix``, ...).
+def _interpreter_dirs(python: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The directories an interpreter needs (``sys.prefix``, ``sys.base_prefix``, ..., its
+    ``bin``), and those of the base installation when it is a virtualenv's; real paths.
 
     Raises:
         SandboxUnavailableError: the interpreter cannot be run.
@@ -49,9 +53,39 @@ def python_prefixes(python: str) -> tuple[str, ...]:
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise SandboxUnavailableError(f"SandboxConfig.python={python!r} cannot run: {e}") from e
-    real = {os.path.realpath(p) for p in json.loads(out)}
-    real.add(os.path.realpath(os.path.dirname(python)))
-    return tuple(sorted(real))
+    prefix, base, exec_prefix, base_exec = (os.path.realpath(p) for p in json.loads(out))
+    real = {prefix, base, exec_prefix, base_exec, os.path.realpath(os.path.dirname(python))}
+    venv_base = {base, base_exec} - {prefix, exec_prefix}
+    return tuple(sorted(real)), tuple(sorted(venv_base))
+
+
+def sandbox_binds(cfg: SandboxConfig) -> tuple[tuple[str, str], ...]:
+    """The read-only binds of a ``bwrap`` worker besides the system's: ``(host path, path in the
+    sandbox)`` for the interpreter's directories and ``cfg.extra_ro_paths``, parents first.
+
+    An interpreter directory under ``/tmp`` (a virtualenv in a checkout under ``/tmp``) is bound at
+    :data:`PREFIX_IN_SANDBOX` + its host path, not at its own path: the calls' fresh ``/tmp`` would
+    otherwise list its first folder (a virtualenv finds itself from where its ``bin/python`` is
+    run). Kept at their own paths, and so visible in a call's ``/tmp``: ``extra_ro_paths`` (bound
+    "at the same place" as documented) and the base installation of a virtualenv when that lies
+    under ``/tmp`` (the virtualenv's ``pyvenv.cfg`` names it by its host path).
+
+    Raises:
+        SandboxUnavailableError: the interpreter cannot be run.
+    """
+    dirs, venv_base = _interpreter_dirs(cfg.python)
+    binds = {(p, PREFIX_IN_SANDBOX + p if p.startswith("/tmp/") and p not in venv_base else p)
+             for p in dirs}
+    binds |= {(p, p) for p in cfg.extra_ro_paths}
+    return tuple(sorted(((h, i) for h, i in binds if not h.startswith("/usr/")), key=lambda b: b[1]))
+
+
+def _in_sandbox(path: str, binds: tuple[tuple[str, str], ...]) -> str:
+    """Where host ``path`` is seen in the sandbox under ``binds`` (the deepest bind holding it)."""
+    for host, inside in sorted(binds, key=lambda b: -len(b[0])):
+        if path == host or path.startswith(host + "/"):
+            return inside + path[len(host):]
+    return path
 
 
 def sandbox_python(python: str) -> str:
@@ -112,21 +146,20 @@ def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
             argv += ["--ro-bind", top, top]
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime", "/etc/nsswitch.conf"):
         argv += ["--ro-bind-try", f, f]
-    # The worker's /tmp first: an interpreter prefix under /tmp (e.g. a virtualenv in a
-    # checkout under /tmp) is then bound on top of it, and bound again in each call's /tmp.
+    # The worker's /tmp first: a bind under /tmp (an extra_ro_path there) is then bound on top of
+    # it, and bound again in each call's /tmp; interpreter directories under /tmp are moved out.
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(1 << 20), "--perms", "0755",
              "--tmpfs", "/tmp", "--dir", "/run/copc-proc"]
     made: set[str] = {"/", "/usr", "/etc", "/tmp", "/proc", "/dev"}
-    binds = [p for p in (*python_prefixes(cfg.python), *cfg.extra_ro_paths)
-             if not p.startswith("/usr/")]
-    for path in sorted(set(binds)):
+    binds = sandbox_binds(cfg)
+    for host, path in binds:
         for anc in _ancestors(path):
             if anc not in made:
                 argv += ["--perms", "0755", "--dir", anc]
                 made.add(anc)
-        argv += ["--ro-bind", path, path]
+        argv += ["--ro-bind", host, path]
         made.add(path)
-    keep = [p for p in sorted(set(binds)) if p.startswith("/tmp/")]
+    keep = sorted({path for _, path in binds if path.startswith("/tmp/")})
     if keep:
         worker_args += ["--keep", ",".join(keep)]
     for ctl, path in sorted((cgroups or {}).items()):
@@ -136,7 +169,7 @@ def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
              "--ro-bind", str(CONFINE_SRC), CONFINE_IN_SANDBOX, "--chdir", "/tmp", "--clearenv"]
     for k, v in cfg.env.items():
         argv += ["--setenv", k, v]
-    argv += [sandbox_python(cfg.python), "-I", "-B", WORKER_IN_SANDBOX, *worker_args]
+    argv += [_in_sandbox(sandbox_python(cfg.python), binds), "-I", "-B", WORKER_IN_SANDBOX, *worker_args]
     if cfg.preload_modules:
         argv += ["--preload", ",".join(cfg.preload_modules)]
     return LaunchSpec(argv=argv, env={"PATH": "/usr/bin:/bin"}, tmp_root="/tmp", host_tmp=None)

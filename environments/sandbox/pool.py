@@ -33,7 +33,7 @@ from .config import (
     SandboxUnavailableError,
 )
 from .host import PoolCgroups, UidClaim
-from .launch import BWRAP_HINT, LaunchSpec, bwrap_argv, process_argv, python_prefixes
+from .launch import BWRAP_HINT, LaunchSpec, bwrap_argv, process_argv, sandbox_binds
 from .selfcheck import PROBE, check_probe
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class Sandbox:
                 problems.append(f"self-check probe failed: {res.status}: {res.reason}; "
                                 f"{res.stderr[-1000:]!r}")
         if probe and self.config.isolation == "bwrap":
-            bound = (*python_prefixes(self.config.python), *self.config.extra_ro_paths)
+            bound = tuple(inside for _, inside in sandbox_binds(self.config))
             problems += check_probe(probe, hello, self._cgroups.mode, bound)
         if problems:
             raise SandboxUnavailableError(

@@ -26,9 +26,10 @@ def check_probe(probe: dict, hello: dict, memory_mode: str, bound: tuple[str, ..
     """What the probe of a ``bwrap`` worker found weaker than documented (empty: all holds).
 
     Args:
-        bound: read-only paths bound into every call (the interpreter's prefixes, extra paths);
-            those under ``/tmp`` (a virtualenv in a checkout under ``/tmp``) are bound again into
-            each call's fresh ``/tmp``, so their first component is the one entry allowed there.
+        bound: read-only paths bound into every call, as seen in the sandbox
+            (:func:`~environments.sandbox.launch.sandbox_binds`); those still under ``/tmp`` (an
+            ``extra_ro_paths`` entry there; not the interpreter, which is bound elsewhere) are bound
+            again into each call's fresh ``/tmp``, so their first component is the one entry allowed.
     """
     problems = []
     allowed = {p.split("/")[2] for p in bound if p.startswith("/tmp/")}

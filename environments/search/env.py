@@ -152,8 +152,8 @@ class SearchConfig:
     Attributes:
         dataset: one of ``QA_DATASETS`` (file ``qa/<name>.jsonl``) or a JSONL path; rows
             ``{"id", "question", "golden_answers": [str, ...]}``; ``None`` for no dataset.
-        data_dir: data root (empty: ``$COPC_DATA_DIR``, else ``../shared/data``; relative paths:
-            from the current working directory).
+        data_dir: data root (empty: ``$COPC_DATA_DIR``, else the repository's ``data/``; relative
+            paths: from the current working directory).
         limit: read at most this many rows.
         retriever_url: server URL used when no retriever object is passed.
         topk: passages per search (Search-R1 default 3).

@@ -26,13 +26,13 @@ def sandbox():
 
 @pytest.fixture(scope="session")
 def retriever_url(tmp_path_factory):
-    """A real retriever server (``python -m retriever.cli serve``, BM25 on the shared
+    """A real retriever server (``python -m retriever.cli serve``, BM25 on the repository's
     17,939-passage corpus) on 127.0.0.1 at a random free port."""
     from pathlib import Path
 
     from retriever.launch import ensure_bm25_index, start_server
 
-    corpus = Path(__file__).resolve().parents[2].parent / "shared/data/wiki/corpus.jsonl"
+    corpus = Path(__file__).resolve().parents[2] / "data/wiki/corpus.jsonl"
     index = ensure_bm25_index(corpus, tmp_path_factory.mktemp("env-bm25") / "index")
     server = start_server(index)
     yield server.url

@@ -1,4 +1,4 @@
-"""Fixtures for retriever tests: shared data paths, indexes built once per session, and
+"""Fixtures for retriever tests: data paths, indexes built once per session, and
 real servers (``python -m retriever.cli serve``) on 127.0.0.1 at a random free port."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from retriever.quality import load_qa
 __all__ = ["free_port", "start_process", "stop_process"]
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("COPC_SHARED", REPO.parent / "shared"))
-CORPUS = SHARED / "data" / "wiki" / "corpus.jsonl"
-HOTPOT = SHARED / "data" / "qa" / "hotpotqa.jsonl"
+DATA = REPO / "data"
+CORPUS = DATA / "wiki" / "corpus.jsonl"
+HOTPOT = DATA / "qa" / "hotpotqa.jsonl"
 
 # Dense tests use a corpus subset: supporting passages of the first N_DENSE_QUESTIONS
 # (non yes/no) HotpotQA questions plus every DISTRACTOR_STRIDE-th passage as distractors.
@@ -65,9 +65,9 @@ def serve_index(index_dir: Path, *extra: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def shared_data() -> dict[str, Path]:
-    """Paths of the shared corpus and QA set (skips if the shared data is absent)."""
+    """Paths of the repository's corpus and QA set (skips if the data is absent)."""
     if not CORPUS.is_file() or not HOTPOT.is_file():
-        pytest.skip(f"shared data not found under {SHARED} (set COPC_SHARED)")
+        pytest.skip(f"data not found under {DATA}")
     return {"corpus": CORPUS, "hotpot": HOTPOT}
 
 

@@ -47,7 +47,7 @@ from trainer.warmstart.sft import action_token_loss
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "search" / "cpu_tiny.yaml"
 TAGS = SearchTask.tokenizer_tags
 needs_shared = pytest.mark.skipif(not CORPUS.is_file() or not (QA_DIR / "qa" / "nq.jsonl").is_file(),
-                                  reason=f"shared data not found under {QA_DIR} (set COPC_SHARED)")
+                                  reason=f"data not found under {QA_DIR}")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -70,7 +70,7 @@ def search_run(tmp_path_factory):
     """The cpu_tiny search config's BPE tokenizer, trained by ``initial_model_dir`` on a real
     SearchTask's text (~18.6k strings, 4096 tokens; a few seconds) and reloaded from disk."""
     if not CORPUS.is_file() or not (QA_DIR / "qa" / "nq.jsonl").is_file():
-        pytest.skip(f"shared data not found under {QA_DIR} (set COPC_SHARED)")
+        pytest.skip(f"data not found under {QA_DIR}")
     out = tmp_path_factory.mktemp("search_bpe")
     cfg = load_config(CONFIG, [f"task.data_dir={QA_DIR}", "task.retriever_url=http://127.0.0.1:9",
                                f"output_dir={out}"])

@@ -110,7 +110,7 @@ def test_paper_configs_ask_for_the_model_path(task):
 
 
 def test_paper_data_names_resolve(monkeypatch):
-    monkeypatch.chdir(ROOT)  # empty task.data_dir: $COPC_DATA_DIR, else ../shared/data from the cwd
+    monkeypatch.chdir(ROOT)  # empty task.data_dir: $COPC_DATA_DIR, else the repository's data/
     monkeypatch.delenv("COPC_DATA_DIR", raising=False)
     cfg = load_config(CONFIGS / "math_tool" / "_paper.yaml", ["model.path=."])
     assert cfg.task.train_data == ["math_train"] and cfg.task.eval_data == ["aime2025"]

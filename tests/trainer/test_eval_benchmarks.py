@@ -23,10 +23,10 @@ from trainer.evaluate.benchmarks import (
     service_of,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "data"  # the repository's data/
 needs_shared = pytest.mark.skipif(not (SHARED_DATA / "wiki" / "corpus.jsonl").is_file()
                                   or not (SHARED_DATA / "aime2025.jsonl").is_file(),
-                                  reason=f"shared data not found under {SHARED_DATA}")
+                                  reason=f"data not found under {SHARED_DATA}")
 
 EXPECTED_ROWS = {"nq": 500, "triviaqa": 500, "popqa": 500, "hotpotqa": 500,
                  "2wikimultihopqa": 200, "musique": 200, "bamboogle": 125,
@@ -46,7 +46,7 @@ def services(tmp_path_factory):
     """Services for nq + aime2024: a sandbox pool and a retriever server started by
     ``BenchmarkServices`` itself (index shared with ``search_server``'s, built once a session)."""
     if not (SHARED_DATA / "wiki" / "corpus.jsonl").is_file():
-        pytest.skip(f"shared data not found under {SHARED_DATA}")
+        pytest.skip(f"data not found under {SHARED_DATA}")
     index = tmp_path_factory.getbasetemp() / "trainer_bm25_index"
     svc = BenchmarkServices([resolve_benchmark("nq"), resolve_benchmark("aime2024")],
                             data_dir=str(SHARED_DATA), index_dir=str(index))

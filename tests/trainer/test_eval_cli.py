@@ -20,7 +20,7 @@ from trainer.evaluate.metrics import summarize_benchmark
 from trainer.evaluate.records import latest_records, read_results
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 
-DATA = Path("../shared/data").resolve()
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 PLUGIN = '''
 import asyncio, json, os

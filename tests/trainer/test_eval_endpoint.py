@@ -20,7 +20,7 @@ from trainer.engines.sglang_launcher import SGLangLauncher, SGLangLauncherConfig
 from trainer.evaluate.records import read_results
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, save_tiny_checkpoint
 
-DATA = Path("../shared/data").resolve()
+DATA = Path(__file__).resolve().parents[2] / "data"
 STANDIN_DIR = Path(__file__).parent / "sglang_protocol_standin"
 
 

@@ -25,7 +25,7 @@ from trainer.models.pull import (
 )
 from trainer.models.pull.manifest import write_manifest
 
-DATA = Path("../shared/data").resolve()
+DATA = Path(__file__).resolve().parents[2] / "data"
 ROOT = Path(__file__).resolve().parents[2]
 REALMODEL = "smollm2-135m-instruct"
 

@@ -21,7 +21,7 @@ from trainer.evaluate.benchmarks import resolve_benchmark, task_env_applies, wit
 from trainer.rollout.agent_loop import AgentLoopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path("../shared/data").resolve()
+DATA = Path(__file__).resolve().parents[2] / "data"
 REALMODEL = "smollm2-135m-instruct"
 
 

@@ -32,6 +32,8 @@ from trainer.rollout.trajectory import Trajectory
 
 from .test_run_e2e import overrides
 
+DATA = Path(__file__).resolve().parents[2] / "data"
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -199,7 +201,7 @@ def test_plugins_register_before_validation_and_train(tmp_path, monkeypatch):
     from trainer.app.run import run_experiment
 
     (tmp_path / "my_algos.py").write_text(PLUGIN)
-    monkeypatch.setenv("COPC_DATA_DIR", str(Path("../shared/data").resolve()))  # before leaving the repo
+    monkeypatch.setenv("COPC_DATA_DIR", str(DATA))
     monkeypatch.chdir(tmp_path)
     algo = "algorithm={advantage_estimator: plugin_mc, use_critic: false}"
     with pytest.raises(ConfigError, match=r"algorithm.advantage_estimator.*plugin_mc"):
@@ -219,12 +221,15 @@ def test_plugins_register_before_validation_and_train(tmp_path, monkeypatch):
 
 
 def test_missing_data_and_bad_eval_checkpoint_are_config_errors(tmp_path, monkeypatch):
+    import environments.data
     from trainer.app.run import run_evaluation, run_experiment
 
-    data = str(Path("../shared/data").resolve())
-    monkeypatch.chdir(tmp_path)  # no ../shared/data from here
+    data = str(DATA)
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("COPC_DATA_DIR", raising=False)
-    with pytest.raises(ConfigError, match=r"task.data_dir='': .*math_train.*set task.data_dir or "
+    monkeypatch.setattr(environments.data, "FALLBACK_DATA_DIR", str(tmp_path / "no-data"))  # installed copy
+    with pytest.raises(ConfigError, match=r"task.data_dir='': .*math_train.*does not exist, as in an "
+                                          r"installed copy: set \$COPC_DATA_DIR.*set task.data_dir or "
                                           r"\$COPC_DATA_DIR"):
         run_experiment(load_config(None, overrides(tmp_path / "m", "copc")))
     (tmp_path / "junk").mkdir()

@@ -31,9 +31,7 @@ from trainer.tasks import (
 )
 from trainer.tasks.search import corpus_path
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_shared = pytest.mark.skipif(not (SHARED_DATA / "aime2025.jsonl").is_file(),
-                                  reason=f"shared data not found under {SHARED_DATA}")
+DATA = Path(__file__).resolve().parents[2] / "data"  # the repository's data/
 
 
 def cfg_of(*overrides: str, **task: str):
@@ -76,11 +74,11 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 # -- where data comes from -----------------------------------------------------------------------
 
-def test_data_root_order_config_then_env_var_then_fallback_relative_to_cwd(tmp_path, monkeypatch):
+def test_data_root_order_config_then_env_var_then_the_repositorys_data(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
-    assert FALLBACK_DATA_DIR == "../shared/data"
-    assert data_root() == tmp_path.parent / "shared" / "data"
+    assert str(DATA) == FALLBACK_DATA_DIR
+    assert data_root() == DATA  # whatever the working directory
     monkeypatch.setenv(DATA_DIR_ENV, "envdata")
     assert data_root() == tmp_path / "envdata"
     assert data_root("") == tmp_path / "envdata"
@@ -89,7 +87,7 @@ def test_data_root_order_config_then_env_var_then_fallback_relative_to_cwd(tmp_p
     assert resolve_data_path("x/y.jsonl") == tmp_path / "envdata" / "x" / "y.jsonl"
     assert resolve_data_path("/elsewhere/y.jsonl", "cfg") == Path("/elsewhere/y.jsonl")
     monkeypatch.setenv(DATA_DIR_ENV, "")
-    assert data_root() == tmp_path.parent / "shared" / "data"
+    assert data_root() == DATA
 
 
 def test_retriever_corpus_default_follows_the_data_directory(tmp_path, monkeypatch):
@@ -115,21 +113,27 @@ def test_absolute_task_paths_pins_paths_for_other_processes(tmp_path, monkeypatc
     assert absolute_task_paths(cfg_of("task.retriever_corpus=''")).task.retriever_corpus == ""
 
 
-@needs_shared
 def test_math_datasets_from_copc_data_dir_in_another_directory(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # ../shared/data does not exist from here
-    monkeypatch.setenv(DATA_DIR_ENV, str(SHARED_DATA))
+    import environments.data
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(DATA_DIR_ENV, str(DATA))
     cfg = cfg_of("task.data_dir=''", "task.env_kwargs={reward: {mode: dapo_strict}}",
                  train_data="[aime2024]", eval_data="[aime2025]")
     with build_task(cfg) as task:
         assert type(task) is MathToolTask
         assert len(task.train_samples) == 30 and len(task.eval_samples) == 30
         assert task.train_samples[0]["id"] != task.eval_samples[0]["id"]
-        first = json.loads((SHARED_DATA / "aime2024.jsonl").read_text().splitlines()[0])
+        first = json.loads((DATA / "aime2024.jsonl").read_text().splitlines()[0])
         assert task.train_samples[0]["problem"] == first["problem"]
     monkeypatch.delenv(DATA_DIR_ENV)
-    missing = tmp_path.parent / "shared/data/aime2024.jsonl"  # the fallback, relative to the cwd
-    with pytest.raises(ConfigError, match=r"task.data_dir='': .*" + re.escape(str(missing))):
+    with build_task(cfg) as task:  # the fallback: the repository's data/, from any directory
+        assert len(task.train_samples) == 30 and task.train_samples[0]["problem"] == first["problem"]
+    # an installed copy has no data/ beside its packages: the error names the variable to set
+    monkeypatch.setattr(environments.data, "FALLBACK_DATA_DIR", str(tmp_path / "no-data"))
+    missing = tmp_path / "no-data" / "aime2024.jsonl"
+    with pytest.raises(ConfigError, match=r"task.data_dir='': .*" + re.escape(str(missing)) +
+                       r".*does not exist, as in an installed copy: set \$COPC_DATA_DIR"):
         build_task(cfg)
 
 
@@ -188,7 +192,6 @@ def test_math_warm_start_traces_mix_tool_and_direct_answers_never_eval(tmp_path)
 
 # -- search ------------------------------------------------------------------------------------
 
-@needs_shared
 def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
     from environments.search.env import load_qa
 
@@ -196,7 +199,7 @@ def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
     with build_task(cfg) as task:  # an existing server: nothing started
         assert type(task) is SearchTask and task._closers == []
         assert task.info == {"retriever_url": "http://127.0.0.1:9"}
-        nq, hq = load_qa("nq", str(SHARED_DATA)), load_qa("hotpotqa", str(SHARED_DATA))
+        nq, hq = load_qa("nq", str(DATA)), load_qa("hotpotqa", str(DATA))
         assert len(task.eval_samples) == 200 and len(task.train_samples) == 800
         assert task.eval_samples[0]["id"] == f"nq:{nq[0]['id']}"
         # interleaved nq / hotpotqa, so that a cap (eval.num_samples) keeps both sets
@@ -211,7 +214,6 @@ def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
 
 
 @pytest.mark.slow
-@needs_shared
 def test_search_warm_start_traces_real_retriever(retriever_url):  # noqa: F811
     from trainer.config import WarmStartConfig
 

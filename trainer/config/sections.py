@@ -139,7 +139,7 @@ class TaskConfig:
             ``[nq, hotpotqa]``), read from ``data_dir``; empty: generated problems (math_tool;
             other environments need JSONL files here).
         eval_data: held-out dataset(s) for evaluation.
-        data_dir: data directory; empty: ``$COPC_DATA_DIR``, else ``../shared/data``. Relative
+        data_dir: data directory; empty: ``$COPC_DATA_DIR``, else the repository's ``data/``. Relative
             paths (here and in the other path keys) resolve against the current working directory.
         max_train_samples / max_eval_samples: caps (0 = all).
         retriever_url: search tasks: an existing server; empty: start one (BM25 index built

@@ -270,7 +270,7 @@ def load_rows(spec: BenchmarkSpec, data_dir: str = "", max_samples: int = 0) -> 
     Args:
         spec: the benchmark.
         data_dir: the data directory (see :func:`environments.data.data_root`; empty:
-            ``$COPC_DATA_DIR``, else ``../shared/data``).
+            ``$COPC_DATA_DIR``, else the repository's ``data/``).
         max_samples: when > 0, only the first ``max_samples`` rows (file order, deterministic).
 
     Returns:

@@ -79,7 +79,7 @@ def build_task(cfg: ExperimentConfig) -> Task:
 
             raise ConfigError(f"task.data_dir={cfg.task.data_dir!r}: {e} (data directory: "
                               f"{data_root(cfg.task.data_dir)}; set task.data_dir or $COPC_DATA_DIR, "
-                              "default ../shared/data from the working directory)") from e
+                              "default: the repository's data/)") from e
         check_env_settings(task.make_env, env_id, task.env_kwargs)
     except BaseException:
         task.close()

@@ -54,7 +54,7 @@ def load_rows(key: str, names: Sequence[str], data_dir: str) -> tuple[list[dict]
         except FileNotFoundError:
             raise ConfigError(f"{where}: no such file {str(path)!r} (relative entries are read from the "
                               f"data directory {str(data_root(data_dir))!r}: task.data_dir, else "
-                              "$COPC_DATA_DIR, else ../shared/data)") from None
+                              "$COPC_DATA_DIR, else the repository's data/)") from None
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
         if not numbered:
