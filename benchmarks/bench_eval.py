@@ -35,11 +35,12 @@ from real_bench_model import real_model_dir
 from tiny_bench_model import tiny_bench_model  # benchmarks/ is on sys.path when a script runs
 
 from trainer.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from trainer.evaluate.benchmarks import DEFAULT_INDEX_DIR, BenchmarkServices, load_rows, resolve_benchmark
+from trainer.evaluate.benchmarks import BenchmarkServices, load_rows, resolve_benchmark
 from trainer.evaluate.records import RecordWriter
 from trainer.evaluate.runner import BenchmarkJob, EvalSettings, run_benchmark
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.rollout.agent_loop import AgentLoopConfig
+from trainer.tasks.search.settings import DEFAULT_INDEX_DIR
 
 GOAL_RATIO = 4.0
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None, **defaults) -> int:
 
     engine = EmbeddedEngine(model, tok, EmbeddedEngineConfig(max_batch_size=args.concurrency))
     t0 = time.perf_counter()
-    with BenchmarkServices([spec], data_dir=args.data_dir, index_dir=args.index_dir) as services, \
+    with BenchmarkServices([spec], data_dir=args.data_dir,
+                           settings={"search": {"retriever_index_dir": args.index_dir}}) as services, \
             tempfile.TemporaryDirectory() as out:
         print(f"BM25 retriever up in {time.perf_counter() - t0:.1f} s ({services.info['retriever_url']})",
               flush=True)

@@ -72,7 +72,7 @@ def search_run(tmp_path_factory):
     if not CORPUS.is_file() or not (QA_DIR / "qa" / "nq.jsonl").is_file():
         pytest.skip(f"data not found under {QA_DIR}")
     out = tmp_path_factory.mktemp("search_bpe")
-    cfg = load_config(CONFIG, [f"task.data_dir={QA_DIR}", "task.retriever_url=http://127.0.0.1:9",
+    cfg = load_config(CONFIG, [f"task.data_dir={QA_DIR}", "task.settings.retriever_url=http://127.0.0.1:9",
                                f"output_dir={out}"])
     with build_task(cfg) as task:  # a given retriever URL: no server is started
         texts = list(task.tokenizer_texts())

@@ -19,6 +19,7 @@ from trainer.app.cli_train import eval_command, train_command
 from trainer.cli import build_parser
 from trainer.cli import main as cli_main
 from trainer.config import ConfigError, ExperimentConfig, load_config, to_yaml
+from trainer.config.train_section import PRESET_STALENESS
 from trainer.engines import SGLangSettings
 from trainer.plugins import plugin_settings
 
@@ -38,8 +39,13 @@ def _is_paper(rel: str) -> bool:
     return task in TASK_STALENESS and name != "cpu_tiny.yaml"
 
 
+#: Fragments that only compose after a config of some presets: the preset each is loaded with here.
+FRAGMENT_PRESET = {"recipes/vapo_clip_higher.yaml": "ppo_async"}  # a PPO-clip loss's settings
+
+
 def _load(rel: str, tmp_path: Path, *overrides: str) -> ExperimentConfig:
     extra = [f"model.path={tmp_path}"] if _is_paper(rel) else []
+    extra += [f"preset={FRAGMENT_PRESET[rel]}"] if rel in FRAGMENT_PRESET else []
     return load_config(CONFIGS / rel, [*extra, *overrides])
 
 
@@ -77,8 +83,10 @@ def test_paper_preset_configs(task, preset, tmp_path):
     assert cfg.max_staleness == (0 if preset == "ppo" else TASK_STALENESS[task])
     # paper settings: gamma = lambda = 1, eps_l = 0.4, eps_h = 0.56, eta_P = eta_A = 0.5 (w/o RC: eta_A = 0)
     assert (algo.gamma, algo.lam, algo.eps_low, algo.eps_high) == (1.0, 1.0, 0.4, 0.56)
-    assert algo.eta_p == 0.5
-    assert algo.eta_a == (0.0 if preset == "copc_wo_rc" else 0.5)
+    if algo.policy_loss == "dis":  # eta_P: the dis loss's own setting (DisSettings)
+        assert algo.policy_loss_settings.eta_p == 0.5
+    if algo.advantage_estimator == "copc":  # eta_A: the copc estimator's (CopcSettings)
+        assert algo.estimator_settings.eta_a == (0.0 if preset == "copc_wo_rc" else 0.5)
     assert cfg.train.actor_lr == 1e-6
     assert cfg.rollout.engine == "sglang"
     assert cfg.rollout.max_new_tokens == 16384
@@ -91,9 +99,9 @@ def test_paper_preset_configs(task, preset, tmp_path):
     assert algo.use_critic == (preset not in ("sao", "dapo"))
     # the paper's horizons, and 8 GPUs: a Megatron learner on GPUs 0-3, SGLang replicas on 4-7
     assert cfg.train.total_steps == {"math_tool": 120, "search": 450}[task]
-    lrn, r = cfg.learner, cfg.rollout
+    lrn, r = plugin_settings(cfg, "learner.backend"), cfg.rollout  # the backend's own settings
     sizes = (lrn.world_size, lrn.tensor_parallel_size, lrn.pipeline_parallel_size)
-    assert lrn.backend == "megatron" and sizes == (4, 2, 1)
+    assert cfg.learner.backend == "megatron" and sizes == (4, 2, 1)
     sg = plugin_settings(cfg, "rollout.engine")  # SGLang's own settings (rollout.engine_settings)
     assert r.engine == "sglang" and isinstance(sg, SGLangSettings)
     assert sg.base_gpu_id == lrn.world_size and lrn.world_size + sg.tp * sg.dp == 8
@@ -155,9 +163,9 @@ def test_cpu_tiny_search(monkeypatch):
     assert (cfg.preset, cfg.max_staleness, cfg.task.env) == ("copc", 14, "search")
     assert cfg.task.train_data[:2] == ["nq", "hotpotqa"] and cfg.task.eval_data == ["nq", "hotpotqa"]
     assert cfg.model.tiny.tokenizer == "bpe" and cfg.task.settings["drill_steps"] > 0
-    assert cfg.task.retriever_url == ""  # copc train starts the retriever itself
-    assert cfg.task.retriever_corpus == ""  # <data dir>/wiki/corpus.jsonl
-    assert corpus_path(cfg.task.retriever_corpus, cfg.task.data_dir).is_file()
+    assert cfg.task.settings["retriever_url"] == ""  # copc train starts the retriever itself
+    assert cfg.task.settings.get("retriever_corpus", "") == ""  # <data dir>/wiki/corpus.jsonl
+    assert corpus_path(cfg.task.settings.get("retriever_corpus", ""), cfg.task.data_dir).is_file()
     assert cfg.warm_start.enabled and cfg.warm_start.kind == "search_r1"
     env_cfg = SearchConfig(**cfg.task.env_kwargs)
     assert env_cfg.topk == 1
@@ -211,10 +219,11 @@ def test_composition_cycle(tmp_path):
 
 def test_dotted_overrides():
     path = CONFIGS / "math_tool" / "cpu_tiny.yaml"
-    cfg = load_config(path, ["train.total_steps=3", "algorithm.eta_a=0.25", "model.tiny.hidden_size=64",
-                             "task.train_data=[nq,hotpotqa]", "name=smoke"])
+    cfg = load_config(path, ["train.total_steps=3", "algorithm.estimator_settings.eta_a=0.25",
+                             "model.tiny.hidden_size=64", "task.train_data=[nq,hotpotqa]", "name=smoke"])
     assert cfg.train.total_steps == 3
-    assert cfg.algorithm_config().eta_a == 0.25 and cfg.algorithm_config().eta_p == 0.5
+    algo = cfg.algorithm_config()
+    assert algo.estimator_settings.eta_a == 0.25 and algo.policy_loss_settings.eta_p == 0.5
     assert cfg.model.tiny.hidden_size == 64
     assert cfg.task.train_data == ["nq", "hotpotqa"]
     assert cfg.output_dir == "runs/smoke"  # base.yaml's interpolation follows the name
@@ -234,9 +243,13 @@ def test_dotted_overrides():
     (["train.staleness.max=-1"], "train.staleness.max=-1"),
     (["rollout.engine=vllm"], "rollout.engine='vllm'"),
     (["eval.temperature=-0.5"], "eval.temperature"),
-    (["algorithm.eta_a=2"], "eta_a"),
+    (["algorithm.estimator_settings.eta_a=2"], "algorithm.estimator_settings.eta_a=2.0: must be a number in [0, 1]"),
+    (["algorithm.eta_a=0.2"], "algorithm.eta_a: moved to algorithm.estimator_settings.eta_a "
+                              "(with advantage_estimator: copc)"),
+    (["preset=ppo_async", "algorithm.clip_high=0.28"],
+     "algorithm.clip_high: moved to algorithm.policy_loss_settings.clip_high"),
     (["algorithm.bogus=1"], "bogus"),
-    (["preset=ppo", "algorithm.max_staleness=3"], "max_staleness"),
+    (["preset=ppo", "algorithm.max_staleness=3"], "algorithm.max_staleness: left the algorithm"),
     (["preset=dapo"], "rollout.n_samples_per_prompt"),     # groups needed
     (["preset=sao", "rollout.n_samples_per_prompt=4"], "rollout.n_samples_per_prompt=4"),  # single rollout
     (["preset=sao", "algorithm.n_samples_per_prompt=4"], "preset 'sao' is single-rollout"),
@@ -386,10 +399,11 @@ def test_sao_single_rollout():
 
 
 def test_max_staleness_is_resolved_once():
-    """ExperimentConfig.max_staleness: the algorithm's own bound if it has one, else train's."""
+    """ExperimentConfig.max_staleness: the preset's own (the trainer's PRESET_STALENESS) if it has
+    one, else train's."""
     assert load_config(None, ["train.staleness.max=5"]).max_staleness == 5
-    assert load_config(None, ["train.staleness.max=5", "algorithm.max_staleness=2"]).max_staleness == 2
     assert load_config(None, ["train.staleness.max=5", "preset=ppo"]).max_staleness == 0
+    assert PRESET_STALENESS == {"ppo": 0}
 
 
 def test_a_config_error_found_once_the_tokenizer_is_loaded_is_one_line(capsys, monkeypatch, tmp_path):

@@ -49,7 +49,8 @@ def services(tmp_path_factory):
         pytest.skip(f"data not found under {SHARED_DATA}")
     index = tmp_path_factory.getbasetemp() / "trainer_bm25_index"
     svc = BenchmarkServices([resolve_benchmark("nq"), resolve_benchmark("aime2024")],
-                            data_dir=str(SHARED_DATA), index_dir=str(index))
+                            data_dir=str(SHARED_DATA),
+                            settings={"search": {"retriever_index_dir": str(index)}})
     with svc:
         yield svc
 
@@ -192,7 +193,7 @@ def test_user_benchmark_on_another_env_gets_only_its_env_kwargs(tmp_path):
     # a SearchEnv subclass takes the retriever like "search"; a given URL starts no server
     sub = BenchmarkSpec("sub", f"{envfile}:bench_my_search", "nq", "qa")
     assert service_of(sub.env) == "search"
-    with BenchmarkServices([sub], retriever_url="http://127.0.0.1:9") as svc:
+    with BenchmarkServices([sub], settings={"search": {"retriever_url": "http://127.0.0.1:9"}}) as svc:
         assert svc.info == {"retriever_url": "http://127.0.0.1:9"} and svc.running() == []  # no server
         env = svc.env_factory(sub)()
         assert type(env).__name__ == "MySearch" and env.config.retriever_url == "http://127.0.0.1:9"
@@ -246,7 +247,8 @@ def test_services_errors(tmp_path):
         svc.env_factory(resolve_benchmark("math500"))
     with pytest.raises(KeyError, match="unknown env id 'nope'"):
         BenchmarkServices([BenchmarkSpec("b", "nope", "x.jsonl", "qa")])
-    missing = BenchmarkServices([nq], data_dir=str(tmp_path), index_dir=str(tmp_path / "idx"))
+    missing = BenchmarkServices([nq], data_dir=str(tmp_path),
+                                settings={"search": {"retriever_index_dir": str(tmp_path / "idx")}})
     with pytest.raises(FileNotFoundError, match=r"retriever corpus .*wiki/corpus\.jsonl"):
         missing.start()
     missing.close()

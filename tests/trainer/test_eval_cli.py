@@ -98,7 +98,8 @@ def _eval(setup, out, *extra):
     return cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq,hotpotqa,aime2024",
                      "--max-samples", "4", "--out", str(out), *extra,
                      f"plugins=[{setup['plugin']}]", "rollout.engine=scripted", "logging.progress=false",
-                     f"task.data_dir={DATA}", f"task.retriever_index_dir={setup['index']}"])
+                     f"task.data_dir={DATA}", "task.env=search",
+                     f"task.settings.retriever_index_dir={setup['index']}"])
 
 
 def test_report_equals_recomputation_resume_and_failures(setup, tmp_path, monkeypatch):
@@ -168,7 +169,7 @@ def test_rows_the_env_cannot_read_and_resume_with_other_settings(setup, tmp_path
     qa.write_text(json.dumps({"id": "u0", "question": "who?", "golden_answers": ["x"]}) + "\n")
     base = ["eval", "--model", setup["model"], "--out", str(tmp_path / "o"), f"plugins=[{setup['plugin']}]",
             "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
-            f"task.retriever_index_dir={setup['index']}"]
+            "task.env=search", f"task.settings.retriever_index_dir={setup['index']}"]
     assert cli_main([*base, "--benchmarks", f"{qa}:math_tool"]) == 2  # QA rows in the math env
     assert "env 'math_tool' cannot read its rows" in capsys.readouterr().err
     assert cli_main([*base, "--benchmarks", "nq", "--max-samples", "2"]) == 0
@@ -189,7 +190,8 @@ def test_sigkill_mid_run_then_resume_loses_nothing(setup, tmp_path):
     argv = [sys.executable, "-m", "trainer.cli", "eval", "--model", setup["model"], "--benchmarks", "nq",
             "--max-samples", "4", "--k", "4", "--out", str(out), f"plugins=[{setup['plugin']}]",
             "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
-            f"task.retriever_index_dir={setup['index']}", "rollout.concurrency=1"]
+            "task.env=search", f"task.settings.retriever_index_dir={setup['index']}",
+            "rollout.concurrency=1"]
     env = {**os.environ, "COPC_TEST_ANSWER_KEY": str(setup["key"]), "COPC_TEST_DELAY_S": "0.3",
            "PYTHONPATH": str(Path.cwd())}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -235,7 +237,7 @@ def test_same_command_twice_gives_the_same_report_with_the_embedded_engine(setup
         assert cli_main(["eval", "--model", setup["model"], "--benchmarks", "nq,aime2024",
                          "--max-samples", "2", "--k", "2", "--temperature", "1.0", "--out", str(out),
                          "logging.progress=false", "rollout.max_new_tokens=16", f"task.data_dir={DATA}",
-                         f"task.retriever_index_dir={setup['index']}"]) == 0
+                         "task.env=search", f"task.settings.retriever_index_dir={setup['index']}"]) == 0
         reports.append(json.loads((out / "report.json").read_text())["benchmarks"])
         latest = latest_records(read_results(out / "results.jsonl"))
         episodes.append({key: (r["response"], r["seed"]) for key, r in latest.items()})
@@ -287,7 +289,7 @@ def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
     out = tmp_path / "o"
     rest = ["--benchmarks", "nq", "--max-samples", "2", "--out", str(out), f"plugins=[{setup['plugin']}]",
             "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
-            f"task.retriever_index_dir={setup['index']}"]
+            "task.env=search", f"task.settings.retriever_index_dir={setup['index']}"]
     assert cli_main(["eval", "--model", str(model), *rest]) == 0
     recorded = json.loads((out / "eval_settings.json").read_text())["policy"]
     assert recorded["source"] == "--model" and recorded["path"] == str(model.resolve())
@@ -321,7 +323,7 @@ def test_a_second_writer_of_the_same_out_is_refused(setup, tmp_path, capsys, mon
         argv = ["eval", "--model", setup["model"], "--benchmarks", "nq", "--max-samples", "1",
                 "--out", str(out), f"plugins=[{setup['plugin']}]", "rollout.engine=scripted",
                 "logging.progress=false", f"task.data_dir={DATA}",
-                f"task.retriever_index_dir={setup['index']}"]
+                "task.env=search", f"task.settings.retriever_index_dir={setup['index']}"]
         assert cli_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"--out={str(out)!r}: another copc process (pid {holder.pid}) is writing there" in err
@@ -358,6 +360,8 @@ def test_checkpoint_identity_covers_sharded_learner_state(tmp_path):
     (["--k", "4"], "--k=4: an option of the --benchmarks form", "eval.k=K"),
     (["--resume"], "--resume=True: an option of the --benchmarks form", "re-done whole"),
     (["--engine", "sglang"], "--engine='sglang': an option", "rollout.engine=NAME"),
+    (["--retriever-url", "http://127.0.0.1:9"], "--retriever-url='http://127.0.0.1:9': an option",
+     "task.settings.retriever_url=VALUE with task.env=search"),
 ])
 def test_benchmark_options_with_config_are_refused_not_ignored(tmp_path, capsys, monkeypatch, flags, needle,
                                                                 hint):

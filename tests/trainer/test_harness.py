@@ -22,7 +22,7 @@ from scripted import runs, scripted
 
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
-from trainer.harness.env import HarnessEnv, reward_of
+from trainer.harness.env import HarnessEnv, harness_episode, reward_of
 from trainer.harness.wire import assistant_message
 from trainer.logprobs import sequence_logprobs
 from trainer.models.tiny import TinyModelConfig, build_tiny_model
@@ -55,7 +55,7 @@ def play(model, tok, agent=AGENT, timeout_s=60.0, engine=None, cfg=None):
     async def main():
         eng = engine or EmbeddedEngine(model, tok, logits_processor=scripted(tok, ACTIONS, turn_of),
                                        version=3)
-        pool = EnvPool(lambda: HarnessEnv(agent=agent, timeout_s=timeout_s), 1)
+        pool = EnvPool(lambda: HarnessEnv(agent=agent, timeout_s=timeout_s), 1, harness_episode)
         try:
             [tr] = await run_group(eng, pool, tok, ROW, 1, SamplingParams(max_new_tokens=120, seed=5),
                                    cfg or AgentLoopConfig(), uid=0)
@@ -236,6 +236,33 @@ def test_reward_of_and_settings():
     with pytest.raises(ValueError, match=r"HarnessEnv.timeout_s=0: must be a number > 0"):
         HarnessEnv(agent=AGENT, timeout_s=0)
     assert json.loads(json.dumps(TOOLS))[0]["function"]["name"] == "add"
+
+
+def test_the_episode_is_the_tasks_named_seam(tmp_path):
+    """Which episode a pool plays is the task's ``episode()``: the tool-environment loop by default,
+    the agent for ``harness``, whose environment is no ``gymnasium.Env`` and has no ``step``."""
+    import gymnasium
+
+    from trainer.config import load_config
+    from trainer.rollout.agent_loop import run_episode
+    from trainer.tasks import Task, task_class
+    from trainer.tasks.harness import HarnessTask
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW) + "\n")
+    cfg = load_config(None, ["task.env=harness", f"task.train_data=[{rows}]",
+                             f"task.env_kwargs.agent={AGENT}"])
+    assert task_class("harness") is HarnessTask and HarnessTask(cfg, "harness").episode() is harness_episode
+    assert Task(cfg, "math_tool").episode() is run_episode
+    assert EnvPool(lambda: None, 1).episode is run_episode
+    env = HarnessEnv(agent=AGENT)
+    try:
+        assert not isinstance(env, gymnasium.Env) and not hasattr(env, "step")
+        assert json.loads(env.reset(options={"sample": ROW})[0]) == ROW
+    finally:
+        env.close()
+    with pytest.raises(TypeError, match="harness_episode: expected a HarnessEnv, got object"):
+        asyncio.run(harness_episode(None, object(), None, ROW, SamplingParams()))
 
 
 def test_budgets_end_the_episode_without_reward(chat_model_tok):

@@ -167,7 +167,7 @@ def test_reading_drills_stop_at_n_and_never_use_dataset_questions(retriever_url,
 
 
 def test_search_task_mixes_query_and_reading_drills(retriever_url):  # noqa: F811
-    cfg = load_config(CPU_TINY, [f"task.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
+    cfg = load_config(CPU_TINY, [f"task.settings.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
     with build_task(cfg) as task:
         drills = task.drill_traces(40, seed=0, reading_fraction=0.25)
     assert len(drills) == 40

@@ -47,7 +47,7 @@ def test_shipped_config_plays_a_well_formed_episode(realmodel_path, tmp_path, ca
     argv = ["eval", "--model", REALMODEL, "--config", str(ROOT / "configs/eval" / config), "--benchmarks",
             f"{bench}:{env}", "--k", "1", "--temperature", "0", "--out", str(out),
             "logging.progress=false", f"task.data_dir={DATA}",
-            f"task.retriever_index_dir={tmp_path / 'bm25'}"]
+            *([f"task.settings.retriever_index_dir={tmp_path / 'bm25'}"] if env == "search" else [])]
     assert cli_main(argv) == 0, capsys.readouterr().err[-3000:]
     (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not rec["failed"] and rec["finish_reason"] == "terminated", rec

@@ -160,7 +160,9 @@ def test_config_errors_name_the_key(override, key):
 
 @pytest.mark.parametrize("old", ["warm_start.second_search_fraction=0.3", "task.held_out_every=4",
                                  "warm_start.keep_misses=false", "warm_start.drill_steps=10",
-                                 "warm_start.reading_drill_fraction=0.5", "warm_start.tool_use_fraction=0.5"])
+                                 "warm_start.reading_drill_fraction=0.5", "warm_start.tool_use_fraction=0.5",
+                                 "task.retriever_url=http://127.0.0.1:9", "task.retriever_index_dir=idx",
+                                 "task.retriever_corpus=c.jsonl"])
 def test_old_spellings_are_refused_with_the_new_one(old):
     key, _, _ = old.partition("=")
     name = key.rpartition(".")[2]
@@ -168,6 +170,23 @@ def test_old_spellings_are_refused_with_the_new_one(old):
         load_config(CPU_TINY, [old])
     msg = str(ei.value)
     assert msg.startswith(f"{key}: moved to task.settings.{name} ") and "'search'" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("name", ["retriever_url", "retriever_index_dir", "retriever_corpus"])
+def test_old_retriever_keys_in_yaml_are_refused_and_the_new_ones_reach_the_task(tmp_path, name):
+    from trainer.tasks import SearchTask
+
+    old = tmp_path / "old.yaml"
+    old.write_text(f"defaults: [{CPU_TINY}]\ntask:\n  {name}: x\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(old)
+    assert str(ei.value) == (f"task.{name}: moved to task.settings.{name} (a setting of the task 'search'; "
+                             f"write task: {{settings: {{{name}: ...}}}})")
+    new = tmp_path / "new.yaml"
+    new.write_text(f"defaults: [{CPU_TINY}]\ntask:\n  settings:\n    {name}: x\n")
+    assert getattr(SearchTask(load_config(new)).settings, name) == "x"
+    with pytest.raises(ConfigError, match=rf"^task\.settings\.{name}='x': unknown setting of MathTool"):
+        load_config(None, [f"task.settings.{name}=x"])  # the default task (math_tool) has no retriever
 
 
 def test_cpu_tiny_config_values():
@@ -185,7 +204,7 @@ def test_cpu_tiny_config_values():
 @pytest.fixture(scope="module")
 def task(retriever_url):  # noqa: F811
     """The cpu_tiny search task, connected to the test's retriever (it starts none itself)."""
-    cfg = load_config(CPU_TINY, [f"task.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
+    cfg = load_config(CPU_TINY, [f"task.settings.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
     with build_task(cfg) as t:
         assert t._closers == [] and t.retriever_url == retriever_url
         yield t
@@ -233,7 +252,8 @@ def test_held_out_rule_on_hand_made_sets(tmp_path):
     b = [{"id": f"b{i}", "question": f"other {i}", "golden_answers": ["x"]} for i in range(2)]
     for name, rows in (("a", a), ("b", b)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(CPU_TINY, ["task.retriever_url=http://127.0.0.1:9", f"task.data_dir={tmp_path}",
+    cfg = load_config(CPU_TINY, ["task.settings.retriever_url=http://127.0.0.1:9",
+                                 f"task.data_dir={tmp_path}",
                                  "task.train_data=[a.jsonl, b.jsonl]", "task.eval_data=[a.jsonl, b.jsonl]",
                                  "eval.num_samples=100"])
     with build_task(cfg) as t:

@@ -101,16 +101,22 @@ def test_retriever_corpus_default_follows_the_data_directory(tmp_path, monkeypat
 def test_absolute_task_paths_pins_paths_for_other_processes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(DATA_DIR_ENV, "from_env")
-    cfg = cfg_of("task.env=envs/calc_env.py:calc", "task.retriever_corpus=c.jsonl",
-                 "task.retriever_index_dir=idx", data_dir="''")
+    cfg = cfg_of("task.env=envs/calc_env.py:calc", data_dir="''")
     pinned = absolute_task_paths(cfg)
     assert pinned.task.env == f"{tmp_path}/envs/calc_env.py:calc"
     assert pinned.task.data_dir == str(tmp_path / "from_env")
-    assert pinned.task.retriever_corpus == str(tmp_path / "c.jsonl")
-    assert pinned.task.retriever_index_dir == str(tmp_path / "idx")
+    # the search task's own paths are pinned by its worker hook (Task.worker_config)
+    search = cfg_of("task.env=search", "task.settings.retriever_corpus=c.jsonl",
+                    "task.settings.retriever_index_dir=idx", data_dir="''")
+    worker = SearchTask(search).worker_config()
+    assert worker.task.settings["retriever_corpus"] == str(tmp_path / "c.jsonl")
+    assert worker.task.settings["retriever_index_dir"] == str(tmp_path / "idx")
+    assert worker.task.data_dir == str(tmp_path / "from_env")
     assert cfg.task.data_dir == "" and cfg.task.env == "envs/calc_env.py:calc"  # the original is untouched
+    assert search.task.settings["retriever_corpus"] == "c.jsonl"
     assert absolute_task_paths(cfg_of("task.env=my_pkg.envs:calc")).task.env == "my_pkg.envs:calc"
-    assert absolute_task_paths(cfg_of("task.retriever_corpus=''")).task.retriever_corpus == ""
+    no_corpus = SearchTask(cfg_of("task.env=search", "task.settings.retriever_corpus=''")).worker_config()
+    assert no_corpus.task.settings["retriever_corpus"] == ""
 
 
 def test_math_datasets_from_copc_data_dir_in_another_directory(tmp_path, monkeypatch):
@@ -195,7 +201,7 @@ def test_math_warm_start_traces_mix_tool_and_direct_answers_never_eval(tmp_path)
 def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
     from environments.search.env import load_qa
 
-    cfg = cfg_of("task.env=search", "task.retriever_url=http://127.0.0.1:9", "eval.num_samples=1000")
+    cfg = cfg_of("task.env=search", "task.settings.retriever_url=http://127.0.0.1:9", "eval.num_samples=1000")
     with build_task(cfg) as task:  # an existing server: nothing started
         assert type(task) is SearchTask and task._closers == []
         assert task.info == {"retriever_url": "http://127.0.0.1:9"}
@@ -217,7 +223,7 @@ def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
 def test_search_warm_start_traces_real_retriever(retriever_url):  # noqa: F811
     from trainer.config import WarmStartConfig
 
-    cfg = cfg_of("task.env=search", f"task.retriever_url={retriever_url}", "eval.num_samples=10",
+    cfg = cfg_of("task.env=search", f"task.settings.retriever_url={retriever_url}", "eval.num_samples=10",
                  max_train_samples="5")
     with build_task(cfg) as task:
         traces = task.warm_start_traces(WarmStartConfig(enabled=True, kind="search_r1", num_examples=3),

@@ -20,7 +20,22 @@ MOVED_KEYS: dict[str, str] = {
     "rollout.sglang_dp": "rollout.engine_settings.dp (with rollout.engine: sglang)",
     "rollout.sglang_base_gpu_id": "rollout.engine_settings.base_gpu_id (with rollout.engine: sglang)",
     "rollout.sglang_mem_fraction": "rollout.engine_settings.mem_fraction (with rollout.engine: sglang)",
-    "model.gradient_checkpointing": "learner.gradient_checkpointing",
+    "model.gradient_checkpointing": "learner.backend_settings.gradient_checkpointing",
+    # the learner backends' own settings (trainer.learner.backend_settings: TorchSettings,
+    # DistributedSettings)
+    **{f"learner.{k}": f"learner.backend_settings.{k} (with learner.backend: {b})" for k, b in (
+        ("world_size", "fsdp or megatron"), ("tensor_parallel_size", "megatron"),
+        ("pipeline_parallel_size", "fsdp or megatron"), ("launch", "fsdp or megatron"),
+        ("dist_backend", "fsdp or megatron"), ("cpu_offload", "fsdp"), ("timeout_s", "fsdp or megatron"),
+        ("gradient_checkpointing", "torch, fsdp or megatron"), ("logprob_chunk_tokens", "torch or fsdp"),
+        ("autocast_dtype", "torch"), ("shared_prefix_tokens", "torch"),
+        ("critic_freeze_attention", "torch"))},
+    # the ray launcher's own settings (trainer.orchestration.launchers.RayLauncherSettings)
+    "launcher.ray_address": "launcher.settings.address (with launcher.kind: ray; for learner ranks started "
+                            "by Ray: learner.backend_settings.ray_address)",
+    "launcher.ray_num_cpus": "launcher.settings.num_cpus (with launcher.kind: ray; for learner ranks started "
+                             "by Ray: learner.backend_settings.ray_num_cpus)",
+    "launcher.num_rollout_workers": "launcher.settings.num_rollout_workers (with launcher.kind: ray)",
 }
 #: Keys that were removed: old dotted key → why (a config that sets one is refused).
 REMOVED_KEYS: dict[str, str] = {
@@ -48,6 +63,7 @@ MOVED_TO_TASK_SETTINGS: dict[str, tuple[str, ...]] = {
     "warm_start.tool_use_fraction": ("math_tool", "search"),
     **{f"warm_start.{k}": ("search",) for k in ("second_search_fraction", "keep_misses", "drill_steps",
                                                 "drill_batch_size", "drill_lr", "reading_drill_fraction")},
+    **{f"task.{k}": ("search",) for k in ("retriever_url", "retriever_index_dir", "retriever_corpus")},
 }
 
 
@@ -142,11 +158,6 @@ class TaskConfig:
         data_dir: data directory; empty: ``$COPC_DATA_DIR``, else the repository's ``data/``. Relative
             paths (here and in the other path keys) resolve against the current working directory.
         max_train_samples / max_eval_samples: caps (0 = all).
-        retriever_url: search tasks: an existing server; empty: start one (BM25 index built
-            on first use in ``retriever_index_dir``, reused after). Kept here, not in the search
-            task's settings: search benchmarks and the Ray launcher's workers read them too.
-        retriever_index_dir / retriever_corpus: where the auto-started server's index lives
-            and which corpus it indexes (empty: ``<data dir>/wiki/corpus.jsonl``).
         settings: the task's own knobs, checked by the task's settings dataclass when the task
             is built (:mod:`trainer.tasks.settings`; ``math_tool``:
             :class:`~trainer.tasks.math_tool.settings.MathToolSettings`, ``search``:
@@ -161,9 +172,6 @@ class TaskConfig:
     data_dir: str = ""
     max_train_samples: int = 0
     max_eval_samples: int = 0
-    retriever_url: str = ""
-    retriever_index_dir: str = "runs/retriever_index/bm25"
-    retriever_corpus: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -359,20 +367,10 @@ class LauncherConfig:
         kind: ``local`` (one process, threads/asyncio) | ``ray`` (rollout workers + learner as Ray
             actors) | a user's (registered in ``LAUNCHERS`` by a plugin); checked, with
             ``settings``, at load by :func:`trainer.plugins.check_plugins` (a seam).
-        settings: the launcher's own settings (its registered dataclass's fields; the built-in
-            launchers take none).
-        ray_address: existing cluster (empty: start a local one).
-        num_rollout_workers: Ray rollout actors. ray_num_cpus: CPUs of a local Ray cluster.
+        settings: the launcher's own settings (its registered dataclass's fields; ``local`` takes
+            none, ``ray``: :class:`~trainer.orchestration.launchers.RayLauncherSettings`,
+            ``{address, num_cpus, num_rollout_workers}``).
     """
 
     kind: str = "local"
     settings: dict[str, Any] = field(default_factory=dict)
-    ray_address: str = ""
-    num_rollout_workers: int = 1
-    ray_num_cpus: int = 2
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the key on a bad value (``kind`` and ``settings`` are
-        checked by :func:`trainer.plugins.check_plugins`)."""
-        require(self.num_rollout_workers >= 1, "launcher.num_rollout_workers",
-                 self.num_rollout_workers, "must be >= 1")

@@ -8,8 +8,9 @@ A benchmark (:class:`BenchmarkSpec`) names an environment (``search``, ``math_to
 episodes and names its metrics. The environment's *task* (:func:`trainer.tasks.task_class`:
 the task registered for that env id, or for an environment class it derives from) provides the
 services: :class:`BenchmarkServices` calls :meth:`trainer.tasks.base.Task.start_services` once per
-task (one sandbox pool for the math benchmarks, one BM25 retriever server for the search ones)
-and builds every environment with that task's ``make_env``.
+task (e.g. one sandbox pool for the math benchmarks, one retriever server for the search ones),
+builds every environment with that task's ``make_env`` and plays its episodes with that task's
+:meth:`~trainer.tasks.base.Task.episode`; each task is built with its own ``task.settings``.
 
 Example::
 
@@ -41,13 +42,10 @@ if TYPE_CHECKING:
     import gymnasium
 
     from ..config import ExperimentConfig
+    from ..rollout.groups import EpisodeFn
     from ..tasks.base import Task
 
 log = logging.getLogger(__name__)
-
-#: Where :class:`BenchmarkServices` keeps the BM25 index when none is given (relative: to the
-#: current working directory).
-DEFAULT_INDEX_DIR = "runs/retriever_index/bm25"
 
 
 @dataclass(frozen=True)
@@ -326,9 +324,8 @@ def service_of(env: str) -> str | None:
 class BenchmarkServices:
     """The services the benchmarks' environments share, started by their tasks: for each task
     some benchmark's environment takes its services from (:func:`service_of`), one task object
-    whose :meth:`~trainer.tasks.base.Task.start_services` runs once (the math benchmarks share
-    one sandbox pool, the search ones one BM25 retriever server on 127.0.0.1 unless
-    ``retriever_url`` names a running one).
+    whose :meth:`~trainer.tasks.base.Task.start_services` runs once (e.g. the math benchmarks share
+    one sandbox pool, the search ones one retriever server), stopped by :meth:`close`.
 
     A context manager: ``with BenchmarkServices(specs) as s:`` starts them and closes them on
     exit. Environments resolve (their modules are imported) on creation, so a bad ``env``
@@ -336,16 +333,17 @@ class BenchmarkServices:
 
     Args:
         specs: the benchmarks to serve.
-        data_dir / retriever_url / index_dir / corpus: the tasks' ``task.data_dir``,
-            ``task.retriever_url`` (a running retriever server to use instead of starting one),
-            ``task.retriever_index_dir`` (built on first use, reused after) and
-            ``task.retriever_corpus`` (empty: ``<data directory>/wiki/corpus.jsonl``).
-        cfg: the experiment config the tasks are built from (default: the defaults); the
-            arguments above override its ``task`` section.
+        data_dir: the tasks' ``task.data_dir``.
+        cfg: the experiment config the tasks are built from (default: the defaults); ``data_dir``
+            overrides its ``task.data_dir``, and its ``task.settings`` go to the task of its
+            ``task.env`` only (every other task gets its settings' defaults).
+        settings: per task name, ``task.settings`` keys set on top of those (``copc eval``'s task
+            options, :attr:`~trainer.tasks.base.Task.eval_options`; e.g. ``{"search":
+            {"retriever_url": url}}``: a running server, none started).
 
     Attributes:
-        info: after :meth:`start`: the started tasks' ``info`` merged (``{"retriever_url": url}``
-            when a search benchmark is served, ``{"sandbox": <what it enforces>}`` for a math one).
+        info: after :meth:`start`: the started tasks' ``info`` merged (e.g. ``{"sandbox": <what it
+            enforces>}`` for a math benchmark).
 
     Raises:
         ValueError, FileNotFoundError, ImportError, KeyError: a benchmark's ``env`` does not
@@ -353,14 +351,14 @@ class BenchmarkServices:
     """
 
     def __init__(self, specs: list[BenchmarkSpec] | tuple[BenchmarkSpec, ...], data_dir: str = "",
-                 retriever_url: str = "", index_dir: str = DEFAULT_INDEX_DIR, corpus: str = "",
-                 cfg: ExperimentConfig | None = None) -> None:
+                 cfg: ExperimentConfig | None = None,
+                 settings: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         from ..config import ExperimentConfig
 
         base = cfg if cfg is not None else ExperimentConfig()
-        self._cfg = dataclasses.replace(base, task=dataclasses.replace(
-            base.task, data_dir=data_dir, retriever_url=retriever_url, retriever_index_dir=index_dir,
-            retriever_corpus=corpus, env_kwargs={}))
+        self._cfg = dataclasses.replace(base, task=dataclasses.replace(base.task, data_dir=data_dir,
+                                                                       env_kwargs={}))
+        self._settings = {name: dict(values) for name, values in (settings or {}).items()}
         self.specs = list(specs)
         self.info: dict[str, Any] = {}
         self._services = {spec.env: service_of(spec.env) for spec in self.specs}
@@ -395,7 +393,7 @@ class BenchmarkServices:
         try:
             for name in sorted({s for s in self._services.values() if s is not None}):
                 task = task_class(name)(dataclasses.replace(self._cfg, task=dataclasses.replace(
-                    self._cfg.task, env=name)), name)
+                    self._cfg.task, env=name, settings=self._task_settings(name))), name)
                 self._tasks[name] = task
                 task.start_services()
                 self.info.update(task.info)
@@ -403,6 +401,13 @@ class BenchmarkServices:
             self.close()
             raise
         return self
+
+    def _task_settings(self, name: str) -> dict[str, Any]:
+        """``task.settings`` of task ``name``: the config's when its ``task.env`` is that task, then
+        the ``settings`` given for it."""
+        t = self._cfg.task
+        own = dict(t.settings) if t.env.rpartition(":")[2] == name else {}
+        return {**own, **self._settings.get(name, {})}
 
     def env_factory(self, spec: BenchmarkSpec) -> Callable[[], gymnasium.Env]:
         """A function building a fresh environment of ``spec``: its task's ``make_env`` (with the
@@ -422,12 +427,37 @@ class BenchmarkServices:
             RuntimeError: the benchmark needs a service that is not started (call
                 :meth:`start` first, or include the benchmark in ``specs``).
         """
+        task = self._started_task(spec)
+        env_id, kwargs = self._env_ids[spec.env], dict(spec.env_kwargs)
+        if task is None:
+            return lambda: environments.make(env_id, **kwargs)
+        view = copy.copy(task)  # the started task's services, this benchmark's env id and settings
+        view.env_id, view.env_kwargs, view._closers = env_id, kwargs, []
+        return view.make_env
+
+    def episode(self, spec: BenchmarkSpec) -> EpisodeFn | None:
+        """How an episode of ``spec`` is played on one of :meth:`env_factory`'s environments: its
+        task's :meth:`~trainer.tasks.base.Task.episode` (None for an environment no task serves:
+        the tool-environment loop).
+
+        Raises:
+            RuntimeError: as :meth:`env_factory`.
+        """
+        task = self._started_task(spec)
+        return None if task is None else task.episode()
+
+    def _started_task(self, spec: BenchmarkSpec) -> Task | None:
+        """The started task serving ``spec``'s environment (None: no task serves it).
+
+        Raises:
+            RuntimeError: it needs a task that is not started.
+        """
         if spec.env not in self._services:
             self._services[spec.env] = service_of(spec.env)
             self._env_ids[spec.env] = environments.resolve(spec.env)
-        service, env_id, kwargs = self._services[spec.env], self._env_ids[spec.env], dict(spec.env_kwargs)
+        service = self._services[spec.env]
         if service is None:
-            return lambda: environments.make(env_id, **kwargs)
+            return None
         task = self._tasks.get(service)
         if task is None:
             from ..tasks import task_class
@@ -435,9 +465,7 @@ class BenchmarkServices:
             what = task_class(service).service_names or f"the services of task {service!r}"
             raise RuntimeError(f"benchmark {spec.name!r} needs {what}: call BenchmarkServices.start() first "
                                "(with the benchmark in specs)")
-        view = copy.copy(task)  # the started task's services, this benchmark's env id and settings
-        view.env_id, view.env_kwargs, view._closers = env_id, kwargs, []
-        return view.make_env
+        return task
 
     def close(self) -> None:
         """Stop the services the tasks started, last first (idempotent)."""
@@ -453,6 +481,6 @@ class BenchmarkServices:
         self.close()
 
 
-__all__ = ["BENCHMARKS", "DEFAULT_INDEX_DIR", "ROW_SOURCE_KEYS", "BenchmarkServices", "BenchmarkSpec",
+__all__ = ["BENCHMARKS", "ROW_SOURCE_KEYS", "BenchmarkServices", "BenchmarkSpec",
            "benchmark_names", "infer_kind", "load_rows", "register_benchmark", "resolve_benchmark",
            "service_of", "task_env_applies", "with_task_env_kwargs"]

@@ -3,15 +3,18 @@
 Usage::
 
     copc eval --model DIR|NAME --benchmarks aime2025,nq [--k 32] [--temperature 1.0] [--max-samples N]
-              [--out DIR] [--resume] [--engine embedded|sglang] [--retriever-url URL] [key=value ...]
+              [--out DIR] [--resume] [--engine embedded|sglang] [task options] [key=value ...]
     copc eval --checkpoint RUN/checkpoints/step_N --benchmarks nq
     copc eval --endpoint http://host:30000 --tokenizer DIR --benchmarks hotpotqa
 
 The policy is loaded through the engine registry (``--engine``, default ``rollout.engine``), or
 reached at ``--endpoint`` (an SGLang server already running: its native ``/generate`` with token
-ids, as in training). Search benchmarks start a BM25 retriever unless ``--retriever-url`` is
-given; math benchmarks share one sandbox pool. Outputs in ``--out``: ``results.jsonl`` (one line
-per episode), ``report.json``, ``report.md`` and ``report.png``.
+ids, as in training). The benchmarks' tasks start the services their environments need (e.g. one
+sandbox pool for the math benchmarks, a retriever for the search ones); the *task options* are the
+flags the registered tasks add (:attr:`trainer.tasks.base.Task.eval_options`, e.g. the search
+task's ``--retriever-url``: a running server instead of starting one), each setting one of that
+task's ``task.settings``. Outputs in ``--out``: ``results.jsonl`` (one line per episode),
+``report.json``, ``report.md`` and ``report.png``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import asyncio
 import datetime
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..tasks.base import EvalOption
 
 
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +52,33 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/eval)")
     parser.add_argument("--resume", action="store_true", help="re-run only missing or failed episodes")
     parser.add_argument("--engine", default=None, help="engine name (default rollout.engine)")
-    parser.add_argument("--retriever-url", default="", help="search benchmarks: an existing retriever")
+    for flag, owners in task_options().items():  # the tasks' own flags (--retriever-url, ...)
+        parser.add_argument(flag, default="", help=owners[0][1].help)
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed")
+
+
+def task_options() -> dict[str, list[tuple[str, EvalOption]]]:
+    """The ``copc eval`` flags the registered tasks add (:attr:`~trainer.tasks.base.Task.eval_options`):
+    flag → ``(task name, option)`` of each task declaring it, in registry order."""
+    from ..tasks import TASKS
+
+    out: dict[str, list[tuple[str, EvalOption]]] = {}
+    for name in TASKS.names():
+        for opt in TASKS.get(name).eval_options:
+            out.setdefault(opt.flag, []).append((name, opt))
+    return out
+
+
+def task_option_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The ``task.settings`` the given task options set, per task name (``{"search": {"retriever_url":
+    url}}`` for ``--retriever-url url``); options left at their default set nothing."""
+    out: dict[str, dict[str, Any]] = {}
+    for owners in task_options().values():
+        for name, opt in owners:
+            value = getattr(args, opt.dest, "")
+            if value:
+                out.setdefault(name, {})[opt.setting] = value
+    return out
 
 
 def check_no_benchmark_options(args: argparse.Namespace) -> None:
@@ -63,15 +94,17 @@ def check_no_benchmark_options(args: argparse.Namespace) -> None:
         value = getattr(args, attr, default)
         if attr != "benchmarks" and value != default:
             flag = "--" + attr.replace("_", "-")
-            hint = _CONFIG_FORM_HINTS.get(flag, "eval.num_samples=N, eval.temperature=T, eval.k=K")
+            owners = task_options().get(flag, [])
+            hint = " or ".join(f"task.settings.{o.setting}=VALUE with task.env={name}" for name, o in owners)
+            hint = hint or _CONFIG_FORM_HINTS.get(flag, "eval.num_samples=N, eval.temperature=T, eval.k=K")
             raise _fail(flag, value, f"an option of the --benchmarks form; copc eval --config takes "
                                      f"config overrides instead ({hint}; results go to <output_dir>/eval)")
 
 
 #: What ``copc eval --config`` takes instead of a ``--benchmarks``-form option (default: eval.*).
 _CONFIG_FORM_HINTS = {"--model": "--checkpoint DIR or model.path=DIR", "--engine": "rollout.engine=NAME",
-                      "--out": "output_dir=RUN_DIR, the run to evaluate", "--retriever-url":
-                      "task.retriever_url=URL", "--resume": "nothing: a run's evaluation is re-done whole"}
+                      "--out": "output_dir=RUN_DIR, the run to evaluate",
+                      "--resume": "nothing: a run's evaluation is re-done whole"}
 
 
 def _fail(flag: str, value: Any, why: str) -> ConfigError:
@@ -294,13 +327,14 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
     done = latest_records(read_results(out / RESULTS_FILE)) if args.resume else {}
     specs = [spec for spec, _, _ in benchmarks]
     try:
-        services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, retriever_url=args.retriever_url,
-                                     index_dir=cfg.task.retriever_index_dir, corpus=cfg.task.retriever_corpus,
-                                     cfg=cfg)
+        services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, cfg=cfg,
+                                     settings=task_option_settings(args))
     except (KeyError, ImportError, OSError, ValueError) as e:
         raise _fail("--benchmarks", args.benchmarks, f"{type(e).__name__}: {e}") from None
-    if args.retriever_url:
-        await _check_health("--retriever-url", args.retriever_url)
+    for flag, owners in task_options().items():  # a given service URL must answer before anything starts
+        value = getattr(args, owners[0][1].dest, "")
+        if value and any(o.service_url for _, o in owners):
+            await _check_health(flag, value)
     engine, close, what = await _open_engine(args, cfg, out)
     tok = what.pop("_tokenizer")
     writer = None
@@ -341,7 +375,7 @@ async def _play_all(engine: Any, tok: Any, cfg: Any, settings: Any,
     for spec, kind, rows in benchmarks:
         n = settings.k or spec.default_k
         temp = spec.default_temperature if settings.temperature is None else settings.temperature
-        job = BenchmarkJob(spec.name, kind, rows, services.env_factory(spec), n, temp)
+        job = BenchmarkJob(spec.name, kind, rows, services.env_factory(spec), n, temp, services.episode(spec))
         recs = await run_benchmark_with_bar(engine, tok, job, settings, show=cfg.logging.progress,
                                             writer=writer, done=done)
         per_benchmark[spec.name] = {**summarize_benchmark(recs, kind), "k": n, "temperature": temp}

@@ -214,7 +214,8 @@ async def evaluate_held_out(cfg: ExperimentConfig, engine: InferenceEngine, task
         :func:`summarize_records` of the records.
     """
     job = BenchmarkJob(HELD_OUT, getattr(task, "benchmark_kind", None) or kind_of_rows(task.eval_samples),
-                       list(task.eval_samples), task.make_env, cfg.eval.k, cfg.eval.temperature)
+                       list(task.eval_samples), task.make_env, cfg.eval.k, cfg.eval.temperature,
+                       task.episode())
     settings = EvalSettings(seed=cfg.train.seed, max_new_tokens=cfg.rollout.max_new_tokens,
                             agent=AgentLoopConfig.from_config(cfg), retries=0,
                             concurrency=HELD_OUT_CONCURRENCY)

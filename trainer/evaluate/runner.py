@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import InferenceEngine, SamplingParams
 from ..rollout.agent_loop import AgentLoopConfig
-from ..rollout.groups import EnvPool, episode_seed, run_group
+from ..rollout.groups import EnvPool, EpisodeFn, episode_seed, run_group
 from ..rollout.trajectory import Trajectory
 from .records import EpisodeRecord, RecordWriter, record_of
 
@@ -93,6 +93,8 @@ class BenchmarkJob:
         make_env: a zero-argument environment factory (a pool of them is reused).
         n: episodes per question (>= 1).
         temperature: sampling temperature (0 = greedy).
+        episode: how an episode is played on one environment (the task's
+            :meth:`~trainer.tasks.base.Task.episode`); None: the tool-environment loop.
     """
 
     name: str
@@ -101,6 +103,7 @@ class BenchmarkJob:
     make_env: Callable[[], Any]
     n: int
     temperature: float
+    episode: EpisodeFn | None = None
 
 
 def eval_sampling_params(temperature: float, max_new_tokens: int, top_p: float = 1.0,
@@ -135,7 +138,7 @@ async def play_benchmark(engine: InferenceEngine, tokenizer: Any, job: Benchmark
             benchmark, the question and the count.
     """
     sampling = eval_sampling_params(job.temperature, settings.max_new_tokens, seed=settings.seed)
-    pool = EnvPool(job.make_env, min(settings.concurrency, max(len(job.rows) * job.n, 1)))
+    pool = EnvPool(job.make_env, min(settings.concurrency, max(len(job.rows) * job.n, 1)), job.episode)
 
     async def question(i: int, sample: Mapping[str, Any]) -> None:
         todo = [j for j in range(job.n) if skip is None or not skip(i, j)]

@@ -7,9 +7,10 @@ it gets the endpoint's ``base_url`` (``http://127.0.0.1:<port>/v1``), the episod
 ``openai`` client, say), and returns the reward: a number, or a dict of reward components whose
 sum is the reward (kept in ``info["reward_components"]``).
 
-:class:`HarnessEnv` is the environment object the episode pools hold; instead of ``reset`` /
-``step`` it has :meth:`HarnessEnv.play_episode`, which the group runner
-(:func:`trainer.rollout.groups.run_group`) calls when an environment offers it.
+:class:`HarnessEnv` is the object the episode pools hold (what ``environments.make("harness")``
+builds; not a ``gymnasium.Env``: it has no ``step``, the agent drives the episode). Its episodes are
+played by :func:`harness_episode` (the ``harness`` task's :meth:`~trainer.tasks.base.Task.episode`),
+which the group runner (:func:`trainer.rollout.groups.run_group`) calls through the pool.
 
 Failure semantics (as for environments): the agent raises → an env bug (``env_error: harness
 agent raised: <the traceback's last line>``: stops training and evaluation); the agent runs past
@@ -29,8 +30,6 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
-
-import gymnasium
 
 from ..engines.base import InferenceEngine, SamplingParams
 from ..rollout.agent_loop import AgentLoopConfig
@@ -89,8 +88,9 @@ def reward_of(value: Any) -> tuple[float, dict[str, float]]:
     return sum(out.values()), (out if comps is not None else {})
 
 
-class HarnessEnv(gymnasium.Env):
-    """The ``harness`` environment: episodes played by a user agent against the endpoint.
+class HarnessEnv:
+    """The ``harness`` environment: episodes played by a user agent against the endpoint (with
+    :func:`harness_episode`; ``reset`` renders a row, there is no ``step``).
 
     Args:
         agent: ``"pkg.module:run"`` / ``"file.py:run"`` (see :func:`load_agent`).
@@ -129,14 +129,6 @@ class HarnessEnv(gymnasium.Env):
             raise ValueError(f"harness: the row must be a JSON object, got {type(sample).__name__}")
         return json.dumps(dict(sample), ensure_ascii=False, default=str), {}
 
-    def step(self, action: str) -> tuple:
-        """Not used (see :meth:`reset`).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("the harness environment is played by play_episode (the agent drives it)")
-
     async def play_episode(self, engine: InferenceEngine, tokenizer: Any, sample: Mapping[str, Any],
                            sampling: SamplingParams, cfg: AgentLoopConfig | None,
                            group_id: Any = None) -> Trajectory:
@@ -171,6 +163,22 @@ class HarnessEnv(gymnasium.Env):
         """Stop this environment's own endpoint (a shared one belongs to the task)."""
         if self._own:
             self.server.close()
+
+
+async def harness_episode(engine: InferenceEngine, env: HarnessEnv, tokenizer: Any, sample: Mapping[str, Any],
+                          sampling: SamplingParams, cfg: AgentLoopConfig | None = None,
+                          group_id: Any = None) -> Trajectory:
+    """One episode of the ``harness`` task (an :data:`~trainer.rollout.groups.EpisodeFn`):
+    :meth:`HarnessEnv.play_episode` of ``env``.
+
+    Args: as :func:`trainer.rollout.agent_loop.run_episode`; ``env`` must be a :class:`HarnessEnv`.
+
+    Raises:
+        TypeError: ``env`` is not a :class:`HarnessEnv` (a pool of another task's environments).
+    """
+    if not isinstance(env, HarnessEnv):
+        raise TypeError(f"harness_episode: expected a HarnessEnv, got {type(env).__name__}")
+    return await env.play_episode(engine, tokenizer, sample, sampling, cfg, group_id=group_id)
 
 
 def _trajectory(ep: Episode, sid: Any, gid: Any, outcome: Any, raised: str, timeout_s: float) -> Trajectory:
@@ -210,4 +218,4 @@ def _trajectory(ep: Episode, sid: Any, gid: Any, outcome: Any, raised: str, time
     return tr
 
 
-__all__ = ["TOOL_FORMATS", "HarnessEnv", "load_agent", "reward_of"]
+__all__ = ["TOOL_FORMATS", "HarnessEnv", "harness_episode", "load_agent", "reward_of"]

@@ -17,8 +17,13 @@ settings dataclass is filled from ``launcher.settings`` (validated at load throu
 Capability metadata: ``distributed_learner`` (default True) — whether the launcher can train a
 distributed learner backend (``fsdp``, ``megatron``); ``ray`` cannot (its learner actor copies
 learner state through ``state_dict``, which for a distributed learner holds no weights);
-``ray_cluster`` (default False) — whether it runs on the Ray cluster of ``launcher.ray_address``
-(``copc sweep`` then runs its cells as Ray tasks on that cluster); ``ray`` does.
+``ray_cluster`` (default False) — whether it runs on the Ray cluster of its settings' ``address``
+(its settings are then a :class:`~trainer.ray_util.RayClusterSettings`; ``copc sweep`` runs its cells
+as Ray tasks on that cluster); ``ray`` does.
+
+The ``ray`` launcher's settings (``launcher: {kind: ray, settings: {...}}``) are
+:class:`RayLauncherSettings`: ``address`` / ``num_cpus`` of the cluster (joined or started through
+:func:`trainer.ray_util.connect_ray`) and ``num_rollout_workers``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from copc.registries import Registry
+
+from ..ray_util import RayClusterSettings
 
 
 @dataclass
@@ -59,13 +66,36 @@ class LaunchSpec:
     settings: Any = None
 
 
+@dataclass
+class RayLauncherSettings(RayClusterSettings):
+    """The ``ray`` launcher's settings (``launcher.settings`` with ``launcher.kind: ray``).
+
+    Attributes:
+        address: an existing Ray cluster (``HEAD:6379``); empty: start a local one (stopped at the end).
+        num_cpus: CPUs of a local cluster (ignored with ``address``), >= 1.
+        num_rollout_workers: rollout worker actors, >= 1.
+
+    Raises:
+        ValueError: ``num_cpus`` or ``num_rollout_workers`` < 1 (one line naming the field).
+    """
+
+    num_rollout_workers: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n = self.num_rollout_workers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_rollout_workers={n!r}: must be an int >= 1")
+
+
 #: ``launcher(spec) -> async context manager of (learner, rollouts)``.
 Launcher = Callable[[LaunchSpec], AbstractAsyncContextManager[tuple[Any, Any]]]
 
 #: The launchers (``launcher.kind``; a seam of :data:`trainer.plugins.SEAMS`, settings from
 #: ``launcher.settings``); capability metadata ``distributed_learner`` (bool, default True) and
-#: ``ray_cluster`` (bool, default False: it runs on the Ray cluster of ``launcher.ray_address``,
-#: so ``copc sweep`` runs its cells as Ray tasks on one cluster).
+#: ``ray_cluster`` (bool, default False: it runs on the Ray cluster of its settings' ``address``, a
+#: :class:`~trainer.ray_util.RayClusterSettings`, so ``copc sweep`` runs its cells as Ray tasks on one
+#: cluster).
 LAUNCHERS: Registry[Launcher] = Registry("launcher", {"distributed_learner": (bool, True),
                                                       "ray_cluster": (bool, False)}, key="launcher.kind")
 
@@ -78,14 +108,14 @@ async def launch_local(spec: LaunchSpec) -> AsyncIterator[tuple[Any, Any]]:
     from .rollouts import LocalRollouts
 
     rollouts = LocalRollouts(spec.engine, spec.task.make_env, spec.tokenizer, spec.sampling, spec.agent_cfg,
-                             spec.cfg.rollout.concurrency)
+                             spec.cfg.rollout.concurrency, spec.task.episode())
     try:
         yield spec.learner, rollouts
     finally:
         await rollouts.close()
 
 
-@LAUNCHERS.register("ray", distributed_learner=False, ray_cluster=True)
+@LAUNCHERS.register("ray", distributed_learner=False, ray_cluster=True, settings=RayLauncherSettings)
 def launch_ray(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]:
     """The ``ray`` launcher (:func:`trainer.orchestration.ray_launcher.launch_ray`; Ray is imported
     only when it is used)."""

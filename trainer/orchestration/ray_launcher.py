@@ -21,12 +21,13 @@ state into the driver's learner and its weights into the driver's engine (evalua
 
 Beyond one machine: start a Ray cluster (``ray start --head`` on one node, ``ray start
 --address=HEAD:6379`` on the others, or any Ray cluster launcher / KubeRay), then set
-``launcher.kind=ray launcher.ray_address=HEAD:6379 launcher.num_rollout_workers=N``.
+``launcher.kind=ray launcher.settings.address=HEAD:6379 launcher.settings.num_rollout_workers=N``.
 Workers load the architecture and tokenizer from the model directory, so it must be
 visible at the same path on every node (shared filesystem); the weights themselves
-travel through the object store. For the search task set ``task.retriever_url`` to an
-address every node can reach (an auto-started retriever listens on 127.0.0.1 of the
-driver). GPU placement is chosen with Ray's actor options (``RayRolloutSpec.options`` /
+travel through the object store. A task shares its services with the workers itself
+(:meth:`~trainer.tasks.base.Task.worker_config`); a service it starts listens on 127.0.0.1 of the
+driver, so across nodes give it (in the task's settings) an address every node can reach.
+GPU placement is chosen with Ray's actor options (``RayRolloutSpec.options`` /
 :meth:`RayLearner.start`'s ``options``, e.g. ``{"num_gpus": 1}``).
 """
 
@@ -87,11 +88,12 @@ class RolloutWorker:
                           adapter=adapter)
         self.handle = make_engine(exp_cfg.rollout.engine, spec)
         self.task = None
+        episode = None  # a given factory's environments: the tool-environment loop
         if env_factory is None:
             from ..tasks import build_task
             self.task = build_task(exp_cfg)
-            env_factory = self.task.make_env
-        self.pool = EnvPool(env_factory, concurrency)
+            env_factory, episode = self.task.make_env, self.task.episode()
+        self.pool = EnvPool(env_factory, concurrency, episode)
 
     @property
     def engine(self) -> Any:
@@ -286,7 +288,7 @@ class RayRolloutSpec:
         model_dir: ``save_pretrained`` directory of the architecture + tokenizer.
         sampling: rollout sampling parameters. agent_cfg: episode budgets.
         env_factory: how each worker builds environments (None: the task of ``exp_cfg``).
-        num_workers: rollout worker actors (``launcher.num_rollout_workers``).
+        num_workers: rollout worker actors (``launcher.settings.num_rollout_workers``).
         concurrency: episodes in flight at once per worker.
         options: Ray actor options of the workers (``num_cpus``, ``num_gpus``, ...).
 
@@ -306,7 +308,7 @@ class RayRolloutSpec:
     def __post_init__(self) -> None:
         """Validate the worker count."""
         if self.num_workers < 1:
-            raise ValueError(f"launcher.num_rollout_workers={self.num_workers!r}: must be >= 1")
+            raise ValueError(f"launcher.settings.num_rollout_workers={self.num_workers!r}: must be >= 1")
 
 
 class RayRollouts:
@@ -366,45 +368,45 @@ class RayRollouts:
 
 
 def worker_experiment_config(cfg: Any, task: Any) -> Any:
-    """``cfg`` for the workers' own :func:`build_task`: the driver's retriever server (if it has one)
-    and absolute data paths."""
+    """``cfg`` for the workers' own :func:`build_task`: what the driver's started ``task`` hands them
+    (:meth:`~trainer.tasks.base.Task.worker_config`: its services' URLs, absolute task paths) and
+    absolute plug-in paths (workers may run in another working directory)."""
     from ..plugins import absolute_plugins
-    from ..tasks import absolute_task_paths
 
-    url = getattr(task, "info", {}).get("retriever_url")
-    if url and not cfg.task.retriever_url:
-        cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, retriever_url=url))
-    cfg = dataclasses.replace(cfg, plugins=absolute_plugins(cfg.plugins))
-    return absolute_task_paths(cfg)  # workers may run in another working directory
+    cfg = task.worker_config(cfg)
+    return dataclasses.replace(cfg, plugins=absolute_plugins(cfg.plugins))
 
 
 @asynccontextmanager
 async def launch_ray(spec: Any) -> AsyncIterator[tuple[RayLearner, RayRollouts]]:
     """The ``ray`` launcher: a :class:`RayLearner` and :class:`RayRollouts` for ``copc train``.
 
-    Connects to ``launcher.ray_address`` (or starts a local cluster with ``launcher.ray_num_cpus``
-    CPUs), starts the learner actor from the driver's learner state and
-    ``launcher.num_rollout_workers`` workers that build their environments from the config
-    (reusing the driver's retriever) and their engines through the registry. After a successful
-    run the driver's learner gets the actor's final state and the driver's engine its weights;
-    the actors are stopped in any case (and Ray, if this call started it).
+    Connects to the settings' ``address`` (or starts a local cluster with ``num_cpus`` CPUs;
+    :func:`~trainer.ray_util.connect_ray`), starts the learner actor from the driver's learner state
+    and ``num_rollout_workers`` workers that build their environments from the config
+    (reusing the driver's task's services: :func:`worker_experiment_config`) and their engines
+    through the registry. After a successful run the driver's learner gets the actor's final state
+    and the driver's engine its weights; the actors are stopped in any case (and Ray, if this call
+    started it).
 
     Args:
-        spec: the :class:`~trainer.orchestration.launchers.LaunchSpec`.
+        spec: the :class:`~trainer.orchestration.launchers.LaunchSpec`; ``spec.settings`` its
+            :class:`~trainer.orchestration.launchers.RayLauncherSettings` (set by
+            :func:`~trainer.orchestration.launchers.launch`).
     """
     import ray
 
-    from ..ray_util import init_ray
+    from ..ray_util import connect_ray
 
-    cfg = spec.cfg
-    started = init_ray(cfg.launcher.ray_address, cfg.launcher.ray_num_cpus)
+    cfg, settings = spec.cfg, spec.settings
+    started = connect_ray(settings.address, settings.num_cpus)
     learner: RayLearner | None = None
     rollouts: RayRollouts | None = None
     try:
         learner = RayLearner.start(cfg, spec.model_dir, spec.learner.state_dict())
         rollouts = RayRollouts(RayRolloutSpec(worker_experiment_config(cfg, spec.task), spec.model_dir,
                                               spec.sampling, spec.agent_cfg,
-                                              num_workers=cfg.launcher.num_rollout_workers,
+                                              num_workers=settings.num_rollout_workers,
                                               concurrency=cfg.rollout.concurrency),
                                spec.learner, spec.learner.policy_version)
         yield learner, rollouts

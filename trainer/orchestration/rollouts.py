@@ -18,7 +18,7 @@ from ..engines.base import GenerationResult, InferenceEngine, SamplingParams
 from ..engines.registry import EngineHandle
 from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
-from ..rollout.groups import EnvPool, run_group
+from ..rollout.groups import EnvPool, EpisodeFn, run_group
 from ..rollout.trajectory import Trajectory
 
 
@@ -107,12 +107,15 @@ class LocalRollouts:
         sampling: rollout sampling parameters.
         agent_cfg: episode budgets.
         concurrency: episodes in flight at once.
+        episode: how an episode is played on one environment (the task's
+            :meth:`~trainer.tasks.base.Task.episode`); None: the tool-environment loop.
     """
 
     def __init__(self, engine: EngineHandle, make_env: Callable[[], Any], tokenizer: Any,
-                 sampling: SamplingParams, agent_cfg: AgentLoopConfig, concurrency: int) -> None:
+                 sampling: SamplingParams, agent_cfg: AgentLoopConfig, concurrency: int,
+                 episode: EpisodeFn | None = None) -> None:
         self.handle, self.tok, self.sampling, self.agent_cfg = engine, tokenizer, sampling, agent_cfg
-        self.pool = EnvPool(make_env, concurrency)
+        self.pool = EnvPool(make_env, concurrency, episode)
 
     @property
     def engine(self) -> InferenceEngine:

@@ -6,19 +6,29 @@ samples the same streams whichever launcher plays it and evaluation is reproduci
 
 Environments come from an :class:`EnvPool`: at most ``size`` environments are created, each
 ``reset`` per episode and reused (reward helper processes and tool clients start once per
-environment), and all are closed by :meth:`EnvPool.close`.
+environment), and all are closed by :meth:`EnvPool.close`. The pool also names how an episode is
+played on its environments (:attr:`EnvPool.episode`, an :data:`EpisodeFn`: the tool-environment
+loop :func:`~trainer.rollout.agent_loop.run_episode` unless the task says otherwise, see
+:meth:`trainer.tasks.base.Task.episode`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..engines.base import InferenceEngine, SamplingParams
 from .agent_loop import AgentLoopConfig, run_episode
 from .trajectory import Trajectory
+
+#: How one episode is played on one environment of a pool:
+#: ``episode(engine, env, tokenizer, sample, sampling, agent_cfg, group_id=...) -> Trajectory``
+#: (awaited), the signature of :func:`~trainer.rollout.agent_loop.run_episode` (the default). A task
+#: whose environments are not stepped by the agent loop supplies its own
+#: (:meth:`trainer.tasks.base.Task.episode`; the ``harness`` task: the user's agent drives it).
+EpisodeFn = Callable[..., Awaitable[Trajectory]]
 
 #: Multiplier of the prompt draw in the seed rule (a prime, so draws do not collide for k < 7919).
 SEED_STRIDE = 7919
@@ -37,21 +47,24 @@ def episode_sampling(sampling: SamplingParams, uid: int, k: int) -> SamplingPara
 
 
 class EnvPool:
-    """A bounded pool of reusable environments.
+    """A bounded pool of reusable environments, and how an episode is played on them.
 
     Args:
         make_env: zero-argument factory (one env per pooled slot).
         size: most environments alive at once (also the most episodes in flight through
             this pool).
+        episode: how :func:`run_group` plays one episode on an environment of the pool (an
+            :data:`EpisodeFn`); None: :func:`~trainer.rollout.agent_loop.run_episode`.
 
     Raises:
         ValueError: ``size < 1``.
     """
 
-    def __init__(self, make_env: Callable[[], Any], size: int) -> None:
+    def __init__(self, make_env: Callable[[], Any], size: int, episode: EpisodeFn | None = None) -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"EnvPool: size={size!r} must be an int >= 1")
         self.make_env, self.size = make_env, size
+        self.episode: EpisodeFn = run_episode if episode is None else episode
         self._free: list[Any] = []
         self._all: list[Any] = []
         self._sem = asyncio.Semaphore(size)
@@ -91,11 +104,10 @@ async def run_group(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, samp
     same seeds).
 
     Episode ``k`` samples with :func:`episode_sampling` (``seed + 7919·uid + k``), takes an
-    environment from ``pool`` and returns it afterwards; an environment with an async
-    ``play_episode(engine, tokenizer, sample, sampling, agent_cfg, group_id=...)`` method plays the
-    episode itself (the ``harness`` environment), any other one through
-    :func:`~trainer.rollout.agent_loop.run_episode`. Each trajectory gets
-    ``info["uid"] = uid`` and ``group_id`` (default ``uid``).
+    environment from ``pool``, is played by the pool's :attr:`EnvPool.episode` (the tool
+    environment's agent loop, or the task's own episode: the ``harness`` task's agent) and returns
+    the environment afterwards. Each trajectory gets ``info["uid"] = uid`` and ``group_id``
+    (default ``uid``).
 
     Returns:
         The trajectories in episode order (infrastructure failures included, marked by
@@ -110,13 +122,10 @@ async def run_group(engine: InferenceEngine, pool: EnvPool, tokenizer: Any, samp
 
     async def one(k: int) -> Trajectory:
         env = await pool.acquire()
-        # an environment that plays its own episodes (the harness: a user agent drives the calls)
-        play = getattr(env, "play_episode", None)
         try:
-            args = (tokenizer, sample, episode_sampling(sampling, uid, k), agent_cfg)
             gid = uid if group_id is None else group_id
-            tr = await (play(engine, *args, group_id=gid) if play is not None
-                        else run_episode(engine, env, *args, group_id=gid))
+            sampling_k = episode_sampling(sampling, uid, k)
+            tr = await pool.episode(engine, env, tokenizer, sample, sampling_k, agent_cfg, group_id=gid)
         finally:
             pool.release(env)
         tr.info["uid"] = uid

@@ -21,23 +21,20 @@ see :func:`environments.resolve`); that module can register a task class as well
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import environments
 from copc.registries import RegistryError
-from environments.data import data_root
 
 from ..errors import ConfigError
-from .base import DrillPlan, Task, check_env_settings
+from .base import DrillPlan, EvalOption, Task, absolute_task_paths, check_env_settings
 from .generic import GenericTask
 from .harness import HarnessTask
 from .math_tool import MathToolTask
 from .math_tool.settings import MathToolSettings
 from .registry import TASK_METADATA, TASKS, register_task, task_class, unregister_task
 from .remote import RemoteTask
-from .search import SearchTask, start_retriever
+from .search import SearchTask
 from .search.settings import SearchSettings
 
 if TYPE_CHECKING:
@@ -87,31 +84,6 @@ def build_task(cfg: ExperimentConfig) -> Task:
     return task
 
 
-def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
-    """``cfg`` with every path of its ``task`` section made absolute against the current working
-    directory, for processes that may run elsewhere (e.g. Ray rollout workers building their own
-    task): ``task.data_dir`` (resolved as :func:`environments.data.data_root` does, so
-    ``COPC_DATA_DIR`` / the fallback are pinned too), ``task.retriever_index_dir``, a non-empty
-    ``task.retriever_corpus``, and a ``.py`` file in ``task.env``.
-
-    Args:
-        cfg: the experiment config (not modified).
-
-    Returns:
-        A copy of ``cfg`` with the ``task`` section's paths absolute.
-    """
-    t = cfg.task
-    env = t.env
-    module, sep, env_id = env.rpartition(":")
-    if sep and module.endswith(".py"):
-        env = f"{Path(module).expanduser().resolve()}:{env_id}"
-    task = dataclasses.replace(
-        t, env=env, data_dir=str(data_root(t.data_dir)),
-        retriever_index_dir=str(Path(t.retriever_index_dir).expanduser().resolve()),
-        retriever_corpus=str(Path(t.retriever_corpus).expanduser().resolve()) if t.retriever_corpus else "")
-    return dataclasses.replace(cfg, task=task)
-
-
 register_task("math_tool", MathToolTask)
 register_task("search", SearchTask, headline_metric="em")
 register_task("remote", RemoteTask, delegated_settings=True)
@@ -123,6 +95,7 @@ __all__ = [
     "TASKS",
     "TASK_METADATA",
     "DrillPlan",
+    "EvalOption",
     "GenericTask",
     "MathToolSettings",
     "MathToolTask",
@@ -133,7 +106,6 @@ __all__ = [
     "build_task",
     "check_env_settings",
     "register_task",
-    "start_retriever",
     "task_class",
     "unregister_task",
 ]

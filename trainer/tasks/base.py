@@ -10,6 +10,12 @@ warm-start traces.
 A task's own knobs live in its settings dataclass (``settings_class``, filled from
 ``task.settings``: :mod:`trainer.tasks.settings`), never in the central config schema.
 
+Services reach other processes through two hooks, so that a task with a service edits no central
+file: :meth:`Task.worker_config` (the config a Ray rollout worker builds its own copy of the task
+from: paths made absolute, the URLs of services this task started in :meth:`Task.worker_settings`)
+and :attr:`Task.eval_options` (``copc eval`` flags setting the task's settings for the services its
+benchmarks need, e.g. the search task's ``--retriever-url``).
+
 Lifecycle: ``task = SomeTask(cfg, env_id)`` (cheap, starts nothing; parses ``task.settings``),
 ``task.start()`` (loads the data, then :meth:`Task.start_services`: starts the services, each
 registering its stop function with :meth:`Task.add_closer`), then ``task.close()`` (stops them in
@@ -21,13 +27,16 @@ without its training data.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import environments
+from environments.data import data_root
 
 from ..errors import ConfigError
 from .settings import parse_settings
@@ -36,6 +45,7 @@ if TYPE_CHECKING:
     import gymnasium
 
     from ..config import ExperimentConfig, WarmStartConfig
+    from ..rollout.groups import EpisodeFn
     from ..warmstart.traces import Trace
 
 log = logging.getLogger(__name__)
@@ -53,6 +63,40 @@ class DrillPlan:
     steps: int
     batch_size: int
     lr: float
+
+
+@dataclass(frozen=True)
+class EvalOption:
+    """A ``copc eval`` command-line option a task adds (:attr:`Task.eval_options`): it sets one of the
+    task's settings for the services its benchmarks need, as ``task.settings.<setting>`` would.
+
+    Attributes:
+        flag: the option, ``--`` and lowercase words joined by ``-`` (e.g. ``"--retriever-url"``).
+        setting: the field of the task's settings dataclass it sets (e.g. ``"retriever_url"``).
+        help: the ``--help`` text.
+        service_url: the value is the base URL of a running server (``http://host:port``) whose
+            ``/health`` must answer before anything starts (a dead one is refused up front).
+
+    Raises:
+        ValueError: ``flag`` is not ``--words-like-this`` or ``setting`` is empty.
+    """
+
+    flag: str
+    setting: str
+    help: str
+    service_url: bool = False
+
+    def __post_init__(self) -> None:
+        """Check the spellings (see Raises)."""
+        if not re.fullmatch(r"--[a-z][a-z0-9]*(-[a-z0-9]+)*", self.flag):
+            raise ValueError(f"EvalOption.flag={self.flag!r}: must look like --words-like-this")
+        if not self.setting:
+            raise ValueError(f"EvalOption {self.flag}: setting must name a field of the task's settings")
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed ``argparse.Namespace`` (``--retriever-url`` → ``retriever_url``)."""
+        return self.flag[2:].replace("-", "_")
 
 
 class Task:
@@ -95,6 +139,9 @@ class Task:
     warm_start_tool_formats: ClassVar[tuple[str, ...]] = ("tags",)
     #: what :meth:`start_services` starts, in words (for messages; empty: nothing).
     service_names: ClassVar[str] = ""
+    #: ``copc eval`` options setting this task's settings for its benchmarks' services (empty: none;
+    #: the ``search`` task: ``--retriever-url``). Read when the ``copc eval`` parser is built.
+    eval_options: ClassVar[tuple[EvalOption, ...]] = ()
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         self.cfg = cfg
@@ -136,6 +183,32 @@ class Task:
             Whatever a service raises when it cannot start (the subclass documents it).
         """
 
+    def worker_config(self, cfg: ExperimentConfig | None = None) -> ExperimentConfig:
+        """The config from which a process elsewhere (a Ray rollout worker, maybe in another working
+        directory) builds its own copy of this started task with :func:`trainer.tasks.build_task`:
+        ``cfg``'s ``task`` section with its paths absolute (:func:`trainer.tasks.absolute_task_paths`:
+        ``task.data_dir``, a ``.py`` file in ``task.env``) and ``task.settings`` replaced by
+        :meth:`worker_settings` (the services this task started, reused by the workers).
+
+        Args:
+            cfg: the config to adapt (default: the task's own, :attr:`cfg`).
+
+        Returns:
+            A new config (``cfg`` is not modified).
+        """
+        cfg = absolute_task_paths(self.cfg if cfg is None else cfg)
+        return dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, settings=self.worker_settings()))
+
+    def worker_settings(self) -> dict[str, Any]:
+        """``task.settings`` for a worker's copy of this task (:meth:`worker_config`): what it
+        needs to use this task's started services instead of starting its own, and its paths
+        absolute. Override it in a task with services.
+
+        Returns:
+            A new mapping; the base class: ``task.settings`` unchanged.
+        """
+        return dict(self.cfg.task.settings)
+
     def add_closer(self, fn: Callable[[], None]) -> None:
         """Register ``fn`` (no arguments) to be called by :meth:`close`, last registered first."""
         self._closers.append(fn)
@@ -168,6 +241,19 @@ class Task:
             :func:`check_env_settings`).
         """
         return environments.make(self.env_id, **self.env_kwargs)
+
+    def episode(self) -> EpisodeFn:
+        """How one episode is played on an environment of :meth:`make_env`: the function the
+        episode pools of training and evaluation call (:attr:`trainer.rollout.groups.EnvPool.episode`).
+
+        Returns:
+            The base class: :func:`trainer.rollout.agent_loop.run_episode` (the tool-environment
+            loop: the engine generates, ``env.step`` answers). A task whose environments are driven
+            otherwise returns its own (the ``harness`` task: the user's agent drives the calls).
+        """
+        from ..rollout.agent_loop import run_episode
+
+        return run_episode
 
     def tokenizer_texts(self) -> Iterator[str]:
         """Text a run-time BPE tokenizer is trained on (``model.tiny.tokenizer: bpe``): the prompt
@@ -267,6 +353,27 @@ class Task:
         """``rows`` cut to ``task.max_eval_samples``, else ``eval.num_samples`` (0: all)."""
         n = self.cfg.task.max_eval_samples or self.cfg.eval.num_samples
         return list(rows[:n] if n else rows)
+
+
+def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with the paths of its ``task`` section made absolute against the current working
+    directory, for processes that may run elsewhere (e.g. Ray rollout workers building their own
+    task): ``task.data_dir`` (resolved as :func:`environments.data.data_root` does, so
+    ``COPC_DATA_DIR`` / the fallback are pinned too) and a ``.py`` file in ``task.env``. Paths in
+    a task's own settings are the task's to pin (:meth:`Task.worker_settings`).
+
+    Args:
+        cfg: the experiment config (not modified).
+
+    Returns:
+        A copy of ``cfg`` with the ``task`` section's paths absolute.
+    """
+    t = cfg.task
+    env = t.env
+    module, sep, env_id = env.rpartition(":")
+    if sep and module.endswith(".py"):
+        env = f"{Path(module).expanduser().resolve()}:{env_id}"
+    return dataclasses.replace(cfg, task=dataclasses.replace(t, env=env, data_dir=str(data_root(t.data_dir))))
 
 
 _UNEXPECTED_KW = re.compile(r"unexpected keyword argument '([^']+)'")

@@ -1,5 +1,6 @@
 """The ``harness`` task: JSONL rows (as :class:`~trainer.tasks.generic.GenericTask`), episodes
-played by a user agent against one OpenAI-compatible endpoint (:mod:`trainer.harness`).
+played by a user agent against one OpenAI-compatible endpoint (:mod:`trainer.harness`; its
+:meth:`~trainer.tasks.base.Task.episode` is :func:`~trainer.harness.env.harness_episode`).
 
 The endpoint is the task's service: :meth:`HarnessTask.start_services` creates it (it starts
 serving on the first episode, in the process that plays it) and :meth:`Task.close` stops it.
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..harness.env import HarnessEnv
+from ..harness.env import HarnessEnv, harness_episode
 from ..harness.server import HarnessServer
 from .generic import GenericTask
 
 if TYPE_CHECKING:
-    import gymnasium
+    from ..rollout.groups import EpisodeFn
 
 
 class HarnessTask(GenericTask):
@@ -34,7 +35,7 @@ class HarnessTask(GenericTask):
         super().start()
         self.start_services()
 
-    def make_env(self) -> gymnasium.Env:
+    def make_env(self) -> HarnessEnv:
         """A :class:`HarnessEnv` with ``task.env_kwargs`` on the task's endpoint (its own one before
         :meth:`start_services`).
 
@@ -42,6 +43,11 @@ class HarnessTask(GenericTask):
             ValueError: bad ``task.env_kwargs`` (naming the key).
         """
         return HarnessEnv(**self.env_kwargs, server=getattr(self, "_server", None))
+
+    def episode(self) -> EpisodeFn:
+        """:func:`~trainer.harness.env.harness_episode`: the user's agent plays each episode
+        against the endpoint (a :class:`HarnessEnv` has no ``step``)."""
+        return harness_episode
 
 
 __all__ = ["HarnessTask"]

@@ -9,10 +9,8 @@ environment's id is ``remote_env``, else what the server reports (its ``/schema`
 (``math_tool``: datasets or generated arithmetic and ``retool_arithmetic`` traces; ``search``: QA
 sets and ``search_r1`` traces; an environment not registered here: the JSONL rows of
 ``task.train_data``, as :class:`~trainer.tasks.generic.GenericTask`), with episodes (warm-start
-traces included) played on the server. The delegate task's own services are stopped as soon as
-its data is loaded: ``math_tool`` starts and stops a local sandbox pool once; a ``search`` delegate
-is given the remote URL as ``task.retriever_url`` so that it starts no retriever (the server's
-environment has its own).
+traces included) played on the server. The delegate task starts none of its own services (its
+:meth:`~trainer.tasks.base.Task.start_services` is skipped): the server's environment has them.
 """
 
 from __future__ import annotations
@@ -88,14 +86,12 @@ class RemoteTask(Task):
         delegate_cls = task_class(served) if known else GenericTask
         if issubclass(delegate_cls, RemoteTask):  # a server serving a remote env: data as JSONL rows
             delegate_cls = GenericTask
-        task_cfg = self.cfg.task
-        if not task_cfg.retriever_url:  # a search delegate must not start a retriever of its own
-            task_cfg = dataclasses.replace(task_cfg, retriever_url=rcfg.http_url)
-        delegate = delegate_cls(dataclasses.replace(self.cfg, task=task_cfg), served or self.env_id)
+        delegate = delegate_cls(self.cfg, served or self.env_id)
+        delegate.start_services = _no_services  # its data only: the episodes run on the server
         try:
             delegate.start()
         finally:
-            delegate.close()  # its services: the episodes run on the server
+            delegate.close()
         delegate.make_env = self.make_env  # warm-start traces play on the server too
         self.delegate = delegate
         self.train_samples, self.eval_samples = delegate.train_samples, delegate.eval_samples
@@ -176,6 +172,10 @@ class RemoteTask(Task):
             raise TrainingError(f"warm start: the environment server at {url} failed while playing the "
                                 f"warm-start traces (an infrastructure failure, not the model's): {e}; "
                                 "nothing was trained; run again once the server is back") from e
+
+
+def _no_services() -> None:
+    """A remote task's delegate's :meth:`~trainer.tasks.base.Task.start_services`: nothing."""
 
 
 __all__ = ["RemoteTask"]

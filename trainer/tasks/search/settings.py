@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from ..settings import require
 
+#: Where the auto-started retriever keeps its BM25 index when ``retriever_index_dir`` is not set
+#: (relative: to the current working directory).
+DEFAULT_INDEX_DIR = "runs/retriever_index/bm25"
+
 
 @dataclass
 class SearchSettings:
@@ -33,6 +37,11 @@ class SearchSettings:
             question about a corpus passage, searched for through the real retriever and answered
             with the span copied from the result; teaches finding the question's words in a
             passage and copying the span beside them).
+        retriever_url: base URL of a running retriever server to use (``http://host:port``); empty:
+            the task starts a BM25 one on 127.0.0.1 (and hands its URL to the Ray rollout workers).
+        retriever_index_dir: directory of the auto-started server's BM25 index (built on first
+            use, reused after; relative: to the current working directory).
+        retriever_corpus: the JSONL passage corpus it indexes (empty: ``<data dir>/wiki/corpus.jsonl``).
     """
 
     held_out_every: int = 5
@@ -43,6 +52,9 @@ class SearchSettings:
     drill_batch_size: int = 32
     drill_lr: float = 1e-3
     reading_drill_fraction: float = 0.0
+    retriever_url: str = ""
+    retriever_index_dir: str = DEFAULT_INDEX_DIR
+    retriever_corpus: str = ""
 
     def __post_init__(self) -> None:
         """Raise :class:`~trainer.errors.ConfigError` naming ``task.settings.<key>`` on a bad value."""
@@ -55,4 +67,4 @@ class SearchSettings:
         require(self.drill_lr > 0, "drill_lr", self.drill_lr, "must be > 0")
 
 
-__all__ = ["SearchSettings"]
+__all__ = ["DEFAULT_INDEX_DIR", "SearchSettings"]

@@ -4,10 +4,11 @@ Data: ``task.train_data`` QA sets (default ``[nq, hotpotqa]``, ``<data dir>/qa/<
 evaluation on ``task.eval_data`` (default: the training sets): when those are among the
 training sets, every ``task.settings.held_out_every``-th row of each is held out (deterministic,
 disjoint), else the other sets are read; any training row with a held-out id or question text is
-dropped. Service: a BM25 retriever server started on
-127.0.0.1 (index of ``task.retriever_corpus`` built on first use in ``task.retriever_index_dir``,
-reused after), unless ``task.retriever_url`` names a running one. Warm start: ``search_r1``
-traces.
+dropped. Service: a BM25 retriever server started on 127.0.0.1 (index of
+``task.settings.retriever_corpus`` built on first use in ``task.settings.retriever_index_dir``,
+reused after), unless ``task.settings.retriever_url`` names a running one; the Ray rollout workers
+are handed its URL (:meth:`SearchTask.worker_settings`) and ``copc eval`` gets the
+``--retriever-url`` option (:attr:`SearchTask.eval_options`). Warm start: ``search_r1`` traces.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import environments
 from environments.data import data_root
 
-from ..base import DrillPlan, Task
+from ..base import DrillPlan, EvalOption, Task
 from .drills import query_drills, reading_drills, reservoir_sample
 from .settings import SearchSettings
 from .traces import search_r1_traces
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 DRILL_PASSAGES = 4000
 #: Corpus passages (a uniform sample of the whole corpus) the reading drills are made from.
 READING_PASSAGES = 50_000
-#: The corpus indexed when ``task.retriever_corpus`` is empty, relative to the data directory.
+#: The corpus indexed when ``task.settings.retriever_corpus`` is empty, relative to the data directory.
 DEFAULT_CORPUS = "wiki/corpus.jsonl"
 
 
@@ -54,7 +55,7 @@ def corpus_path(retriever_corpus: str, data_dir: str) -> Path:
     directory), or, when empty, ``<data directory>/wiki/corpus.jsonl``.
 
     Args:
-        retriever_corpus: ``task.retriever_corpus``.
+        retriever_corpus: ``task.settings.retriever_corpus``.
         data_dir: ``task.data_dir`` (see :func:`environments.data.data_root`).
 
     Returns:
@@ -77,11 +78,13 @@ class SearchTask(Task):
     service_names = "the retriever"
     tokenizer_tags = ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
                       "<think>", "</think>")
+    eval_options = (EvalOption("--retriever-url", "retriever_url", "search benchmarks: an existing retriever",
+                               service_url=True),)
 
     def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         super().__init__(cfg, env_id)
-        #: base URL of the retriever server (``task.retriever_url`` until :meth:`start` sets it)
-        self.retriever_url: str = cfg.task.retriever_url
+        #: base URL of the retriever server (``task.settings.retriever_url`` until :meth:`start` sets it)
+        self.retriever_url: str = self.settings.retriever_url
 
     def start(self) -> None:
         """Load the QA splits and start (or connect to) the retriever.
@@ -117,23 +120,36 @@ class SearchTask(Task):
         self.start_services()
 
     def start_services(self) -> None:
-        """Connect to ``task.retriever_url``, or start a BM25 retriever server on the corpus;
-        ``info["retriever_url"]``: its base URL.
+        """Connect to ``task.settings.retriever_url``, or start a BM25 retriever server on the
+        corpus; ``info["retriever_url"]``: its base URL.
 
         Raises:
             FileNotFoundError: the corpus does not exist (the message names it).
             RuntimeError / TimeoutError: the retriever server did not become healthy.
         """
-        t = self.cfg.task
-        url = t.retriever_url
+        s = self.settings
+        url = s.retriever_url
         if not url:
-            corpus = corpus_path(t.retriever_corpus, t.data_dir)
+            corpus = corpus_path(s.retriever_corpus, self.cfg.task.data_dir)
             if not corpus.is_file():
                 raise FileNotFoundError(f"retriever corpus {str(corpus)!r} not found")
-            url, stop = start_retriever(corpus, Path(t.retriever_index_dir).expanduser().resolve())
+            url, stop = start_retriever(corpus, Path(s.retriever_index_dir).expanduser().resolve())
             self.add_closer(stop)
         self.retriever_url = url
         self.info = {**self.info, "retriever_url": url}
+
+    def worker_settings(self) -> dict[str, Any]:
+        """``task.settings`` for a Ray worker's copy: the retriever this task uses (started or
+        given: ``retriever_url``, so a worker starts none) and absolute ``retriever_index_dir`` /
+        non-empty ``retriever_corpus`` (a worker may run in another working directory)."""
+        s = self.settings
+        out = super().worker_settings()
+        if self.retriever_url:
+            out["retriever_url"] = self.retriever_url
+        out["retriever_index_dir"] = str(Path(s.retriever_index_dir).expanduser().resolve())
+        corpus = s.retriever_corpus
+        out["retriever_corpus"] = str(Path(corpus).expanduser().resolve()) if corpus else ""
+        return out
 
     def tokenizer_texts(self) -> Iterator[str]:
         """The base texts (training prompts, invalid-action reply), then every corpus passage
@@ -148,7 +164,7 @@ class SearchTask(Task):
         from retriever.corpus import iter_corpus
 
         yield from super().tokenizer_texts()
-        for passage in iter_corpus(corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)):
+        for passage in iter_corpus(corpus_path(self.settings.retriever_corpus, self.cfg.task.data_dir)):
             yield information_block(format_passages([{"document": {"contents": passage.contents}}]))
 
     def drill_plan(self) -> DrillPlan | None:
@@ -172,7 +188,7 @@ class SearchTask(Task):
         """
         from retriever.corpus import iter_corpus
 
-        corpus = corpus_path(self.cfg.task.retriever_corpus, self.cfg.task.data_dir)
+        corpus = corpus_path(self.settings.retriever_corpus, self.cfg.task.data_dir)
         if reading_fraction is None:
             reading_fraction = self.settings.reading_drill_fraction
         n_read = round(n * reading_fraction)
