@@ -31,6 +31,7 @@ import torch
 
 from ._checks import check_number, raise_if_not_finite
 from .advantages import check_row_lambda, prepare_estimator_inputs
+from .component_settings import VTraceSettings
 from .scan import action_block_bounds, reverse_action_scan, td_residuals
 
 Tensor = torch.Tensor
@@ -40,20 +41,23 @@ DEFAULT_HORIZON = 100
 
 
 @dataclass(frozen=True)
-class BraceSettings:
-    """The BRACE estimator's own knob (``algorithm.estimator_settings`` of ``brace``).
+class BraceSettings(VTraceSettings):
+    """The BRACE estimator's own knobs (``algorithm.estimator_settings`` of ``brace``): V-trace's
+    ρ̄ and c̄ (:class:`copc.component_settings.VTraceSettings`; the ``brace`` preset writes the
+    paper's 1.2 and 1.1) and the horizon.
 
     Attributes:
         horizon: ``k`` ≥ 1, the number of policy tokens after ``t`` whose V-trace weights and
             traces enter the target of ``t`` (paper: 100).
 
     Raises:
-        ValueError: ``horizon`` not an int ≥ 1.
+        ValueError: ``horizon`` not an int ≥ 1; ``rho_clip`` / ``c_clip`` not > 0.
     """
 
     horizon: int = DEFAULT_HORIZON
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_horizon(self.horizon)
 
 

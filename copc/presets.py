@@ -1,38 +1,84 @@
 """The algorithm configuration and the paper's named presets (spec, "Baselines").
 
-:class:`AlgorithmConfig` is a frozen dataclass validated at construction: a bad
-field raises ``ValueError`` naming the field and the value. Every **(choice)**
-of the spec is a field here. ``advantage_estimator`` and ``policy_loss`` are checked
-against the open registries :data:`copc.ADVANTAGE_ESTIMATORS` / :data:`copc.POLICY_LOSSES`
-(and their metadata) when the config is built, so register a custom one first.
+:class:`AlgorithmConfig` is a frozen dataclass validated at construction: a bad field raises
+``ValueError`` naming the field and the value. It holds the fields every estimator and loss
+share; a built-in's own knobs (η_A of ``copc``, η_P of ``dis``, the PPO clip, V-trace's ρ̄ / c̄,
+...) are its registered settings dataclass (:mod:`copc.component_settings`), held in
+``estimator_settings`` / ``policy_loss_settings`` exactly as a user's plug-in's are.
+``advantage_estimator`` and ``policy_loss`` are checked against the open registries
+:data:`copc.ADVANTAGE_ESTIMATORS` / :data:`copc.POLICY_LOSSES` (and their metadata) when the
+config is built, so register a custom one first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._checks import check_number
 from .advantages import OBS_DISCOUNT_MODES
 from .aggregation import LOSS_AGG_MODES
-from .margins import EPS_HIGH, EPS_LOW, ETA
+from .component_settings import positive as _positive
+from .component_settings import unit_interval as _unit
+from .margins import EPS_HIGH, EPS_LOW
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 OBS_REWARD_MODES = ("fold", "error")
 
+#: Fields that moved from :class:`AlgorithmConfig` into a built-in's own settings: old field →
+#: ``(settings field, which built-ins)``; a preset override or ``replace`` naming one is refused
+#: with one line naming the new spelling (:func:`moved_field_hint`).
+MOVED_FIELDS: dict[str, tuple[str, str]] = {
+    "eta_a": ("estimator_settings.eta_a", "advantage_estimator: copc"),
+    "rho_clip": ("estimator_settings.rho_clip", "advantage_estimator: vtrace | brace"),
+    "c_clip": ("estimator_settings.c_clip", "advantage_estimator: vtrace | brace"),
+    "std_normalize": ("estimator_settings.std_normalize", "advantage_estimator: grpo"),
+    "eta_p": ("policy_loss_settings.eta_p", "policy_loss: dis"),
+    "dis_ppo_clip_eps": ("policy_loss_settings.ppo_clip_eps", "policy_loss: dis"),
+    **{k: (f"policy_loss_settings.{k}", "policy_loss: ppo | decoupled_ppo | tis | icepop")
+       for k in ("clip_low", "clip_high", "dual_clip_c")},
+    **{k: (f"policy_loss_settings.{k}", "policy_loss: decoupled_ppo")
+       for k in ("behav_weight_cap", "behav_cap_mode")},
+    "tis_cap": ("policy_loss_settings.tis_cap", "policy_loss: tis"),
+    **{k: (f"policy_loss_settings.{k}", "policy_loss: icepop") for k in ("icepop_low", "icepop_high")},
+}
 
-def _unit(name: str, v: object) -> None:
-    if not 0.0 <= check_number(name, v) <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+
+#: Fields removed from :class:`AlgorithmConfig`: old field → why (refused naming the replacement).
+REMOVED_FIELDS: dict[str, str] = {
+    "max_staleness": "left the algorithm: the staleness is the trainer's (train.staleness; the "
+                     "'ppo' preset is synchronous through the trainer's preset table)",
+}
 
 
-def _positive(name: str, v: object, *, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if v is None or not check_number(name, v) > 0.0:
-        raise ValueError(f"{name} must be > 0{' or None' if allow_none else ''}, got {v!r}")
+def moved_field_hint(name: str) -> str | None:
+    """The one-line refusal of a field that left :class:`AlgorithmConfig`, else None.
+
+    Example: ``"eta_a: moved to estimator_settings.eta_a (with advantage_estimator: copc)"``
+    (:data:`MOVED_FIELDS`); ``"max_staleness: left the algorithm: ..."`` (:data:`REMOVED_FIELDS`).
+    """
+    if name in REMOVED_FIELDS:
+        return f"{name}: {REMOVED_FIELDS[name]}"
+    if name not in MOVED_FIELDS:
+        return None
+    new, where = MOVED_FIELDS[name]
+    return f"{name}: moved to {new} (with {where})"
+
+
+def _check_field_names(names: Any) -> None:
+    """Raise ``ValueError`` for a name that is not an :class:`AlgorithmConfig` field (a moved one
+    with its new spelling)."""
+    known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    unknown = sorted(set(names) - known)
+    for name in unknown:
+        hint = moved_field_hint(name)
+        if hint:
+            raise ValueError(hint)
+    if unknown:
+        raise ValueError(f"unknown AlgorithmConfig field(s) {unknown}; known: {sorted(known)}")
 
 
 @dataclass(frozen=True)
@@ -48,16 +94,8 @@ class AlgorithmConfig:
         use_critic: train a value model; must equal the estimator's ``needs_critic``
             metadata (True for ``copc``/``gae``/``vtrace``).
         gamma, lam: γ, λ ∈ [0, 1] per action token ["Setting"; paper γ = λ = 1].
-        eps_low, eps_high: shared base margins ε_ℓ ∈ [0, 1], ε_h ≥ 0 ["Margins"].
-        eta_p, eta_a: channel strengths η_P, η_A ∈ [0, 1] ["Margins"].
-        dis_ppo_clip_eps: optional extra PPO clip vs π_old on the DIS loss, None = off
-            ["Policy channel", (choice)].
-        clip_low, clip_high: PPO clip ε (clip-higher when ``clip_high > clip_low``).
-        dual_clip_c: dual-clip constant > 1, or None.
-        behav_weight_cap, behav_cap_mode: AReaL behavior-weight cap and ``mask``/``truncate``.
-        tis_cap: TIS truncation C. icepop_low, icepop_high: IcePop α, β.
-        rho_clip, c_clip: V-trace ρ̄, c̄ ["Baselines"].
-        std_normalize: GRPO std normalisation.
+        eps_low, eps_high: shared base margins ε_ℓ ∈ [0, 1], ε_h ≥ 0 of both channels
+            ["Margins"]; the channel strengths η_A / η_P are the settings of ``copc`` / ``dis``.
         normalize_advantages: whiten advantages over the batch's action tokens
             ["Policy channel", (choice), default off].
         loss_agg_mode: actor loss aggregation ["Policy channel", (choice)].
@@ -67,7 +105,6 @@ class AlgorithmConfig:
             or ``error`` ["Setting", (choice)].
         obs_discount: ``skip`` observation tokens in the recursion (default) or discount
             ``per_token`` ["Setting", (choice)]; ``vtrace`` supports ``skip`` only.
-        max_staleness: forced max staleness (``ppo`` = 0, synchronous), None = trainer's.
         n_samples_per_prompt: the rollouts per prompt the algorithm is defined for (``sao`` = 1,
             a single rollout per prompt), None = any; a run whose rollout count differs is
             rejected (by the trainer's config), not silently changed. Must be >= 2 when the
@@ -93,12 +130,18 @@ class AlgorithmConfig:
             Monte-Carlo returns (plain GAE returns with λ = 1, no advantage-channel weighting)
             instead of the estimator's returns. Needs a critic estimator.
 
-    Plug-in settings (the registered estimator's / loss's own knobs):
+    Plug-in settings (the registered estimator's / loss's own knobs, built-ins included:
+    :mod:`copc.component_settings`):
         estimator_settings: an instance of the settings dataclass ``advantage_estimator`` was
             registered with (``ADVANTAGE_ESTIMATORS.register(name, settings=Cls)``), given as
             a mapping of its fields (or None: its defaults); None when it takes no settings.
-            The estimator reads ``cfg.estimator_settings``.
-        policy_loss_settings: the same for ``policy_loss`` (``cfg.policy_loss_settings``).
+            The estimator reads ``cfg.estimator_settings`` (``copc``: :class:`CopcSettings`
+            ``eta_a``; ``vtrace``: ``rho_clip``, ``c_clip``; ``brace``: those and ``horizon``;
+            ``grpo``: ``std_normalize``).
+        policy_loss_settings: the same for ``policy_loss`` (``cfg.policy_loss_settings``;
+            ``dis``: ``eta_p``, ``ppo_clip_eps``; ``ppo``: :class:`PPOClip` ``clip_low``,
+            ``clip_high``, ``dual_clip_c``; ``decoupled_ppo`` / ``tis`` / ``icepop``: those and
+            their own).
 
     Raises:
         ValueError: at construction, naming the first invalid field and its value; an
@@ -115,27 +158,12 @@ class AlgorithmConfig:
     lam: float = 1.0
     eps_low: float = EPS_LOW
     eps_high: float = EPS_HIGH
-    eta_p: float = ETA
-    eta_a: float = ETA
-    dis_ppo_clip_eps: float | None = None
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: float | None = None
-    behav_weight_cap: float | None = 5.0
-    behav_cap_mode: str = "mask"
-    tis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
-    rho_clip: float = 1.0
-    c_clip: float = 1.0
-    std_normalize: bool = True
     normalize_advantages: bool = False
     loss_agg_mode: str = "seq-mean-token-mean"
     value_clip_eps: float | None = 0.5
     value_loss_agg_mode: str = "token-mean"
     obs_reward: str = "fold"
     obs_discount: str = "skip"
-    max_staleness: int | None = None
     n_samples_per_prompt: int | None = None
     critic_lam: float | None = None
     length_adaptive_alpha: float | None = None
@@ -147,11 +175,11 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         """Validate every field (see class docstring)."""
-        for n in ("use_critic", "std_normalize", "normalize_advantages", "critic_warmup_mc_returns"):
+        for n in ("use_critic", "normalize_advantages", "critic_warmup_mc_returns"):
             if not isinstance(getattr(self, n), bool):
                 raise ValueError(f"{n} must be a bool, got {getattr(self, n)!r}")
         for n in ("name", "advantage_estimator", "policy_loss", "loss_agg_mode", "value_loss_agg_mode",
-                  "behav_cap_mode", "obs_reward", "obs_discount"):
+                  "obs_reward", "obs_discount"):
             if not isinstance(getattr(self, n), str):
                 raise ValueError(f"{n} must be a string, got {getattr(self, n)!r}")
         # read the registries now (not at import): a user's registration before this counts
@@ -182,23 +210,11 @@ class AlgorithmConfig:
         if meta["needs_groups"] and n is not None and n < 2:
             raise ValueError(f"n_samples_per_prompt={n!r} is incompatible with advantage_estimator="
                              f"{self.advantage_estimator!r} (group-relative: needs >= 2)")
-        for n in ("gamma", "lam", "eps_low", "eta_p", "eta_a"):
+        for n in ("gamma", "lam", "eps_low"):
             _unit(n, getattr(self, n))
         if not check_number("eps_high", self.eps_high) >= 0.0:
             raise ValueError(f"eps_high must be >= 0, got {self.eps_high!r}")
-        for n in ("clip_high", "tis_cap", "icepop_low", "icepop_high", "rho_clip", "c_clip"):
-            _positive(n, getattr(self, n))
-        for n in ("dis_ppo_clip_eps", "behav_weight_cap", "value_clip_eps"):
-            _positive(n, getattr(self, n), allow_none=True)
-        if not 0.0 < check_number("clip_low", self.clip_low) < 1.0:
-            raise ValueError(f"clip_low must be in (0, 1), got {self.clip_low!r}")
-        if self.dual_clip_c is not None and not check_number("dual_clip_c", self.dual_clip_c) > 1.0:
-            raise ValueError(f"dual_clip_c must be > 1 or None, got {self.dual_clip_c!r}")
-        if self.behav_cap_mode not in ("mask", "truncate"):
-            raise ValueError(f"behav_cap_mode must be 'mask' or 'truncate', got {self.behav_cap_mode!r}")
-        if not self.icepop_low < self.icepop_high:
-            raise ValueError(
-                f"icepop_low must be < icepop_high, got {self.icepop_low!r} >= {self.icepop_high!r}")
+        _positive("value_clip_eps", self.value_clip_eps, allow_none=True)
         for n in ("loss_agg_mode", "value_loss_agg_mode"):
             if getattr(self, n) not in LOSS_AGG_MODES:
                 raise ValueError(f"{n} must be one of {LOSS_AGG_MODES}, got {getattr(self, n)!r}")
@@ -209,10 +225,6 @@ class AlgorithmConfig:
         if self.obs_discount != "skip" and not meta["per_token_obs_discount"]:
             raise ValueError(f"obs_discount={self.obs_discount!r} is not supported by advantage_estimator="
                              f"{self.advantage_estimator!r} (its per_token_obs_discount metadata is False)")
-        if self.max_staleness is not None and (isinstance(self.max_staleness, bool)
-                                               or not isinstance(self.max_staleness, int)
-                                               or self.max_staleness < 0):
-            raise ValueError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
         self._check_vapo(meta["needs_critic"])
 
     def _check_vapo(self, needs_critic: bool) -> None:
@@ -234,19 +246,28 @@ class AlgorithmConfig:
     def replace(self, **overrides: Any) -> AlgorithmConfig:
         """Return a validated copy with ``overrides`` applied.
 
+        A changed ``advantage_estimator`` / ``policy_loss`` without its ``*_settings`` override
+        starts from the new one's defaults (the old settings belong to the old one).
+
         Raises:
-            ValueError: for an unknown field name or an invalid value.
+            ValueError: for an unknown field name (a field that moved into a built-in's settings:
+                one line naming its new spelling, :data:`MOVED_FIELDS`) or an invalid value.
         """
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown AlgorithmConfig field(s) {unknown}; known: {sorted(known)}")
+        _check_field_names(overrides)
+        for which, key in _SETTINGS_OF:
+            if overrides.get(which, getattr(self, which)) != getattr(self, which) and key not in overrides:
+                overrides = {**overrides, key: None}
         return dataclasses.replace(self, **overrides)
+
+
+#: (the name field, its settings field) of the two plug-in kinds an :class:`AlgorithmConfig` names.
+_SETTINGS_OF = (("advantage_estimator", "estimator_settings"), ("policy_loss", "policy_loss_settings"))
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # spec table "Baselines the paper compares"
-    "ppo": dict(advantage_estimator="gae", policy_loss="ppo", max_staleness=0),
+    # (synchronous: max staleness 0, a trainer setting: trainer/config/presets_staleness.py)
+    "ppo": dict(advantage_estimator="gae", policy_loss="ppo"),
     "ppo_async": dict(advantage_estimator="gae", policy_loss="ppo"),
     "areal": dict(advantage_estimator="gae", policy_loss="decoupled_ppo"),
     "sao": dict(advantage_estimator="batch_norm", policy_loss="dis", use_critic=False,
@@ -255,15 +276,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # from a critic updated K = 2 times per actor update (train.critic_updates_per_step in
     # configs/*/sao_critic.yaml: a trainer setting, not the algorithm's)
     "sao_critic": dict(advantage_estimator="gae", policy_loss="dis", n_samples_per_prompt=1),
-    "vtrace": dict(advantage_estimator="vtrace", policy_loss="ppo", rho_clip=1.0, c_clip=1.0),
-    "dapo": dict(advantage_estimator="grpo", policy_loss="ppo", use_critic=False, clip_low=0.2,
-                 clip_high=0.28, loss_agg_mode="token-mean"),
+    "vtrace": dict(advantage_estimator="vtrace", policy_loss="ppo",
+                   estimator_settings={"rho_clip": 1.0, "c_clip": 1.0}),
+    "dapo": dict(advantage_estimator="grpo", policy_loss="ppo", use_critic=False,
+                 policy_loss_settings={"clip_low": 0.2, "clip_high": 0.28}, loss_agg_mode="token-mean"),
     # BRACE (arXiv 2609.09783; docs/algorithm.md "BRACE"): capped V-trace critic targets, plain
     # PPO clip actor, the reported k = 100, ρ̄ = 1.2, c̄ = 1.1, value clip 0.5
-    "brace": dict(advantage_estimator="brace", policy_loss="ppo", rho_clip=1.2, c_clip=1.1,
-                  value_clip_eps=0.5, estimator_settings={"horizon": 100}),
-    "copc_wo_rc": dict(advantage_estimator="copc", policy_loss="dis", eta_a=0.0),
-    "copc": dict(advantage_estimator="copc", policy_loss="dis", eta_p=0.5, eta_a=0.5),
+    "brace": dict(advantage_estimator="brace", policy_loss="ppo", value_clip_eps=0.5,
+                  estimator_settings={"horizon": 100, "rho_clip": 1.2, "c_clip": 1.1}),
+    "copc_wo_rc": dict(advantage_estimator="copc", policy_loss="dis", estimator_settings={"eta_a": 0.0}),
+    "copc": dict(advantage_estimator="copc", policy_loss="dis", estimator_settings={"eta_a": 0.5},
+                 policy_loss_settings={"eta_p": 0.5}),
 }
 
 PRESET_NAMES = tuple(_PRESETS)
@@ -271,8 +294,6 @@ PRESET_NAMES = tuple(_PRESETS)
 #: Fields that define a preset (not tunables): an override to another value is an error,
 #: with a hint at the preset to use instead.
 _PINNED: dict[str, dict[str, str]] = {
-    "ppo": {"max_staleness": "preset 'ppo' is synchronous (max_staleness=0); for stale rollouts "
-                             "use 'ppo_async'"},
     "sao": {"n_samples_per_prompt": "preset 'sao' is single-rollout (n_samples_per_prompt=1); for "
                                     "groups of samples per prompt use 'dapo'"},
     "sao_critic": {"n_samples_per_prompt": "preset 'sao_critic' is single-rollout (n_samples_per_prompt=1)"},
@@ -285,19 +306,32 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     Args:
         name: one of :data:`PRESET_NAMES` (``ppo``, ``ppo_async``, ``areal``, ``sao``, ``sao_critic``,
             ``vtrace``, ``dapo``, ``brace``, ``copc_wo_rc``, ``copc``).
-        **overrides: :class:`AlgorithmConfig` fields to change (e.g. ``eta_a=0.25``).
+        **overrides: :class:`AlgorithmConfig` fields to change (e.g. ``gamma=0.99``, or
+            ``estimator_settings={"eta_a": 0.25}``). A ``*_settings`` mapping is merged over the
+            preset's own settings of the same estimator / loss (``brace`` with
+            ``estimator_settings={"horizon": 50}`` keeps ρ̄ = 1.2, c̄ = 1.1); naming another
+            estimator / loss drops the preset's settings for it.
 
     Returns:
         A frozen, validated :class:`AlgorithmConfig`.
 
     Raises:
-        ValueError: for an unknown preset, unknown field or invalid value, or an override of a
-            field the preset is defined by: ``max_staleness`` other than 0 for the synchronous
-            ``ppo``, ``n_samples_per_prompt`` other than 1 for the single-rollout ``sao``.
+        ValueError: for an unknown preset, unknown field (a moved one: naming its new spelling)
+            or invalid value, or an override of a field the preset is defined by:
+            ``n_samples_per_prompt`` other than 1 for the single-rollout ``sao``.
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {list(PRESET_NAMES)}")
+    _check_field_names(overrides)
+    preset = _PRESETS[name]
     for key, why in _PINNED.get(name, {}).items():
-        if key in overrides and overrides[key] != _PRESETS[name][key]:
+        if key in overrides and overrides[key] != preset[key]:
             raise ValueError(f"{why} (got {key}={overrides[key]!r})")
-    return AlgorithmConfig(name=name, **_PRESETS[name]).replace(**overrides)
+    fields = {**preset, **overrides}
+    for which, key in _SETTINGS_OF:
+        own, given = preset.get(key), overrides.get(key)
+        if fields[which] != preset[which]:
+            fields[key] = given  # the preset's settings are for its own estimator / loss
+        elif isinstance(own, Mapping) and isinstance(given, Mapping):
+            fields[key] = {**own, **given}
+    return AlgorithmConfig(name=name, **fields)

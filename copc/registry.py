@@ -34,6 +34,16 @@ import torch
 from .advantages import coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import Denominators
 from .brace import BraceSettings, brace_advantage_return
+from .component_settings import (
+    CopcSettings,
+    DecoupledPpoSettings,
+    DisSettings,
+    GrpoSettings,
+    IcePopSettings,
+    PPOClip,
+    TisSettings,
+    VTraceSettings,
+)
 from .margins import margins
 from .outcome import (
     batch_normalized_advantages,
@@ -98,19 +108,20 @@ class PolicyLossInputs:
 
 def _advantage_margins(cfg: AlgorithmConfig) -> tuple[float, float]:
     """(ℓ_A, u_A) of the COPC advantage channel (η_A = 0: ρ̄ ≡ 1, ``copc_wo_rc``)."""
-    return margins(cfg.eta_a, cfg.eps_low, cfg.eps_high)
+    return margins(cfg.estimator_settings.eta_a, cfg.eps_low, cfg.eps_high)
 
 
 def _policy_margins(cfg: AlgorithmConfig) -> tuple[float, float]:
     """(ℓ_P, u_P) of the DIS policy channel."""
-    return margins(cfg.eta_p, cfg.eps_low, cfg.eps_high)
+    return margins(cfg.policy_loss_settings.eta_p, cfg.eps_low, cfg.eps_high)
 
 
-@ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True, channel_margins=_advantage_margins)
+@ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True, channel_margins=_advantage_margins,
+                               settings=CopcSettings)
 def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'copc'")
     return coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
-                                    gamma=cfg.gamma, lam=cfg.lam, eta_a=cfg.eta_a,
+                                    gamma=cfg.gamma, lam=cfg.lam, eta_a=cfg.estimator_settings.eta_a,
                                     eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                                     bootstrap_values=x.bootstrap_values, obs_reward=cfg.obs_reward,
                                     obs_discount=cfg.obs_discount)
@@ -127,25 +138,26 @@ def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
 def _vtrace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) -> tuple[Tensor, Tensor]:
     """V-trace with ``lam`` a float or a per-row ``(B,)`` tensor (its loop over T takes either)."""
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'vtrace'")
+    s = cfg.estimator_settings
     return vtrace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
-                                   gamma=cfg.gamma, lam=lam, rho_clip=cfg.rho_clip,
-                                   c_clip=cfg.c_clip, bootstrap_values=x.bootstrap_values,
+                                   gamma=cfg.gamma, lam=lam, rho_clip=s.rho_clip,
+                                   c_clip=s.c_clip, bootstrap_values=x.bootstrap_values,
                                    obs_reward=cfg.obs_reward)
 
 
 @ADVANTAGE_ESTIMATORS.register("vtrace", needs_critic=True, per_token_obs_discount=False,
-                               lambda_rows=_vtrace_rows)
+                               lambda_rows=_vtrace_rows, settings=VTraceSettings)
 def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return _vtrace_rows(x, cfg, cfg.lam)
 
 
 def _brace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) -> tuple[Tensor, Tensor]:
-    """BRACE with ``lam`` a float or a per-row ``(B,)`` tensor; ``k`` from its settings."""
+    """BRACE with ``lam`` a float or a per-row ``(B,)`` tensor; ρ̄, c̄ and ``k`` from its settings."""
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'brace'")
-    horizon = (cfg.estimator_settings or BraceSettings()).horizon
+    s = cfg.estimator_settings
     return brace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
-                                  gamma=cfg.gamma, lam=lam, rho_clip=cfg.rho_clip, c_clip=cfg.c_clip,
-                                  horizon=horizon, bootstrap_values=x.bootstrap_values,
+                                  gamma=cfg.gamma, lam=lam, rho_clip=s.rho_clip, c_clip=s.c_clip,
+                                  horizon=s.horizon, bootstrap_values=x.bootstrap_values,
                                   obs_reward=cfg.obs_reward)
 
 
@@ -155,11 +167,12 @@ def _brace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return _brace_rows(x, cfg, cfg.lam)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, needs_groups=True)
+@ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, needs_groups=True, settings=GrpoSettings)
 def _grpo(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("scores", "group_ids", who="advantage estimator 'grpo'")
+    std_normalize = cfg.estimator_settings.std_normalize
     adv = broadcast_to_tokens(group_relative_advantages(x.scores, x.group_ids,
-                                                        std_normalize=cfg.std_normalize), x.loss_mask)
+                                                        std_normalize=std_normalize), x.loss_mask)
     return adv, adv.clone()
 
 
@@ -186,45 +199,50 @@ def compute_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[T
     return adv, ret
 
 
-@POLICY_LOSSES.register("dis", channel_margins=_policy_margins)
+@POLICY_LOSSES.register("dis", channel_margins=_policy_margins, settings=DisSettings)
 def _dis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
-    return dis_policy_loss(logp, x.logp_mu, x.advantages, x.loss_mask, eta_p=cfg.eta_p,
+    s = cfg.policy_loss_settings
+    return dis_policy_loss(logp, x.logp_mu, x.advantages, x.loss_mask, eta_p=s.eta_p,
                            eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                            loss_agg_mode=cfg.loss_agg_mode, logp_old=x.logp_old,
-                           ppo_clip_eps=cfg.dis_ppo_clip_eps, denominators=x.denominators)
+                           ppo_clip_eps=s.ppo_clip_eps, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("ppo")
+def _clip(s: PPOClip) -> dict:
+    """The :class:`PPOClip` keywords of a PPO-family loss's settings."""
+    return dict(clip_low=s.clip_low, clip_high=s.clip_high, dual_clip_c=s.dual_clip_c)
+
+
+@POLICY_LOSSES.register("ppo", settings=PPOClip)
 def _ppo(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
-    return ppo_clip_policy_loss(logp, x.logp_old, x.advantages, x.loss_mask, clip_low=cfg.clip_low,
-                                clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c,
+    return ppo_clip_policy_loss(logp, x.logp_old, x.advantages, x.loss_mask,
+                                **_clip(cfg.policy_loss_settings),
                                 loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("decoupled_ppo")
+@POLICY_LOSSES.register("decoupled_ppo", settings=DecoupledPpoSettings)
 def _decoupled(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    s = cfg.policy_loss_settings
     return decoupled_ppo_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
-                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                     dual_clip_c=cfg.dual_clip_c,
-                                     behav_weight_cap=cfg.behav_weight_cap,
-                                     behav_cap_mode=cfg.behav_cap_mode,
+                                     **_clip(s), behav_weight_cap=s.behav_weight_cap,
+                                     behav_cap_mode=s.behav_cap_mode,
                                      loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("tis")
+@POLICY_LOSSES.register("tis", settings=TisSettings)
 def _tis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    s = cfg.policy_loss_settings
     return tis_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
-                           clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                           dual_clip_c=cfg.dual_clip_c, tis_cap=cfg.tis_cap,
+                           **_clip(s), tis_cap=s.tis_cap,
                            loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("icepop")
+@POLICY_LOSSES.register("icepop", settings=IcePopSettings)
 def _icepop(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
+    s = cfg.policy_loss_settings
     return icepop_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
-                              clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                              dual_clip_c=cfg.dual_clip_c, icepop_low=cfg.icepop_low,
-                              icepop_high=cfg.icepop_high, loss_agg_mode=cfg.loss_agg_mode,
+                              **_clip(s), icepop_low=s.icepop_low,
+                              icepop_high=s.icepop_high, loss_agg_mode=cfg.loss_agg_mode,
                               denominators=x.denominators)
 
 

@@ -29,23 +29,24 @@ def test_presets_match_the_spec_table(name):
     assert (p.policy_loss, p.advantage_estimator, p.use_critic) == TABLE[name]
     assert p.name == name
     with pytest.raises(dataclasses.FrozenInstanceError):
-        p.eta_p = 0.1  # type: ignore[misc]
+        p.gamma = 0.1  # type: ignore[misc]
 
 
 def test_preset_specific_values():
-    assert copc.get_preset("ppo").max_staleness == 0
-    assert copc.get_preset("ppo_async").max_staleness is None
     c = copc.get_preset("copc")
-    assert (c.eta_p, c.eta_a, c.eps_low, c.eps_high, c.gamma, c.lam) == (0.5, 0.5, 0.4, 0.56, 1.0, 1.0)
-    assert c.dis_ppo_clip_eps is None and not c.normalize_advantages
+    e, p = c.estimator_settings, c.policy_loss_settings  # moved: CopcSettings, DisSettings
+    assert (p.eta_p, e.eta_a, c.eps_low, c.eps_high, c.gamma, c.lam) == (0.5, 0.5, 0.4, 0.56, 1.0, 1.0)
+    assert p.ppo_clip_eps is None and not c.normalize_advantages
     assert c.loss_agg_mode == "seq-mean-token-mean"
-    assert copc.get_preset("copc_wo_rc").eta_a == 0.0
+    assert copc.get_preset("copc_wo_rc").estimator_settings.eta_a == 0.0
     d = copc.get_preset("dapo")
-    assert (d.clip_low, d.clip_high, d.loss_agg_mode) == (0.2, 0.28, "token-mean")
-    v = copc.get_preset("vtrace")
+    assert (d.policy_loss_settings.clip_low, d.policy_loss_settings.clip_high, d.loss_agg_mode) == \
+        (0.2, 0.28, "token-mean")
+    v = copc.get_preset("vtrace").estimator_settings
     assert (v.rho_clip, v.c_clip) == (1.0, 1.0)
     b = copc.get_preset("brace")
-    assert (b.rho_clip, b.c_clip, b.value_clip_eps, b.estimator_settings.horizon) == (1.2, 1.1, 0.5, 100)
+    s = b.estimator_settings
+    assert (s.rho_clip, s.c_clip, b.value_clip_eps, s.horizon) == (1.2, 1.1, 0.5, 100)
     assert copc.get_preset("brace", estimator_settings={"horizon": 7}).estimator_settings.horizon == 7
     with pytest.raises(ValueError, match="horizon must be an int >= 1"):
         copc.get_preset("brace", estimator_settings={"horizon": 0})
@@ -53,14 +54,16 @@ def test_preset_specific_values():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"eta_a": 1.5}, "eta_a must be in"),
+    ({"estimator_settings": {"eta_a": 1.5}}, r"estimator_settings\.eta_a=1\.5: must be a number in \[0, 1\]"),
     ({"gamma": -0.1}, "gamma must be in"),
     ({"loss_agg_mode": "sum"}, "loss_agg_mode must be one of"),
     ({"policy_loss": "reinforce"}, "policy_loss must be one of"),
     ({"advantage_estimator": "gae", "use_critic": False}, "use_critic=False is incompatible"),
-    ({"clip_low": 1.0}, "clip_low must be in"),
-    ({"dual_clip_c": 1.0}, "dual_clip_c must be > 1"),
-    ({"max_staleness": -1}, "max_staleness must be"),
+    ({"policy_loss": "ppo", "policy_loss_settings": {"clip_low": 1.0}},
+     r"clip_low=1\.0: must be a number in \(0"),
+    ({"policy_loss": "ppo", "policy_loss_settings": {"dual_clip_c": 1.0}},
+     "dual_clip_c=1.0: must be a number > 1"),
+    ({"max_staleness": -1}, "max_staleness: left the algorithm"),
     ({"obs_reward": "drop"}, "obs_reward must be one of"),
     ({"etaa": 0.5}, r"unknown AlgorithmConfig field\(s\) \['etaa'\]"),
 ])
@@ -118,7 +121,7 @@ def test_every_preset_runs_end_to_end_by_name(name):
 def test_registry_dispatch_equals_direct_call():
     g = torch.Generator().manual_seed(1)
     x = _inputs(g)
-    cfg = copc.get_preset("copc", gamma=0.99, lam=0.95, eta_a=0.25)
+    cfg = copc.get_preset("copc", gamma=0.99, lam=0.95, estimator_settings={"eta_a": 0.25})
     a1 = copc.compute_advantages(x, cfg)
     a2 = copc.coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
                                        gamma=0.99, lam=0.95, eta_a=0.25)

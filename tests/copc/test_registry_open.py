@@ -72,7 +72,7 @@ def test_builtin_metadata():
     assert [n for n in est.names() if est.metadata(n)["lambda_rows"] is not None] == ["brace", "vtrace"]
     assert [n for n in est.names() if est.metadata(n)["channel_margins"] is not None] == ["copc"]
     assert [n for n in loss.names() if loss.metadata(n)["channel_margins"] is not None] == ["dis"]
-    cfg = copc.get_preset("copc", eta_a=0.25, eta_p=0.5)
+    cfg = copc.get_preset("copc", estimator_settings={"eta_a": 0.25}, policy_loss_settings={"eta_p": 0.5})
     assert est.metadata("copc")["channel_margins"](cfg) == copc.margins(0.25, cfg.eps_low, cfg.eps_high)
     assert loss.metadata("dis")["channel_margins"](cfg) == copc.margins(0.5, cfg.eps_low, cfg.eps_high)
     assert dict(loss.metadata("ppo")) == {"channel_margins": None}

@@ -243,7 +243,8 @@ def test_dotted_overrides():
     (["train.staleness.max=-1"], "train.staleness.max=-1"),
     (["rollout.engine=vllm"], "rollout.engine='vllm'"),
     (["eval.temperature=-0.5"], "eval.temperature"),
-    (["algorithm.estimator_settings.eta_a=2"], "algorithm.estimator_settings.eta_a=2.0: must be a number in [0, 1]"),
+    (["algorithm.estimator_settings.eta_a=2"],
+     "algorithm.estimator_settings.eta_a=2.0: must be a number in [0, 1]"),
     (["algorithm.eta_a=0.2"], "algorithm.eta_a: moved to algorithm.estimator_settings.eta_a "
                               "(with advantage_estimator: copc)"),
     (["preset=ppo_async", "algorithm.clip_high=0.28"],

@@ -131,7 +131,8 @@ def test_killed_sweep_takes_its_runs_down(tmp_path):
              "model.tiny.intermediate_size=64", "model.tiny.num_layers=1", "rollout.max_new_tokens=12"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     sweep = subprocess.Popen([sys.executable, "-m", "trainer.cli", "sweep", "--config", TINY, "--out",
-                              str(tmp_path / "sw"), "--grid", "algorithm.eta_a=0.25,0.75", "--parallel", "2",
+                              str(tmp_path / "sw"), "--grid", "algorithm.estimator_settings.eta_a=0.25,0.75",
+                              "--parallel", "2",
                               *cheap], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              cwd=REPO)
     try:

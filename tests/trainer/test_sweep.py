@@ -23,6 +23,8 @@ from trainer.sweep.plots import cell_text, heatmap_axes, plot_heatmaps
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/math_tool/cpu_tiny.yaml")
+#: The channel strengths' config keys: η_P of the dis loss, η_A of the copc estimator (their settings).
+ETA_P, ETA_A = "algorithm.policy_loss_settings.eta_p", "algorithm.estimator_settings.eta_a"
 #: The cheapest real run: a 1-layer 32-wide model, one warm-start step, 2 RL steps of 2 prompts,
 #: 2 evaluation problems; a checkpoint every step (so step 1 can be evaluated post hoc).
 CHEAP = ["train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=2",
@@ -115,13 +117,13 @@ def test_heatmap_axes_defaults_and_errors():
 
 def test_spec_file_with_cli_flags_on_top(tmp_path):
     spec_file = tmp_path / "s.yaml"
-    spec_file.write_text(f"config: {TINY}\ngrid:\n  algorithm.eta_p: [0.25, 0.75]\n  algorithm.eta_a: [0.5]\n"
+    spec_file.write_text(f"config: {TINY}\ngrid:\n  {ETA_P}: [0.25, 0.75]\n  {ETA_A}: [0.5]\n"
                          "seeds: [0, 1]\noverrides: {train.total_steps: 3}\nmetric: accuracy\n")
     args = build_parser(["sweep"]).parse_args(["sweep", "--spec", str(spec_file), "--grid",
-                                                "algorithm.eta_a=0.25,0.75", "--seeds", "5",
+                                                f"{ETA_A}=0.25,0.75", "--seeds", "5",
                                                 "--parallel", "2", "eval.k=2"])
     spec = spec_from_args(args)
-    assert spec.grid.axes == {"algorithm.eta_p": [0.25, 0.75], "algorithm.eta_a": [0.25, 0.75]}
+    assert spec.grid.axes == {ETA_P: [0.25, 0.75], ETA_A: [0.25, 0.75]}
     assert spec.seeds == [5] and spec.parallel == 2 and spec.overrides == ["train.total_steps=3", "eval.k=2"]
     plan = build_plan(spec)
     assert len(plan.runs) == 4 and plan.metric == "accuracy"
@@ -142,7 +144,7 @@ def test_shipped_sweep_specs_validate(tmp_path):
     assert len(tiny.cells) == 8 and len(tiny.runs) == 8
     assert all(r.total_steps == tiny.runs[0].total_steps for r in tiny.runs)
     paper = load_spec(REPO / "configs/sweeps/figure1_paper.yaml")
-    assert paper.grid.axes == {"algorithm.eta_p": [0.25, 0.5, 0.75], "algorithm.eta_a": [0.25, 0.5, 0.75],
+    assert paper.grid.axes == {ETA_P: [0.25, 0.5, 0.75], ETA_A: [0.25, 0.5, 0.75],
                                "train.staleness.lag": [8, 12, 16]}
     with pytest.raises(ConfigError, match=r"model\.path"):  # the paper's model must be filled in
         build_plan(paper)
@@ -151,13 +153,13 @@ def test_shipped_sweep_specs_validate(tmp_path):
     plan = build_plan(paper)
     assert len(plan.runs) == 27 and plan.metric == "avg@32"
     run = next(r for r in plan.runs if r.cell.id == "eta_p0.25_eta_a0.75_lag16")
-    assert {"train.staleness.mode=fixed", "algorithm.eta_p=0.25", "algorithm.eta_a=0.75",
+    assert {"train.staleness.mode=fixed", f"{ETA_P}=0.25", f"{ETA_A}=0.75",
             "train.staleness.lag=16"} <= set(run.overrides)
 
 
 # ----------------------------------------------------------------------- validation up front
 @pytest.mark.parametrize("grid,needle", [
-    ("algorithm.eta_a=0.25,2", "cell eta_a2 (seed 0): algorithm.eta_a: eta_a must be in [0, 1], got 2"),
+    (f"{ETA_A}=0.25,2", f"cell eta_a2 (seed 0): {ETA_A}=2.0: must be a number in [0, 1]"),
     ("train.bogus=1,2", "cell bogus1 (seed 0): train.bogus: Key 'bogus' not in 'TrainConfig'"),
     ("rollout.top_k=-1,abc", "cell top_kabc (seed 0): rollout.top_k"),
 ])
@@ -170,12 +172,12 @@ def test_bad_grid_value_exits_2_before_any_run(tmp_path, capsys, grid, needle):
 
 
 def test_other_up_front_errors_exit_2(tmp_path, capsys):
-    cases = [(["--grid", "algorithm.eta_a=0.5", "train.total_steps=2", "algorithm.eta_a=0.25"],
-              "override 'algorithm.eta_a=0.25': algorithm.eta_a is also a grid key"),
-             (["--grid", "algorithm.eta_a=0.5", "--metric", "acc"], "--metric 'acc'"),
-             (["--grid", "algorithm.eta_a=0.5", "--panel-key", "x"], "--panel-key 'x': not a grid key"),
-             (["--grid", "algorithm.eta_a=0.5", "eval.enabled=false"], "eval.enabled=False"),
-             (["--grid", "algorithm.eta_a=0.5", "--parallel", "0"], "--parallel=0")]
+    cases = [(["--grid", f"{ETA_A}=0.5", "train.total_steps=2", f"{ETA_A}=0.25"],
+              f"override '{ETA_A}=0.25': algorithm.estimator_settings.eta_a is also a grid key"),
+             (["--grid", "algorithm.estimator_settings.eta_a=0.5", "--metric", "acc"], "--metric 'acc'"),
+             (["--grid", f"{ETA_A}=0.5", "--panel-key", "x"], "--panel-key 'x': not a grid key"),
+             (["--grid", f"{ETA_A}=0.5", "eval.enabled=false"], "eval.enabled=False"),
+             (["--grid", "algorithm.estimator_settings.eta_a=0.5", "--parallel", "0"], "--parallel=0")]
     for extra, needle in cases:
         rc = main(["sweep", "--config", TINY, "--out", str(tmp_path / "s"), *extra])
         err = capsys.readouterr().err
@@ -230,7 +232,7 @@ def _fake_finished_run(run, final: float, during: float | None = None) -> None:
 def test_heatmap_annotations_equal_the_csv_aggregates(tmp_path):
     args = build_parser(["sweep"]).parse_args(
         ["sweep", "--config", TINY, "--out", str(tmp_path), "--seeds", "0,1",
-         "--grid", "algorithm.eta_p=0.25,0.75", "--grid", "algorithm.eta_a=0.25,0.75",
+         "--grid", f"{ETA_P}=0.25,0.75", "--grid", f"{ETA_A}=0.25,0.75",
          "--grid", "train.staleness.lag=0,2", "train.staleness.mode=fixed", "train.total_steps=3"])
     plan = build_plan(spec_from_args(args))
     assert len(plan.runs) == 16
@@ -266,7 +268,7 @@ def test_heatmap_annotations_equal_the_csv_aggregates(tmp_path):
         assert Path(notes[0].figure).stat().st_size > 5000
         for a in notes:
             row = table[a.cell]
-            assert row["algorithm.eta_a"] == a.x and row["algorithm.eta_p"] == a.y
+            assert row[ETA_A] == a.x and row[ETA_P] == a.y
             assert row["train.staleness.lag"] == a.panel
             mean, sd = float(row[f"{value}_mean"]), float(row[f"{value}_sd"])
             assert a.text == cell_text(mean, sd)  # the text read back from the figure
@@ -290,7 +292,7 @@ def tiny_sweep(tmp_path_factory):
     """A real 2-cell sweep (spec file + CLI flags), checkpoints evaluated post hoc."""
     root = tmp_path_factory.mktemp("sweep")
     spec = root / "spec.yaml"
-    spec.write_text(f"config: {TINY}\ngrid:\n  algorithm.eta_a: [0.25, 0.75]\nseeds: [0]\n"
+    spec.write_text(f"config: {TINY}\ngrid:\n  algorithm.estimator_settings.eta_a: [0.25, 0.75]\nseeds: [0]\n"
                     f"out: {root / 'out'}\noverrides: [{', '.join(CHEAP)}]\n")
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -308,13 +310,13 @@ def test_two_cell_sweep_end_to_end(tiny_sweep):
     rc, out, _ = tiny_sweep
     assert rc == 0
     rows = _csv(out / "sweep.csv")
-    assert [(r["cell"], r["algorithm.eta_a"], r["seed"], r["status"]) for r in rows] == \
+    assert [(r["cell"], r["algorithm.estimator_settings.eta_a"], r["seed"], r["status"]) for r in rows] == \
         [("eta_a0.25", "0.25", "0", "ok"), ("eta_a0.75", "0.75", "0", "ok")]
     for r in rows:
         run_dir = out / "cells" / r["cell"] / "seed0"
         summary = json.loads((run_dir / "summary.json").read_text())
         cfg = (run_dir / "config.yaml").read_text()
-        assert f"eta_a: {r['algorithm.eta_a']}" in cfg and f"output_dir: {run_dir}" in cfg
+        assert f"eta_a: {r['algorithm.estimator_settings.eta_a']}" in cfg and f"output_dir: {run_dir}" in cfg
         assert float(r["final"]) == summary["eval_after"]["accuracy"]
         assert int(r["steps"]) == summary["steps"] == 2 and float(r["wall_s"]) == summary["wall_s"]
         # step 1 evaluated post hoc (step 2 is the final evaluation); best = max over both
@@ -389,7 +391,7 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     bad = out / "cells/eta_a0.75/seed0"
     bad.parent.mkdir(parents=True)
     bad.write_text("not a directory")  # copc train cannot create its output_dir there: it exits 1
-    rc = main(["sweep", "--config", TINY, "--grid", "algorithm.eta_a=0.25,0.75", "--out", str(out), *CHEAP])
+    rc = main(["sweep", "--config", TINY, "--grid", f"{ETA_A}=0.25,0.75", "--out", str(out), *CHEAP])
     assert rc == 1
     rows = {r["cell"]: r for r in _csv(out / "sweep.csv")}
     assert rows["eta_a0.25"]["status"] == "ok" and rows["eta_a0.75"]["status"] == "failed"
@@ -404,11 +406,11 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
 @pytest.mark.slow
 def test_ray_launcher_runs_each_cell_as_a_ray_task_on_one_cluster(tmp_path):
     out = tmp_path / "out"
-    rc = main(["sweep", "--config", TINY, "--grid", "algorithm.eta_a=0.25", "--out", str(out),
-               "launcher.kind=ray", "launcher.ray_num_cpus=2", *CHEAP])
+    rc = main(["sweep", "--config", TINY, "--grid", f"{ETA_A}=0.25", "--out", str(out),
+               "launcher.kind=ray", "launcher.settings.num_cpus=2", *CHEAP])
     assert rc == 0
     status = json.loads((out / "cells/eta_a0.25/seed0.status.json").read_text())
-    address = next(o for o in status["command"] if o.startswith("launcher.ray_address="))
+    address = next(o for o in status["command"] if o.startswith("launcher.settings.address="))
     address = address.partition("=")[2].strip("'")
     assert address  # the sweep's cluster, passed to the run ...
     log = (out / "cells/eta_a0.25/seed0.log").read_text()
@@ -420,19 +422,20 @@ def test_spec_numbers_parse_as_on_the_command_line(tmp_path):
     """Issue 21 item 16: ``1e-4`` in a spec file is the float the command line gives (YAML 1.1 alone
     reads it as a string): same cell id, same override / CSV text, same run directory."""
     spec_file = tmp_path / "s.yaml"
-    spec_file.write_text(f"config: {TINY}\ngrid:\n  algorithm.eta_p: [1e-4, 2.5E-1]\n"
-                         "seeds: [0]\noverrides: {train.total_steps: 3, algorithm.eta_a: 5e-1}\n")
+    spec_file.write_text(f"config: {TINY}\ngrid:\n  {ETA_P}: [1e-4, 2.5E-1]\n"
+                         f"seeds: [0]\noverrides: {{train.total_steps: 3, {ETA_A}: 5e-1}}\n")
     parser = build_parser(["sweep"])
     from_spec = build_plan(spec_from_args(parser.parse_args(["sweep", "--spec", str(spec_file)])))
-    cli = parser.parse_args(["sweep", "--config", str(TINY), "--grid", "algorithm.eta_p=1e-4,2.5E-1",
-                             "--seeds", "0", "train.total_steps=3", "algorithm.eta_a=5e-1"])
+    cli = parser.parse_args(["sweep", "--config", str(TINY), "--grid", f"{ETA_P}=1e-4,2.5E-1",
+                             "--seeds", "0", "train.total_steps=3", f"{ETA_A}=5e-1"])
     from_cli = build_plan(spec_from_args(cli))
-    assert [r.cell.values for r in from_spec.runs] == [{"algorithm.eta_p": 1e-4}, {"algorithm.eta_p": 0.25}]
-    assert all(isinstance(r.cell.values["algorithm.eta_p"], float) for r in from_spec.runs)
+    assert [r.cell.values for r in from_spec.runs] == [{ETA_P: 1e-4}, {ETA_P: 0.25}]
+    assert all(isinstance(r.cell.values[ETA_P], float) for r in from_spec.runs)
     assert [r.cell.id for r in from_spec.runs] == [r.cell.id for r in from_cli.runs]
     assert [r.run_dir for r in from_spec.runs] == [r.run_dir for r in from_cli.runs]
-    assert [r.cell.label("algorithm.eta_p") for r in from_spec.runs] == ["0.0001", "0.25"]
-    assert from_spec.base.algorithm["eta_a"] == 0.5 == from_cli.base.algorithm["eta_a"]
+    assert [r.cell.label(ETA_P) for r in from_spec.runs] == ["0.0001", "0.25"]
+    eta_a = [p.base.algorithm["estimator_settings"]["eta_a"] for p in (from_spec, from_cli)]
+    assert eta_a == [0.5, 0.5]
 
 
 def test_a_second_sweep_on_the_same_out_is_refused(tmp_path, capsys):
@@ -449,7 +452,7 @@ def test_a_second_sweep_on_the_same_out_is_refused(tmp_path, capsys):
                               env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert holder.stdout.readline().strip() == "held"
-        rc = main(["sweep", "--config", TINY, "--grid", "algorithm.eta_a=0.25", "--out", str(out), *CHEAP])
+        rc = main(["sweep", "--config", TINY, "--grid", f"{ETA_A}=0.25", "--out", str(out), *CHEAP])
         assert rc == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"--out={str(out)!r}: another copc process (pid {holder.pid}) is writing there" in err

@@ -26,7 +26,7 @@ from reference import coupled_reference, random_multiturn_mask
 ROOT = Path(__file__).resolve().parents[2]
 CRITIC_PRESETS = ("ppo", "ppo_async", "areal", "vtrace", "copc_wo_rc", "copc")
 VAPO = dict(critic_lam=1.0, length_adaptive_alpha=0.05, pos_lm_coef=0.1, critic_warmup_mc_returns=True,
-            clip_low=0.2, clip_high=0.28, loss_agg_mode="token-mean")
+            policy_loss_settings={"clip_low": 0.2, "clip_high": 0.28}, loss_agg_mode="token-mean")
 
 
 def _inputs(B: int = 8, T: int = 40, seed: int = 0) -> copc.AdvantageInputs:
@@ -63,7 +63,8 @@ def test_decoupled_gae_against_the_reference_loop(preset):
     x = _inputs()
     algo = copc.get_preset(preset, gamma=0.99, lam=0.8, critic_lam=1.0)
     adv, ret, _ = ActorCriticAlgorithm(algo).estimate(x)
-    lo, hi = copc.margins(algo.eta_a, algo.eps_low, algo.eps_high) if preset == "copc" else (1.0, 1.0)
+    eta_a = algo.estimator_settings.eta_a if preset == "copc" else None
+    lo, hi = copc.margins(eta_a, algo.eps_low, algo.eps_high) if preset == "copc" else (1.0, 1.0)
     args = (x.rewards.double(), x.values.double(), x.logp_old.double(), x.logp_mu.double(), x.loss_mask)
     ref_adv, _ = coupled_reference(*args, 0.99, 0.8, lo, hi)
     _, ref_ret = coupled_reference(*args, 0.99, 1.0, lo, hi)
@@ -215,15 +216,27 @@ def test_torch_learner_runs_the_whole_recipe(tiny):
 @pytest.mark.parametrize("task", ["math_tool", "search"])
 def test_vapo_fragment_composes_with_every_critic_preset(task, tmp_path):
     fragment = ROOT / "configs/recipes/vapo.yaml"
+    clip_higher = ROOT / "configs/recipes/vapo_clip_higher.yaml"  # part (4): PPO-clip losses' settings
     for preset in CRITIC_PRESETS:
         user = tmp_path / f"{preset}.yaml"
-        user.write_text(f"defaults: [{ROOT / 'configs' / task / preset}.yaml, {fragment}]\n"
+        ppo_clip = preset not in ("copc_wo_rc", "copc")
+        user.write_text(f"defaults: [{ROOT / 'configs' / task / preset}.yaml, {fragment}"
+                        f"{f', {clip_higher}' if ppo_clip else ''}]\n"
                         f"name: {task}_{preset}_vapo\n")
         cfg = load_config(user, [f"model.path={tmp_path}"])
         algo = cfg.algorithm_config()
         assert algo.name == preset and cfg.name == f"{task}_{preset}_vapo"
         assert (algo.critic_lam, algo.length_adaptive_alpha, algo.pos_lm_coef) == (1.0, 0.05, 0.1)
-        assert (algo.clip_low, algo.clip_high, algo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+        assert algo.loss_agg_mode == "token-mean"
+        if ppo_clip:
+            clip = algo.policy_loss_settings
+            assert (clip.clip_low, clip.clip_high) == (0.2, 0.28)
+        else:  # the DIS loss has no PPO clip: the clip-higher fragment is refused, naming the key
+            base = ROOT / "configs" / task / f"{preset}.yaml"
+            user.write_text(f"defaults: [{base}, {fragment}, {clip_higher}]\n")
+            with pytest.raises(ConfigError, match=r"algorithm\.policy_loss_settings\.clip_high=0\.28: "
+                                                  r"unknown setting of DisSettings"):
+                load_config(user, [f"model.path={tmp_path}"]).algorithm_config()
         assert algo.critic_warmup_mc_returns and cfg.train.critic_warmup_steps == 50
         assert (cfg.train.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (32, 8)
         assert (algo.gamma, algo.lam, algo.eps_low, algo.eps_high) == (1.0, 1.0, 0.4, 0.56)  # paper's

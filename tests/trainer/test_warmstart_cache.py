@@ -21,7 +21,7 @@ from .test_run_e2e import overrides
 def test_cache_key_ignores_rl_settings_and_follows_warm_start_ones():
     base = load_config(None, [])
     key = cache_key(base)
-    for rl in ("preset=ppo_async", "algorithm.eta_a=0.25", "train.staleness.mode=fixed",
+    for rl in ("preset=ppo_async", "algorithm.estimator_settings.eta_a=0.25", "train.staleness.mode=fixed",
                "train.staleness.max=3",
                "train.actor_lr=1e-3", "train.total_steps=7", "eval.k=4", "output_dir=/tmp/elsewhere",
                "warm_start.cache_dir=/tmp/other_cache", "rollout.engine_max_batch_size=1",
@@ -69,8 +69,8 @@ def test_two_runs_share_one_warm_start(tmp_path):
              "warm_start.kind": "retool_arithmetic", "warm_start.cache_dir": str(cache),
              "task.train_data": "[]", "logging.plots": "false"}
     first = run_experiment(load_config(None, overrides(tmp_path / "a", "copc", steps=1, **extra)))
-    second = run_experiment(load_config(None, overrides(tmp_path / "b", "copc", steps=1,
-                                                        **{**extra, "algorithm.eta_a": "0.25"})))
+    eta_a = {"algorithm.estimator_settings.eta_a": "0.25"}
+    second = run_experiment(load_config(None, overrides(tmp_path / "b", "copc", steps=1, **extra, **eta_a)))
     assert "reused_from" not in first["warm_start"]
     assert Path(second["warm_start"]["reused_from"]) == lookup(cache, cache_key(
         load_config(None, overrides(tmp_path / "b", "copc", steps=1, **extra))))

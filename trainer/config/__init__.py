@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import copc
+from copc.presets import moved_field_hint
 
 from ..errors import ConfigError
 from ..plugins import check_plugins, import_plugins, plugin_metadata
@@ -41,6 +42,7 @@ from .sections import (  # noqa: F401 - re-exported: import sections from here
 )
 from .train_section import (
     OLD_STALENESS_KEYS,
+    PRESET_STALENESS,
     BoundedStaleness,
     FixedStaleness,
     TrainConfig,
@@ -61,7 +63,9 @@ class ExperimentConfig:
             estimators, losses, engines or learner backends (:mod:`trainer.plugins`).
         preset: ``copc`` | ``copc_wo_rc`` | ``ppo`` | ``ppo_async`` | ``areal`` | ``sao`` |
             ``vtrace`` | ``dapo``.
-        algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{eta_a: 0.25}``);
+        algorithm: :class:`copc.AlgorithmConfig` field overrides (e.g. ``{gamma: 0.99,
+            estimator_settings: {eta_a: 0.25}}``; a ``*_settings`` mapping is merged over the
+            preset's settings of the same estimator / loss);
             ``advantage_estimator``/``policy_loss`` may name a user's estimator or loss if it is
             registered in :data:`copc.ADVANTAGE_ESTIMATORS` / :data:`copc.POLICY_LOSSES` before
             the config is loaded (validation reads the registries and their metadata).
@@ -89,8 +93,13 @@ class ExperimentConfig:
         Raises:
             ConfigError: naming ``preset`` (unknown preset), ``algorithm.<field>`` (when the
                 message starts with an :class:`copc.AlgorithmConfig` field, e.g. an unregistered
-                ``algorithm.advantage_estimator``, listing the registered ones) or ``algorithm``.
+                ``algorithm.advantage_estimator``, listing the registered ones; a field that moved
+                into a built-in's settings, with its new spelling) or ``algorithm``.
         """
+        for name in self.algorithm:
+            hint = moved_field_hint(str(name))
+            if hint:
+                raise ConfigError(f"algorithm.{hint}".replace(" moved to ", " moved to algorithm.", 1))
         try:
             return copc.get_preset(self.preset, **dict(self.algorithm))
         except ValueError as e:
@@ -113,13 +122,13 @@ class ExperimentConfig:
         Returns:
             ``train.staleness`` parsed (:func:`~trainer.config.train_section.parse_staleness`), its
             number replaced by the preset's own staleness when it fixes one
-            (``algorithm_config().max_staleness``, ``ppo``: 0): in ``bounded`` mode that is the
-            bound, in ``fixed`` mode the exact lag.
+            (:data:`~trainer.config.train_section.PRESET_STALENESS`, ``ppo``: 0): in ``bounded``
+            mode that is the bound, in ``fixed`` mode the exact lag.
 
         Raises:
-            ConfigError: as :meth:`algorithm_config` and :func:`parse_staleness`.
+            ConfigError: as :func:`parse_staleness`.
         """
-        own = self.algorithm_config().max_staleness
+        own = PRESET_STALENESS.get(self.preset)
         settings = parse_staleness(self.train.staleness)
         if own is None:
             return settings
@@ -150,7 +159,8 @@ class ExperimentConfig:
                 and not plugin_metadata(self, "launcher.kind")["distributed_learner"]:
             raise ConfigError(f"launcher.kind={kind!r} with learner.backend={backend!r}: not supported (the "
                               f"{kind} launcher hosts the learner in one process); use launcher.kind=local "
-                              "with learner.launch=ray to run the learner ranks as Ray actors")
+                              "with learner.backend_settings.launch=ray to run the learner ranks as Ray "
+                              "actors")
         algo = self.algorithm_config()
         _ = self.staleness  # a preset's own staleness vs train.staleness
         n = self.rollout.n_samples_per_prompt

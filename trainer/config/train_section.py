@@ -54,6 +54,11 @@ class FixedStaleness:
         return self.lag
 
 
+#: Presets that fix their own staleness (the trainer's table; the algorithm package knows none):
+#: preset name → policy versions. It wins over ``train.staleness``'s number in either mode
+#: (:attr:`trainer.config.ExperimentConfig.staleness`): ``ppo`` is synchronous on-policy PPO.
+PRESET_STALENESS: dict[str, int] = {"ppo": 0}
+
 #: ``train.staleness.mode`` → its settings dataclass.
 STALENESS_MODES: dict[str, type[BoundedStaleness] | type[FixedStaleness]] = {
     "bounded": BoundedStaleness, "fixed": FixedStaleness}
