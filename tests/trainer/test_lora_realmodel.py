@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.engines import EngineSpec, make_engine
+from trainer.config.specs import engine_spec
+from trainer.engines import make_engine
 from trainer.engines.base import SamplingParams
 from trainer.learner.backends.torch import TorchLearner
 from trainer.models.loading import load_tokenizer
@@ -52,7 +53,7 @@ def test_smollm2_adapter_sync_parity_and_payload(smollm2):
                              "train.actor_lr=1e-3", "train.critic_lr=1e-3", "train.micro_batch_size=2"])
     learner = TorchLearner.from_config(exp, smollm2)
     tok = load_tokenizer(smollm2)
-    handle = make_engine("embedded", EngineSpec(exp, smollm2, tok, 0, adapter=learner.export_adapter()))
+    handle = make_engine("embedded", engine_spec(exp, smollm2, tok, adapter=learner.export_adapter()))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        return_dict=False)
                for q in ("What is 7 times 8?", "Name a prime number above 20.")]

@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.app.run import run_experiment
 from trainer.config import load_config
-from trainer.engines import EngineSpec, make_engine
+from trainer.config.specs import engine_spec
+from trainer.engines import make_engine
 from trainer.engines.base import SamplingParams
 from trainer.learner.backends.torch import TorchLearner, response_logprobs
 from trainer.models.loading import load_model_and_tokenizer
@@ -99,7 +99,7 @@ def test_engine_logprobs_equal_the_learners_for_every_synced_adapter_version(tin
     exp = _exp(tiny, "train.actor_lr=0.05", "train.critic_lr=0.01", "train.micro_batch_size=4")
     learner = TorchLearner.from_config(exp, tiny)
     _, tok = load_model_and_tokenizer(tiny)
-    handle = make_engine("embedded", EngineSpec(exp, Path(tiny), tok, 0, adapter=learner.export_adapter()))
+    handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))
     rec = Recording(handle)
     prompts = [tok.encode(s, add_special_tokens=False) for s in
                ["Problem: 2+2?", "x", "A longer prompt than the others, padded on the left.", "abc"]]
@@ -141,7 +141,7 @@ def test_engine_refuses_mismatched_adapters_and_full_weights(tiny):
     exp = _exp(tiny)
     learner = TorchLearner.from_config(exp, tiny)
     _, tok = load_model_and_tokenizer(tiny)
-    handle = make_engine("embedded", EngineSpec(exp, Path(tiny), tok, 0, adapter=learner.export_adapter()))
+    handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))
     other = AdapterWeights(LoraSettings(rank=2, alpha=8.0, dropout=0.1, target_modules=LORA.target_modules),
                            learner.export_adapter().tensors)
     missing = AdapterWeights(LORA, dict(list(learner.export_adapter().tensors.items())[1:]))
@@ -170,7 +170,7 @@ def test_fixed_lag_keeps_adapters_and_generates_each_batch_with_the_kept_version
     learner = TorchLearner.from_config(exp, tiny)
     base, tok = load_model_and_tokenizer(tiny)
     scratch = inject_lora(copy.deepcopy(base), LORA).eval()  # evaluates any kept adapter version
-    handle = make_engine("embedded", EngineSpec(exp, Path(tiny), tok, 0, adapter=learner.export_adapter()))
+    handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))
     rec = Recording(handle)
     loop_box, checks = [], []
     real_step = learner.step

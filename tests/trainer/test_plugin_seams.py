@@ -157,7 +157,8 @@ def test_an_estimator_and_a_policy_loss_from_a_plugin_file(tmp_path, cleanup):
 
 
 def test_an_engine_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):
-    from trainer.engines import ENGINES, EngineSpec, make_engine
+    from trainer.config.specs import engine_spec
+    from trainer.engines import ENGINES, make_engine
 
     path = plugin(tmp_path, "seam_engine", """
         from dataclasses import dataclass
@@ -182,7 +183,7 @@ def test_an_engine_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):
     base = [f"plugins=[{path}]", "rollout.engine=echo"]
     cfg = load_config(None, [*base, "rollout.engine_settings={port: 9001}"])
     assert plugin_settings(cfg, "rollout.engine").port == 9001
-    started = make_engine("echo", EngineSpec(exp=cfg, model_dir=tmp_path, tokenizer=None))
+    started = make_engine("echo", engine_spec(cfg, tmp_path, tokenizer=None))
     assert started[1] == plugin_settings(cfg, "rollout.engine") and started[1].verbose is False
     for raw, msg in [("{port: 0}", "rollout.engine_settings.port=0: must be in 1..65535"),
                      ("{prot: 1}", "rollout.engine_settings.prot=1: unknown setting of EchoSettings"),
@@ -216,15 +217,14 @@ def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities
     built = make_learner(cfg, tmp_path)
     assert built[1].rank == 4 and built[1].alpha == 16.0 and built[2] == tmp_path
     assert dict(plugin_metadata(cfg, "learner.backend")) == {"distributed": False, "tensor_parallel": False,
-                                                              "pipeline_parallel": False, "lora": False,
-                                                              "critic_freeze_attention": False,
-                                                              "autocast": False, "shared_prefix": False}
+                                                              "pipeline_parallel": False, "lora": False}
     with pytest.raises(ConfigError, match=r"^learner\.lora: learner\.backend='lora' does not train LoRA"):
         load_config(None, [*base, "learner.lora.rank=4"])  # lora=False: the capability is checked
     with pytest.raises(ConfigError, match=r"^learner\.backend_settings\.rank='x': must be an int$"):
         load_config(None, [*base, "learner.backend_settings={rank: x}"])
-    with pytest.raises(ConfigError, match=r"^learner\.world_size=2: only for a distributed backend"):
-        load_config(None, [*base, "learner.world_size=2"])  # its metadata: a one-process backend
+    with pytest.raises(ConfigError, match=r"^learner\.backend_settings\.world_size=2: unknown setting of "
+                                          r"LoraSettings"):  # its settings: no rank layout
+        load_config(None, [*base, "learner.backend_settings.world_size=2"])
 
 
 def test_an_environment_and_a_task_from_a_plugin_file(tmp_path, cleanup):

@@ -94,7 +94,7 @@ def test_sglang_factory_syncs_adapters_only_and_versions_follow(tmp_path, standi
     base = tmp_path / "base"
     base.mkdir()
     a0, a1, a2 = _adapter(0), _adapter(1), _adapter(2)
-    spec = EngineSpec(None, base, _tokenizer(), 3, adapter=a0, work_dir=tmp_path,
+    spec = EngineSpec(base, _tokenizer(), 3, adapter=a0, work_dir=tmp_path,
                       settings=SGLangSettings(port=free_port()))
     handle = make_engine("sglang", spec)
     engine, url = handle.engine, handle.engine.config.base_url
@@ -150,7 +150,7 @@ def test_sglang_adapter_requests_over_http_in_order(tmp_path, standin_path):
     base = tmp_path / "base"
     base.mkdir()
     a0, a1 = _adapter(0), _adapter(1)
-    handle = make_engine("sglang", EngineSpec(None, base, _tokenizer(), 0, adapter=a0, work_dir=tmp_path,
+    handle = make_engine("sglang", EngineSpec(base, _tokenizer(), 0, adapter=a0, work_dir=tmp_path,
                                               settings=SGLangSettings(port=free_port())))
     engine, url = handle.engine, handle.engine.config.base_url
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)

@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, ExperimentConfig
-from ..engines import EngineHandle, EngineSpec, make_engine, preflight_engine
+from ..config.specs import engine_spec, preflight_engine
+from ..engines import EngineHandle, make_engine
 from ..engines.base import SamplingParams
 from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
 from ..evaluate.policy import checkpoint_policy_weights
-from ..learner import learner_checkpoint_state
+from ..learner import DistributedSettings, learner_checkpoint_state
 from ..models.lora import adapter_of
 from ..orchestration.launchers import LaunchSpec, launch
 from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
@@ -41,6 +42,7 @@ from ..outputs.metrics_log import last_steps_mean, write_summary
 from ..outputs.progress import TrainProgress
 from ..outputs.report import print_report
 from ..outputs.viewer.samples import write_step_samples
+from ..plugins import plugin_settings
 from .context import RunContext, build_context, initial_model_dir
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,8 @@ async def open_engine(cfg: ExperimentConfig, model_dir: Path, tokenizer: Any, ou
         adapter: a LoRA learner's adapter (``Learner.export_adapter()``): the engine serves
             ``model_dir``'s weights with it, and syncs send adapters only.
     """
-    spec = EngineSpec(cfg, Path(model_dir), tokenizer, version, weights, out, adapter=adapter)
+    spec = engine_spec(cfg, model_dir, tokenizer, version=version, weights=weights, work_dir=out,
+                       adapter=adapter)
     return await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
 
 
@@ -94,19 +97,22 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     Resume: see :func:`trainer.app.context.build_context` (models, optimizers, schedulers, RNG
     states, prompt cursor, counters and step restored; metrics after the checkpoint re-done).
 
-    Under ``torchrun`` with ``learner.launch=torchrun`` a process with ``RANK > 0`` only serves as a
+    Under ``torchrun`` with ``learner.backend_settings.launch=torchrun`` a process with ``RANK > 0`` only
+    serves as a
     learner rank (:func:`~trainer.learner.distributed.worker.serve_torchrun_worker`) and returns ``{}``.
 
     Raises:
         ConfigError: a setting only checkable at start-up (the message names the key).
         TrainingError: the run stopped on a failure (the last good state is checkpointed).
     """
-    if cfg.learner.launch == "torchrun" and int(os.environ.get("RANK", "0")) > 0:
+    own = plugin_settings(cfg, "learner.backend")  # the backend's settings: its launch, if distributed
+    torchrun_rank = isinstance(own, DistributedSettings) and own.launch == "torchrun"
+    if torchrun_rank and int(os.environ.get("RANK", "0")) > 0:
         from ..learner.distributed.worker import serve_torchrun_worker
 
         serve_torchrun_worker(cfg)  # a learner rank serving rank 0 (the driver) until it is done
         return {}
-    preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
+    preflight_engine(cfg)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)
     if resume and (out / "summary.json").exists():
         done = CheckpointManager(out / "checkpoints").latest()
@@ -164,13 +170,14 @@ async def _eval_rl_eval(ctx: RunContext) -> None:
 
 def run_devices(cfg: ExperimentConfig) -> int:
     """The devices a run trains on, for ``perf/tokens_per_s_per_device`` (the paper's Table 3):
-    the learner's ranks plus the engine's own GPUs when its settings have a tensor-parallel size
-    (SGLang: ``tp × dp``); an engine without one (the embedded engine) shares the learner's device."""
-    from ..plugins import plugin_settings
-
+    the learner's ranks (a distributed backend's ``world_size``, else 1) plus the engine's own GPUs
+    when its settings have a tensor-parallel size (SGLang: ``tp × dp``); an engine without one (the
+    embedded engine) shares the learner's device."""
     eng = plugin_settings(cfg, "rollout.engine")
     own = int(getattr(eng, "tp", 0) or 0) * int(getattr(eng, "dp", 1) or 1)
-    return max(1, cfg.learner.world_size + own)
+    learner = plugin_settings(cfg, "learner.backend")
+    ranks = learner.world_size if isinstance(learner, DistributedSettings) else 1
+    return max(1, ranks + own)
 
 
 class RunHooks(LoopHooks):
@@ -270,7 +277,7 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
         ConfigError: no model to evaluate, a bad ``--checkpoint``, or another copc process
             writing into ``output_dir``.
     """
-    preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
+    preflight_engine(cfg)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)
     latest = CheckpointManager(out / "checkpoints").latest() if (out / "checkpoints").is_dir() else None
     ws, init = out / "warm_start_model", out / "init_model"

@@ -27,13 +27,11 @@ def embedded_engine(spec: EngineSpec) -> EngineHandle:
     from ..models.loading import load_model_and_tokenizer
     from .embedded import EmbeddedEngine, EmbeddedEngineConfig
 
-    exp = spec.exp
-    model, _ = load_model_and_tokenizer(spec.model_dir, dtype=getattr(torch, exp.model.dtype),
-                                        attn_implementation=exp.model.attn_implementation)
+    model, _ = load_model_and_tokenizer(spec.model_dir, dtype=getattr(torch, spec.dtype),
+                                        attn_implementation=spec.attn_implementation)
     if spec.weights is not None:
         model.load_state_dict(dict(spec.weights), strict=True)
-    engine = EmbeddedEngine(model, spec.tokenizer,
-                            EmbeddedEngineConfig(max_batch_size=exp.rollout.engine_max_batch_size),
+    engine = EmbeddedEngine(model, spec.tokenizer, EmbeddedEngineConfig(max_batch_size=spec.max_batch_size),
                             version=spec.version, adapter=spec.adapter)
 
     async def sync(weights: Weights, version: int) -> None:

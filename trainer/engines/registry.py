@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from copc.registries import Registry, RegistryError
+from copc.registries import Registry
 
 from ..models.lora import AdapterWeights
 from .base import InferenceEngine
@@ -33,10 +33,10 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 
 @dataclass
 class EngineSpec:
-    """What an engine factory gets.
+    """What an engine factory gets: a typed spec built once where the run is assembled
+    (:func:`trainer.config.specs.engine_spec` reads the experiment config), never the config itself.
 
     Attributes:
-        exp: the :class:`~trainer.config.ExperimentConfig` (``rollout`` and ``model`` sections).
         model_dir: ``save_pretrained`` directory with the policy's architecture (and weights).
         tokenizer: the policy tokenizer.
         version: policy version of the initial weights.
@@ -48,9 +48,11 @@ class EngineSpec:
         adapter: the initial LoRA adapter of a LoRA policy (:class:`~trainer.models.lora.AdapterWeights`:
             the engine serves ``model_dir``'s weights with it, and later syncs send adapters only),
             or None (full weights).
+        dtype: the policy's parameter dtype, ``float32`` | ``bfloat16`` | ``float16`` (``model.dtype``).
+        attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2`` (``model.attn_implementation``).
+        max_batch_size: sequences an in-process engine decodes at once (``rollout.engine_max_batch_size``).
     """
 
-    exp: Any
     model_dir: Path
     tokenizer: Any
     version: int = 0
@@ -58,6 +60,9 @@ class EngineSpec:
     work_dir: Path | None = None
     settings: Any = None
     adapter: AdapterWeights | None = None
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    max_batch_size: int = 32
 
 
 @dataclass
@@ -86,7 +91,7 @@ EngineFactory = Callable[[EngineSpec], EngineHandle]
 
 #: Capability metadata of an engine registration: ``preflight`` (``preflight(exp_cfg)`` raising
 #: :class:`~trainer.errors.ConfigError` when the engine cannot run with this config on this
-#: machine, checked before any work; None: no check).
+#: machine, checked before any work by :func:`trainer.config.specs.preflight_engine`; None: no check).
 ENGINE_METADATA = {"preflight": ((type(None), Callable), None)}
 
 #: The engine registry, ``rollout.engine`` → factory (``embedded`` and ``sglang`` are registered
@@ -94,7 +99,7 @@ ENGINE_METADATA = {"preflight": ((type(None), Callable), None)}
 ENGINES: Registry[EngineFactory] = Registry("engine", ENGINE_METADATA, key="rollout.engine")
 
 
-def register_engine(name: str, factory: EngineFactory, *, preflight: Callable[[Any], None] | None = None,
+def register_engine(name: str, factory: EngineFactory, *, preflight: Callable[..., None] | None = None,
                     settings: type | None = None, overwrite: bool = False, **metadata: Any) -> EngineFactory:
     """Register ``factory`` as engine ``name`` in :data:`ENGINES`.
 
@@ -118,37 +123,19 @@ def register_engine(name: str, factory: EngineFactory, *, preflight: Callable[[A
                             **metadata)
 
 
-def preflight_engine(name: str, exp_cfg: Any) -> None:
-    """Run engine ``name``'s preflight check on ``exp_cfg`` (no-op without one).
-
-    Raises:
-        ConfigError: unknown engine (naming ``rollout.engine`` and the registered ones), or from
-            the check.
-    """
-    from ..errors import ConfigError
-
-    try:
-        check = ENGINES.metadata(name)["preflight"]
-    except RegistryError as e:
-        raise ConfigError(str(e)) from None
-    if check is not None:
-        check(exp_cfg)
-
-
 def make_engine(name: str, spec: EngineSpec) -> EngineHandle:
     """Start engine ``name`` from :data:`ENGINES` (blocking; call through ``asyncio.to_thread``
     from async code when it may take long).
 
-    ``spec.settings`` is filled from ``spec.exp.rollout.engine_settings`` when the engine has a
-    settings dataclass and the spec carries none.
+    ``spec.settings`` takes the engine's default settings when it has a settings dataclass and
+    the spec carries none (:func:`trainer.config.specs.engine_spec` fills them from
+    ``rollout.engine_settings``).
 
     Raises:
-        copc.registries.RegistryError: unknown engine (the message lists the registered ones),
-            or bad ``rollout.engine_settings``.
+        copc.registries.RegistryError: unknown engine (the message lists the registered ones).
     """
     factory = ENGINES.get(name)
     if spec.settings is None and ENGINES.settings_type(name) is not None:
-        rollout = getattr(spec.exp, "rollout", None)
-        spec = dataclasses.replace(spec, settings=ENGINES.build_settings(
-            name, getattr(rollout, "engine_settings", None), "rollout.engine_settings"))
+        defaults = ENGINES.build_settings(name, None, "rollout.engine_settings")
+        spec = dataclasses.replace(spec, settings=defaults)
     return factory(spec)

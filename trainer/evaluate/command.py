@@ -167,15 +167,17 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
         engine = SGLangEngine(SGLangEngineConfig(base_url=args.endpoint, vocab_size=len(tok),
                                                  request_timeout_s=timeout))
         return engine, engine.close, {"endpoint": args.endpoint, "tokenizer": str(tok_dir), "_tokenizer": tok}
-    from ..engines import EngineSpec, make_engine, preflight_engine
+    from ..config.specs import engine_spec, preflight_engine
+    from ..engines import make_engine
 
-    preflight_engine(cfg.rollout.engine, cfg)  # ConfigError naming rollout.engine
+    preflight_engine(cfg)  # ConfigError naming rollout.engine
     model_dir, weights = await asyncio.to_thread(_policy, args, cfg)
     tok = load_tokenizer(model_dir)
     from ..rollout.observation import check_chat_template
 
     check_chat_template(tok, cfg.rollout.use_chat_template, model_dir)
-    spec = EngineSpec(cfg, model_dir, tok, 0, None if weights is None else weights.items(), out)
+    spec = engine_spec(cfg, model_dir, tok, weights=None if weights is None else weights.items(),
+                       work_dir=out)
     handle = await asyncio.to_thread(make_engine, cfg.rollout.engine, spec)
     what = {"model": str(args.model or args.checkpoint), "engine": cfg.rollout.engine, "_tokenizer": tok}
     return handle.engine, handle.close, what

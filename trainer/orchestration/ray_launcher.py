@@ -78,14 +78,15 @@ class RolloutWorker:
     def __init__(self, exp_cfg: Any, model_dir: str, weights: Mapping[str, torch.Tensor], version: int,
                  env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8,
                  adapter: Any = None) -> None:
-        from ..engines import EngineSpec, make_engine
+        from ..config.specs import engine_spec
+        from ..engines import make_engine
         from ..models.loading import load_tokenizer
         from ..plugins import import_plugins
 
         import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
         self.tok = load_tokenizer(model_dir)
-        spec = EngineSpec(exp_cfg, Path(model_dir), self.tok, version, weights.items() if weights else None,
-                          adapter=adapter)
+        spec = engine_spec(exp_cfg, model_dir, self.tok, version=version,
+                           weights=weights.items() if weights else None, adapter=adapter)
         self.handle = make_engine(exp_cfg.rollout.engine, spec)
         self.task = None
         episode = None  # a given factory's environments: the tool-environment loop
