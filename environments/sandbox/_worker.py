@@ -13,269 +13,35 @@ about to run the code) on a private pipe it closes before the code runs; a child
 without ``G`` is a failure of the sandbox, never the program's error. After the call the worker
 kills every process left in its PID namespace (it is their subreaper), resets the PID counter,
 and replies with stdout, stderr, exit status, timing and a kill reason.
+
+Its parts, bound beside it in the sandbox and imported as top-level modules: ``_wire.py`` (the
+command line and the messages), ``_call.py`` (a call's process), ``_cgroups.py`` (the slot's
+cgroups) and ``_confine.py`` (the kernel primitives).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
-import resource
 import selectors
 import shutil
 import signal
 import stat
-import struct
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _confine
+from _call import Prefork
+from _cgroups import Cgroups
+from _wire import Options, recv, send
 
-_HEADER = struct.Struct(">I")
 READY_TIMEOUT_S = 10.0
 SWEEP_TIMEOUT_S = 5.0
 NS_LAST_PID = 100  # after each call the PID counter restarts here: every call gets pid 101
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(fd: int) -> dict:
-    (n,) = _HEADER.unpack(_read_exact(fd, 4))
-    return json.loads(_read_exact(fd, n))
-
-
-def _send(fd: int, msg: dict) -> None:
-    data = json.dumps(msg).encode()
-    _write_all(fd, _HEADER.pack(len(data)) + data)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-class Options:
-    """The worker's command-line settings (see :func:`main`)."""
-
-    def __init__(self, args: list[str]) -> None:
-        def value(flag: str, n: int = 1) -> list[str] | None:
-            if flag not in args:
-                return None
-            i = args.index(flag)
-            return args[i + 1:i + 1 + n]
-
-        drop = value("--drop-uid", 2)
-        self.drop = (int(drop[0]), int(drop[1])) if drop else None
-        self.in_pid_ns = "--pid-ns" in args
-        self.namespaces = "--namespaces" in args
-        self.tmp_root = (value("--tmp-root") or ["/tmp"])[0]
-        self.tmp_bytes = int((value("--tmp-bytes") or [str(64 << 20)])[0])
-        self.cg_memory = (value("--cgroup-memory") or [None])[0]
-        self.cg_pids = (value("--cgroup-pids") or [None])[0]
-        self.proc = (value("--proc-scratch") or [None])[0]
-        self.preload = [m for m in (value("--preload") or [""])[0].split(",") if m]
-        self.keep = tuple(p for p in (value("--keep") or [""])[0].split(",") if p)
-
-
-def _child(ctl_r: int, out_w: int, err_w: int, ready_w: int, opts: Options) -> None:
-    """Pre-forked untrusted-program process: confine itself, wait for the request, run it.
-
-    Never returns. Everything that does not depend on the request happens before it arrives.
-    """
-    code = 1
-    try:
-        os.setsid()
-        _confine.prctl(_confine.PR_SET_PDEATHSIG, signal.SIGKILL)
-        devnull = os.open("/dev/null", os.O_RDONLY)
-        for src, dst in ((devnull, 0), (out_w, 1), (err_w, 2), (ctl_r, 3), (ready_w, 4)):
-            os.dup2(src, dst)
-        os.closerange(5, 65536)
-        if opts.namespaces:
-            _confine.fresh_call_namespaces(opts.tmp_bytes, 16384, opts.keep)
-            workdir = "/tmp"
-        else:  # process isolation: an unpredictable private directory, created exclusively
-            workdir = tempfile.mkdtemp(prefix="run-", dir=opts.tmp_root)
-        os.chdir(workdir)
-        if opts.drop is not None:
-            _confine.drop_privileges(*opts.drop)
-        else:
-            _confine.prctl(_confine.PR_SET_NO_NEW_PRIVS, 1)
-        if opts.namespaces:
-            _confine.install_seccomp()
-        os.write(4, b"R")
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            os.write(4, b"E" + traceback.format_exc().encode(errors="replace")[-4000:])
-        os._exit(1)
-    try:
-        req = _recv(3)
-    except EOFError:  # the worker is recycling us without a request
-        os._exit(0)
-    try:
-        os.close(3)
-        limits = [
-            (resource.RLIMIT_AS, int(req["memory_mb"]) * 1024 * 1024),
-            (resource.RLIMIT_CPU, int(req["cpu_s"])),
-            (resource.RLIMIT_FSIZE, int(req["max_file_bytes"])),
-            (resource.RLIMIT_NPROC, int(req["max_processes"])),
-            (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_NOFILE, 256),
-            (resource.RLIMIT_MSGQUEUE, 512 * 1024),
-        ]
-        for which, value in limits:
-            hard = value + 1 if which == resource.RLIMIT_CPU else value
-            resource.setrlimit(which, (value, hard))
-        os.environ.clear()
-        os.environ.update(req.get("env", {}))
-        os.environ.update({"HOME": workdir, "TMPDIR": workdir, "PWD": workdir})
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-        sys.argv = ["<code>"]
-        sys.path[:0] = [workdir]
-        namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-        os.write(4, b"G")
-        os.close(4)
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            os.write(4, b"E" + traceback.format_exc().encode(errors="replace")[-4000:])
-        os._exit(1)
-    code = _exec_code(req["code"], namespace)
-    os._exit(code)
-
-
-def _exec_code(source: str, namespace: dict) -> int:
-    """Run ``source`` like ``python script.py`` would; return the exit status."""
-    code = 0
-    try:
-        exec(compile(source, "<code>", "exec"), namespace)
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code & 0xFF
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException as e:  # report like the interpreter would, minus our frames
-        tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != "<code>":
-            tb = tb.tb_next
-        sys.stderr.write("".join(traceback.format_exception(type(e), e, tb)))
-        code = 1
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        code = code or 1
-    return code
-
-
-class _Prefork:
-    """A forked, confined child waiting for its request (see :func:`_child`)."""
-
-    def __init__(self, opts: Options, cg: _Cgroups) -> None:
-        ctl_r, self.ctl_w = os.pipe()
-        self.out_r, out_w = os.pipe()
-        self.err_r, err_w = os.pipe()
-        self.ready_r, ready_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            for fd in (self.ctl_w, self.out_r, self.err_r, self.ready_r):
-                os.close(fd)
-            _child(ctl_r, out_w, err_w, ready_w, opts)
-        for fd in (ctl_r, out_w, err_w, ready_w):
-            os.close(fd)
-        self.pidfd = os.pidfd_open(self.pid)
-        self.setup_error: str | None = None
-        self.ns_fds: list[int] = []
-        try:
-            cg.enter(self.pid)
-        except OSError as e:
-            self.setup_error = f"cannot move the call into its cgroups: {e}"
-
-    def close(self) -> None:
-        """Close the worker's ends of the child's pipes and its namespace handles."""
-        for fd in (self.ctl_w, self.out_r, self.err_r, self.ready_r, self.pidfd, *self.ns_fds):
-            if fd >= 0:
-                os.close(fd)
-        self.ns_fds = []
-
-
-#: cgroup v1's separate limit of the TCP socket buffers (unaccounted until set): ``memory_mb`` too.
-TCP_LIMIT = "memory.kmem.tcp.limit_in_bytes"
-
-
-class _Cgroups:
-    """The worker's handles on its slot's cgroups (opened once at start-up, after which the
-    cgroup mounts are detached, so no call's mount namespace contains them): moving a call
-    in, its memory limit and its OOM notifications."""
-
-    def __init__(self, opts: Options) -> None:
-        self.limit: int | None = None
-        self.efd = None
-        self.fds: dict[str, int] = {}
-        self.procs = []
-        for path in (opts.cg_memory, opts.cg_pids):
-            if path is not None:
-                self.procs.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY))
-        if opts.cg_memory is not None:
-            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", TCP_LIMIT):
-                with contextlib.suppress(FileNotFoundError):  # memsw: only with swap accounting
-                    self.fds[name] = os.open(os.path.join(opts.cg_memory, name), os.O_WRONLY)
-            self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            oom_fd = os.open(os.path.join(opts.cg_memory, "memory.oom_control"), os.O_RDONLY)
-            with open(os.path.join(opts.cg_memory, "cgroup.event_control"), "w") as f:
-                f.write(f"{self.efd} {oom_fd}")
-        for path in (opts.cg_memory, opts.cg_pids):
-            if path is not None:
-                _confine.umount(path)
-
-    def enter(self, pid: int) -> None:
-        """Move process ``pid`` (a new call) into the slot's cgroups."""
-        for fd in self.procs:
-            os.pwrite(fd, str(pid).encode(), 0)
-
-    def set_limit(self, memory_mb: int) -> None:
-        """Limit the call's memory (all processes, tmpfs, shared memory, kernel objects) to
-        ``memory_mb``, and its TCP socket buffers (charged apart by cgroup v1) to as much."""
-        new = memory_mb * 1024 * 1024
-        if not self.fds or new == self.limit:
-            return
-        order = ["memory.limit_in_bytes"]
-        if "memory.memsw.limit_in_bytes" in self.fds:  # memory+swap >= memory at every step
-            grow = self.limit is not None and new > self.limit  # (unset: unlimited)
-            memsw = "memory.memsw.limit_in_bytes"
-            order = [memsw, *order] if grow else [*order, memsw]
-        if TCP_LIMIT in self.fds:  # cgroup v1 accounts socket buffers apart, only once limited
-            order.append(TCP_LIMIT)
-        for name in order:
-            os.pwrite(self.fds[name], str(new).encode(), 0)
-        self.limit = new
-
-    def oom_events(self) -> int:
-        """OOM events in the call's memory cgroup since the last read."""
-        if self.efd is None:
-            return 0
-        try:
-            return os.eventfd_read(self.efd)
-        except BlockingIOError:
-            return 0
 
 
 def _sweep(opts: Options, pgid: int) -> None:
@@ -328,7 +94,7 @@ def _kill_and_reap(opts: Options, pid: int) -> tuple[int, Any]:
         time.sleep(0.0005)
 
 
-def _wait_ready(child: _Prefork) -> str | None:
+def _wait_ready(child: Prefork) -> str | None:
     """Wait (bounded) for the child's ``R``; return why it is not ready, or None."""
     if child.setup_error:
         return child.setup_error
@@ -348,7 +114,7 @@ def _wait_ready(child: _Prefork) -> str | None:
     return "call set-up failed: " + (rest.decode(errors="replace") or "process died")
 
 
-def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
+def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options) -> dict:
     pid, out_r, err_r, pidfd = child.pid, child.out_r, child.err_r, child.pidfd
     t0 = time.perf_counter()
     not_ready = _wait_ready(child)
@@ -360,7 +126,7 @@ def _run_one(req: dict, child: _Prefork, cg: _Cgroups, opts: Options) -> dict:
     cg.set_limit(int(req["memory_mb"]))
     cg.oom_events()
     with contextlib.suppress(OSError):  # a child that died early: its status says why
-        _send(child.ctl_w, req)
+        send(child.ctl_w, req)
     os.close(child.ctl_w)
     child.ctl_w = -1
     limit = int(req["max_output_bytes"])
@@ -500,23 +266,23 @@ def main() -> None:
     traceback.format_exception(ValueError, ValueError("warm-up"), None)
     try:
         last_pid = _proc_handle(opts)
-        cg = _Cgroups(opts)
+        cg = Cgroups(opts)
     except OSError as e:
         hello["setup_error"] = f"{type(e).__name__}: {e}"
-        _send(out_fd, hello)
+        send(out_fd, hello)
         return
     gc.collect()
     gc.freeze()  # collections in children then do not touch (and copy) the worker's objects
     hello["pid_ns_init_visible"] = os.getpid() <= 3
-    _send(out_fd, hello)
+    send(out_fd, hello)
     _serve(opts, in_fd, out_fd, cg, last_pid)
 
 
-def _serve(opts: Options, in_fd: int, out_fd: int, cg: _Cgroups, last_pid: int | None) -> None:
-    child = _Prefork(opts, cg)
+def _serve(opts: Options, in_fd: int, out_fd: int, cg: Cgroups, last_pid: int | None) -> None:
+    child = Prefork(opts, cg)
     while True:
         try:
-            req = _recv(in_fd)
+            req = recv(in_fd)
         except EOFError:
             return
         try:
@@ -530,11 +296,11 @@ def _serve(opts: Options, in_fd: int, out_fd: int, cg: _Cgroups, last_pid: int |
                 os.pwrite(last_pid, str(NS_LAST_PID).encode(), 0)
             except OSError as e:
                 reply = {"error": f"cannot reset the PID counter: {e}"}
-        _send(out_fd, reply)
+        send(out_fd, reply)
         if "error" in reply:
             return  # a broken worker is replaced by the pool, never reused
         child.close()  # the finished call's mount namespace (and its tmpfs) dies here
-        child = _Prefork(opts, cg)
+        child = Prefork(opts, cg)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ from pathlib import Path
 from .config import SandboxConfig, SandboxUnavailableError
 
 WORKER_SRC = Path(__file__).with_name("_worker.py")
-WORKER_IN_SANDBOX = "/opt/copc-sandbox/_worker.py"
-CONFINE_SRC = Path(__file__).with_name("_confine.py")
-CONFINE_IN_SANDBOX = "/opt/copc-sandbox/_confine.py"
+#: The worker's own modules (stdlib only), bound read-only side by side into the sandbox's
+#: :data:`WORKER_DIR_IN_SANDBOX`, where ``_worker.py`` imports the others as top-level modules.
+WORKER_MODULES = ("_worker.py", "_wire.py", "_call.py", "_cgroups.py", "_confine.py")
+WORKER_DIR_IN_SANDBOX = "/opt/copc-sandbox"
+WORKER_IN_SANDBOX = f"{WORKER_DIR_IN_SANDBOX}/_worker.py"
 #: Where an interpreter directory that lives under /tmp on the host is bound in the sandbox (this
 #: folder + its host path), so that the calls' /tmp stays empty wherever the virtualenv lives.
 PREFIX_IN_SANDBOX = "/opt/copc-python"
@@ -165,8 +167,9 @@ def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
     for ctl, path in sorted((cgroups or {}).items()):
         argv += ["--bind", path, f"/run/copc-cgroup/{ctl}"]
         worker_args += [f"--cgroup-{ctl}", f"/run/copc-cgroup/{ctl}"]
-    argv += ["--ro-bind", str(WORKER_SRC), WORKER_IN_SANDBOX,
-             "--ro-bind", str(CONFINE_SRC), CONFINE_IN_SANDBOX, "--chdir", "/tmp", "--clearenv"]
+    for module in WORKER_MODULES:
+        argv += ["--ro-bind", str(WORKER_SRC.with_name(module)), f"{WORKER_DIR_IN_SANDBOX}/{module}"]
+    argv += ["--chdir", "/tmp", "--clearenv"]
     for k, v in cfg.env.items():
         argv += ["--setenv", k, v]
     argv += [_in_sandbox(sandbox_python(cfg.python), binds), "-I", "-B", WORKER_IN_SANDBOX, *worker_args]

@@ -23,12 +23,7 @@ from pathlib import Path
 import pytest
 
 from trainer.engines.base import EngineError, SamplingParams
-from trainer.engines.sglang import (
-    SGLangEngine,
-    SGLangEngineConfig,
-    build_generate_payload,
-    parse_generate_response,
-)
+from trainer.engines.sglang import SGLangEngine, SGLangEngineConfig
 from trainer.engines.sglang_launcher import (
     SGLangLauncher,
     SGLangLauncherConfig,
@@ -36,6 +31,7 @@ from trainer.engines.sglang_launcher import (
     build_command,
     free_port,
 )
+from trainer.engines.sglang_protocol import build_generate_payload, parse_generate_response
 
 STANDIN_DIR = Path(__file__).parent / "sglang_protocol_standin"
 _spec = importlib.util.spec_from_file_location("sglang_standin_model",
