@@ -26,9 +26,8 @@ from .policy_losses import (
     tis_policy_loss,
 )
 from .presets import PRESET_NAMES, AlgorithmConfig, get_preset
-from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, Registry, RegistryError
+from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from .registry import AdvantageInputs, PolicyLossInputs, compute_advantages, compute_policy_loss
-from .settings import build_settings
 from .token_tree import TokenTree
 from .value_loss import value_loss
 
@@ -44,8 +43,6 @@ __all__ = [
     "CouplingTerms",
     "Denominators",
     "PolicyLossInputs",
-    "Registry",
-    "RegistryError",
     "TabularMDP",
     "TokenTree",
     "advantage_channel_metrics",
@@ -54,7 +51,6 @@ __all__ = [
     "batch_normalized_advantages",
     "brace_advantage_return",
     "broadcast_to_tokens",
-    "build_settings",
     "clipped_ratio",
     "compute_advantages",
     "compute_policy_loss",

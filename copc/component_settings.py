@@ -4,7 +4,7 @@ Each built-in advantage estimator and policy loss is registered with the datacla
 knobs (``ADVANTAGE_ESTIMATORS.register("copc", settings=CopcSettings)``), exactly as a user's
 plug-in is; the config holds them as ``algorithm.estimator_settings`` /
 ``algorithm.policy_loss_settings`` (a mapping, built into the dataclass by
-:func:`copc.build_settings`), and :class:`copc.AlgorithmConfig` keeps only the fields every
+:func:`seams.settings.build_settings`), and :class:`copc.AlgorithmConfig` keeps only the fields every
 estimator and loss share (names, γ, λ, the shared base margins ε_ℓ / ε_h, aggregation, value
 clip, observation handling, samples per prompt).
 
@@ -38,7 +38,7 @@ def positive(name: str, v: object, *, allow_none: bool = False) -> None:
 
 
 def _setting(ok: bool, name: str, v: object, why: str) -> None:
-    """Raise ``ValueError("<name>=<v!r>: <why>")`` unless ``ok`` (:func:`copc.build_settings`
+    """Raise ``ValueError("<name>=<v!r>: <why>")`` unless ``ok`` (:func:`seams.settings.build_settings`
     prefixes the config key: ``algorithm.estimator_settings.eta_a=2.0: must be in [0, 1]``)."""
     if not ok:
         raise ValueError(f"{name}={v!r}: {why}")

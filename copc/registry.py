@@ -19,9 +19,9 @@ An advantage estimator carries metadata, read by config validation (here and in 
 * ``needs_groups`` (bool, default False): it compares samples of the same prompt (``grpo``),
   so a run needs ``n_samples_per_prompt >= 2``.
 
-The :class:`Registry` class and the two (empty) registries live in :mod:`copc.registries`
-(which :mod:`copc.presets` reads to validate names); this module fills them with the built-in
-adapters when ``copc`` is imported, so the import graph stays one-way
+The two (empty) registries, instances of :class:`seams.registry.Registry`, live in
+:mod:`copc.registries` (which :mod:`copc.presets` reads to validate names); this module fills
+them with the built-in adapters when ``copc`` is imported, so the import graph stays one-way
 (``registry -> presets -> registries``).
 """
 

@@ -27,6 +27,7 @@ RUN apt-get update \
 WORKDIR /opt/copc
 COPY pyproject.toml README.md ./
 COPY constraints ./constraints
+COPY seams ./seams
 COPY copc ./copc
 COPY environments ./environments
 COPY retriever ./retriever

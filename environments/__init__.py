@@ -33,7 +33,7 @@ def register(id: str, entry_point: Any, overwrite: bool = False, **defaults: Any
         The :class:`EnvSpec`.
 
     Raises:
-        copc.registries.RegistryError: (a ``ValueError``) empty id, or ``id`` already
+        seams.registry.RegistryError: (a ``ValueError``) empty id, or ``id`` already
             registered and ``overwrite`` is False.
     """
     return DEFAULT_REGISTRY.register(id, entry_point, overwrite=overwrite, **defaults)
@@ -50,7 +50,7 @@ def make(id: str, **overrides: Any) -> gymnasium.Env:
         A new environment.
 
     Raises:
-        copc.registries.RegistryError: (a ``KeyError``) unknown id (the message lists the
+        seams.registry.RegistryError: (a ``KeyError``) unknown id (the message lists the
             registered ids); the constructor's own
             errors (``TypeError``, ``ValueError``, ...) propagate.
     """

@@ -23,8 +23,8 @@ from typing import Any
 
 import gymnasium
 
-from copc.registries import Registry as CoreRegistry
-from copc.registries import RegistryError
+from seams.registry import Registry as CoreRegistry
+from seams.registry import RegistryError
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class EnvSpec:
 
 class Registry:
     """A mapping of env ids to :class:`EnvSpec` (Gymnasium-style ``register`` / ``make``), kept
-    in a :class:`copc.Registry` (the one registry class of the house; errors are its
-    :class:`~copc.registries.RegistryError`, both a ``KeyError`` and a ``ValueError``).
+    in a :class:`seams.registry.Registry` (the one registry class of the house; errors are its
+    :class:`~seams.registry.RegistryError`, both a ``KeyError`` and a ``ValueError``).
 
     Attributes:
-        table: the underlying :class:`copc.Registry` of :class:`EnvSpec` entries.
+        table: the underlying :class:`seams.registry.Registry` of :class:`EnvSpec` entries.
     """
 
     def __init__(self) -> None:

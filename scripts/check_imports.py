@@ -19,29 +19,31 @@ placed in the layer of the longest prefix in the list that names it (a prefix wr
 names that one module only, not its sub-modules); a module of a package in :data:`PACKAGES` that
 no prefix names is reported too, so the list stays complete.
 
-  0  copc                  the algorithm: pure tensor code; imports no other package of the house
-  1  retriever             the retrieval server and client; imports nothing of the house
-  2  environments          Gymnasium tool environments; the search environment and the remote
+  0  seams                 the plug-in machinery: the one registry class, its error, building a
+                           plug-in's settings dataclass; pure standard library, imports nothing
+  1  copc                  the algorithm: pure tensor code; imports only ``seams`` (its two registries)
+  2  retriever             the retrieval server and client; imports nothing of the house
+  3  environments          Gymnasium tool environments; the search environment and the remote
                            launcher use ``retriever`` (client, server launch), so it sits above it
-  3  trainer.errors, trainer.logprobs, trainer.parent_watch, trainer.plugins, trainer.ray_util
+  4  trainer.errors, trainer.logprobs, trainer.parent_watch, trainer.plugins, trainer.ray_util
                            leaves: error types, log-prob arithmetic, importing plug-in modules,
                            connecting to Ray
-  4  trainer.outputs       what a run writes: checkpoints, metric logs, plots, reports, progress
-  5  trainer.models        tiny / Hugging Face models, tokenizers, export
-  6  trainer.engines       generation engines (embedded, SGLang) and their registry
-  7  trainer.rollout       trajectories, the agent loop over an engine and an environment
-  8  trainer.learner       learners (torch / FSDP / Megatron) and the algorithm step;
+  5  trainer.outputs       what a run writes: checkpoints, metric logs, plots, reports, progress
+  6  trainer.models        tiny / Hugging Face models, tokenizers, export
+  7  trainer.engines       generation engines (embedded, SGLang) and their registry
+  8  trainer.rollout       trajectories, the agent loop over an engine and an environment
+  9  trainer.learner       learners (torch / FSDP / Megatron) and the algorithm step;
      trainer.harness       the OpenAI-compatible rollout endpoint for user agents
-  9  trainer.config        the typed config schema; it checks names against the engine and learner
+  10 trainer.config        the typed config schema; it checks names against the engine and learner
                            registries below it, and nothing below it reads a config object
-  10 trainer.warmstart     task-agnostic warm start (SFT, trace cache, trace playing)
-  11 trainer.tasks         tasks: data, environment, reward, held-out set, services
-  12 trainer.evaluate      the evaluation core and benchmark runs
-  13 trainer.orchestration the training loop, staleness, the Ray launcher
-  14 trainer.app, trainer.sweep
+  11 trainer.warmstart     task-agnostic warm start (SFT, trace cache, trace playing)
+  12 trainer.tasks         tasks: data, environment, reward, held-out set, services
+  13 trainer.evaluate      the evaluation core and benchmark runs
+  14 trainer.orchestration the training loop, staleness, the Ray launcher
+  15 trainer.app, trainer.sweep
                            assembling and running a job from a config (context, run phases, the
                            train / eval / analyze commands); sweeps of runs
-  15 trainer.cli, trainer  the ``copc`` command line, a registry of lazily imported groups
+  16 trainer.cli, trainer  the ``copc`` command line, a registry of lazily imported groups
                            (``trainer/__init__`` imports nothing)
 
 Usage: ``python scripts/check_imports.py [--root DIR] [--packages a,b,...] [--quiet]``.
@@ -58,10 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 #: The top-level packages whose code is checked.
-PACKAGES: tuple[str, ...] = ("copc", "retriever", "environments", "trainer")
+PACKAGES: tuple[str, ...] = ("seams", "copc", "retriever", "environments", "trainer")
 
 #: Layers, lowest first; each is the module prefixes it holds (see the module docstring).
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("seams",),
     ("copc",),
     ("retriever",),
     ("environments",),

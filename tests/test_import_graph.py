@@ -110,14 +110,14 @@ def test_clean_package_passes_and_unplaced_module_is_reported(tmp_path, capsys):
 
 
 def test_command_line_exit_status_with_the_house_layers(tmp_path):
-    # copc is the lowest layer of the house and retriever sits above it: copc -> retriever is a back-edge.
+    # copc sits below retriever (seams below both): copc -> retriever is a back-edge.
     bad = _write(
         tmp_path / "bad",
         {"copc/__init__.py": "from retriever import R\n", "retriever/__init__.py": "R = 1\n"},
     )
     out = _run(bad, "copc,retriever")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "back-edge: copc (layer 0) -> retriever (layer 1)  (copc/__init__.py:1)" in out.stdout
+    assert "back-edge: copc (layer 1) -> retriever (layer 2)  (copc/__init__.py:1)" in out.stdout
     good = _write(
         tmp_path / "good",
         {"copc/__init__.py": "R = 1\n", "retriever/__init__.py": "from copc import R\n"},

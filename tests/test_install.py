@@ -22,15 +22,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("copc", "environments", "retriever", "trainer")
+PACKAGES = ("seams", "copc", "environments", "retriever", "trainer")
 
 CHECK = """
 import json, os, sys
 from pathlib import Path
-import copc, environments, retriever, trainer, trainer.cli, trainer.tasks, trainer.tasks.generic
+import seams, copc, environments, retriever, trainer, trainer.cli, trainer.tasks, trainer.tasks.generic
 from environments.data import data_root
 print(json.dumps({
-    "files": {m.__name__: m.__file__ for m in (copc, environments, retriever, trainer, trainer.tasks)},
+    "files": {m.__name__: m.__file__ for m in (seams, copc, environments, retriever, trainer, trainer.tasks)},
     "path": sys.path, "meta_path": [repr(f) for f in sys.meta_path],
     "data_root": str(data_root()), "cwd": os.getcwd(),
 }))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("copc", "environments", "retriever", "trainer")
+PACKAGES = ("seams", "copc", "environments", "retriever", "trainer")
 
 #: Last names of expressions that hold a plug-in's name (the config keys of the seams and their
 #: usual local spellings).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from copc.registries import Registry, RegistryError
+from seams.registry import Registry, RegistryError
 
 from .errors import ConfigError
 
@@ -53,7 +53,7 @@ class Seam:
     Attributes:
         kind: what is registered (``"engine"``), for messages.
         key: the config key holding the name (``"rollout.engine"``).
-        registry: where the :class:`copc.Registry` lives, ``"package.module:ATTRIBUTE"``;
+        registry: where the :class:`seams.registry.Registry` lives, ``"package.module:ATTRIBUTE"``;
             importing that module registers the built-in plug-ins of the kind.
         settings_key: the config key of the plug-in's own settings (``"rollout.engine_settings"``),
             validated by the settings dataclass the name was registered with.
@@ -100,7 +100,7 @@ def seam(key: str) -> Seam:
 
 
 def registry(key: str) -> Registry:
-    """The :class:`copc.Registry` of the seam at config key ``key`` (its module imported, so the
+    """The :class:`seams.registry.Registry` of the seam at config key ``key`` (its module imported, so the
     built-ins are registered)."""
     return _load(seam(key).registry)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import copc
+from seams.registry import Registry
 
 TABLE = {  # spec "Baselines the paper compares": (policy loss, advantage estimator, critic)
     "ppo": ("ppo", "gae", True),
@@ -80,7 +81,7 @@ def test_unknown_preset():
 def test_registry_errors_and_custom_registration():
     with pytest.raises(ValueError, match="unknown policy loss 'nope'; known"):
         copc.POLICY_LOSSES.get("nope")
-    reg = copc.Registry("thing")
+    reg = Registry("thing")
     reg.register("a")(len)
     assert reg.get("a") is len and "a" in reg and reg.names() == ["a"]
     with pytest.raises(ValueError, match="already registered"):

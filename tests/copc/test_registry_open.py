@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import copc
+from seams.registry import REQUIRED, Registry
 
 BUILTIN_ESTIMATORS = ["batch_norm", "brace", "copc", "gae", "grpo", "vtrace"]
 BUILTIN_LOSSES = ["decoupled_ppo", "dis", "icepop", "ppo", "tis"]
@@ -188,7 +189,7 @@ def test_register_validates_metadata():
 
 
 def test_generic_registry_with_defaults():
-    reg = copc.Registry("thing", metadata={"size": (int, 3), "tag": (str, copc.registries.REQUIRED)})
+    reg = Registry("thing", metadata={"size": (int, 3), "tag": (str, REQUIRED)})
     reg.register("a", tag="t")(len)
     reg.register("b", tag="u", size=7)(abs)
     assert dict(reg.metadata("a")) == {"size": 3, "tag": "t"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from copc.registries import RegistryError
+from seams.registry import RegistryError
 from trainer.cli import main as cli_main
 from trainer.config import ConfigError, load_config
 from trainer.models.pull import (

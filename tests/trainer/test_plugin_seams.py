@@ -2,7 +2,7 @@
 settings: each test writes a plug-in file to ``tmp_path``, names it in the config's
 ``plugins:`` list, and checks that the plug-in's settings arrive validated (the dataclass
 instance, with the values given) and that a bad setting is refused in one line naming the key
-and the value. Also the one :class:`copc.Registry` class and :func:`copc.build_settings`.
+and the value. Also the one :class:`seams.registry.Registry` class and :func:`seams.settings.build_settings`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 import copc
 import environments
-from copc.registries import Registry, RegistryError
+from seams.registry import Registry, RegistryError
 from trainer.config import ConfigError, load_config
 from trainer.plugins import plugin_metadata, plugin_settings
 

@@ -9,7 +9,7 @@ evaluation all build engines through :func:`make_engine`.
 Built in (registered in :mod:`trainer.engines`): ``embedded`` (in-process, CPU default) and
 ``sglang`` (a launched SGLang server, GPU). Adding an engine = one module with a factory +
 one :func:`register_engine` call (optionally a ``preflight`` that rejects a config early).
-The registry is a :class:`copc.Registry` (the one registry class of the house).
+The registry is a :class:`seams.registry.Registry` (the one registry class of the house).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from copc.registries import Registry
+from seams.registry import Registry
 
 from ..models.lora import AdapterWeights
 from .base import InferenceEngine
@@ -95,7 +95,7 @@ EngineFactory = Callable[[EngineSpec], EngineHandle]
 ENGINE_METADATA = {"preflight": ((type(None), Callable), None)}
 
 #: The engine registry, ``rollout.engine`` → factory (``embedded`` and ``sglang`` are registered
-#: by :mod:`trainer.engines`); a :class:`copc.Registry`.
+#: by :mod:`trainer.engines`); a :class:`seams.registry.Registry`.
 ENGINES: Registry[EngineFactory] = Registry("engine", ENGINE_METADATA, key="rollout.engine")
 
 
@@ -116,7 +116,7 @@ def register_engine(name: str, factory: EngineFactory, *, preflight: Callable[..
         ``factory``.
 
     Raises:
-        copc.registries.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
+        seams.registry.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
             ``overwrite`` is False.
     """
     return ENGINES.register(name, factory, preflight=preflight, settings=settings, overwrite=overwrite,
@@ -132,7 +132,7 @@ def make_engine(name: str, spec: EngineSpec) -> EngineHandle:
     ``rollout.engine_settings``).
 
     Raises:
-        copc.registries.RegistryError: unknown engine (the message lists the registered ones).
+        seams.registry.RegistryError: unknown engine (the message lists the registered ones).
     """
     factory = ENGINES.get(name)
     if spec.settings is None and ENGINES.settings_type(name) is not None:

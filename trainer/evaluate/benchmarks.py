@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import environments
-from copc.registries import Registry
 from environments.data import data_root
+from seams.registry import Registry
 
 from .kinds import BENCHMARK_KINDS, BenchmarkKind, infer_kind, kind_names, make_kind
 
@@ -126,7 +126,7 @@ class BenchmarkSpec:
 
 
 #: The benchmark registry: name → :class:`BenchmarkSpec` (use :func:`register_benchmark`); a
-#: :class:`copc.Registry`.
+#: :class:`seams.registry.Registry`.
 BENCHMARKS: Registry[BenchmarkSpec] = Registry("benchmark", callable_entries=False)
 
 
@@ -142,7 +142,7 @@ def register_benchmark(spec: BenchmarkSpec, overwrite: bool = False) -> Benchmar
 
     Raises:
         TypeError: ``spec`` is not a :class:`BenchmarkSpec`.
-        copc.registries.RegistryError: (a ``ValueError``) the name is taken and ``overwrite``
+        seams.registry.RegistryError: (a ``ValueError``) the name is taken and ``overwrite``
             is False.
     """
     if not isinstance(spec, BenchmarkSpec):

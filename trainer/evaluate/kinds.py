@@ -1,7 +1,7 @@
 """Benchmark kinds: how a benchmark's rows are read, its episodes scored and its metrics named.
 
 A kind is a :class:`BenchmarkKind` subclass registered in :data:`BENCHMARK_KINDS` (the house's
-:class:`copc.registries.Registry`) with its settings dataclass (a :class:`KindSettings`
+:class:`seams.registry.Registry`) with its settings dataclass (a :class:`KindSettings`
 subclass)::
 
     @dataclass(frozen=True)
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from copc.registries import Registry
+from seams.registry import Registry
 
 from .stats import default_ks, maj_at_k, pass_at_k
 
@@ -103,6 +103,15 @@ class BenchmarkKind:
         ``avg@n`` = the mean of ``correct``."""
         return {f"avg@{n}": [sum(bool(r.get("correct")) for r in g) / len(g) for g in groups]}, {}
 
+    def outcomes(self, metric: str) -> str | None:
+        """What a per-question value of ``metric`` is, which picks its interval
+        (:func:`trainer.evaluate.metrics.summarize_benchmark`): ``"episodes"`` — the fraction of
+        the question's scored episodes with a 0/1 outcome of 1 (a proportion, ``m_i`` = its
+        episodes); ``"question"`` — one 0/1 outcome per question; ``None`` — not a proportion (a
+        score such as F1 or pass@k: percentile bootstrap). The base class: ``avg@*`` is
+        ``"episodes"``."""
+        return "episodes" if metric.startswith("avg@") else None
+
 
 class MathKind(BenchmarkKind):
     """``math``: rows of :func:`environments.math_tool.load_math`; avg@n, pass@k, maj@n."""
@@ -130,6 +139,11 @@ class MathKind(BenchmarkKind):
         per[f"maj@{n}"] = [maj_at_k([r.get("answer") for r in g], c)
                            for g, c in zip(groups, correct, strict=True)]
         return per, extra
+
+    def outcomes(self, metric: str) -> str | None:
+        """``avg@*``: ``"episodes"``; ``maj@*`` (the majority answer right or not):
+        ``"question"``; ``pass@*`` (an estimator, not a proportion): None."""
+        return "question" if metric.startswith("maj@") else super().outcomes(metric)
 
 
 #: QA metric name -> the environment's score component it averages.
@@ -180,6 +194,10 @@ class QAKind(BenchmarkKind):
                 per[metric].append(sum(vals) / len(vals))
         return per, {}
 
+    def outcomes(self, metric: str) -> str | None:
+        """``em`` and ``cover_em`` (0/1 per episode): ``"episodes"``; ``f1``: None."""
+        return "episodes" if metric in ("em", "cover_em") else None
+
 
 @dataclass(frozen=True)
 class MathSettings(KindSettings):
@@ -195,7 +213,7 @@ class QASettings(KindSettings):
 
 
 #: The benchmark kinds: name → :class:`BenchmarkKind` subclass, each registered with its settings
-#: dataclass (a :class:`KindSettings` subclass); a :class:`copc.Registry`.
+#: dataclass (a :class:`KindSettings` subclass); a :class:`seams.registry.Registry`.
 BENCHMARK_KINDS: Registry[type[BenchmarkKind]] = Registry("benchmark kind", key="eval.kind_settings")
 BENCHMARK_KINDS.register("math", MathKind, settings=MathSettings)
 BENCHMARK_KINDS.register("qa", QAKind, settings=QASettings)
@@ -209,7 +227,7 @@ def kind_names() -> list[str]:
 def make_kind(name: str, overrides: Mapping[str, Any] | None = None, where: str = "eval.kind_settings"
               ) -> BenchmarkKind:
     """The kind ``name`` with its settings: the registered dataclass's defaults, overridden by
-    ``overrides`` (built by :meth:`copc.registries.Registry.build_settings`).
+    ``overrides`` (built by :meth:`seams.registry.Registry.build_settings`).
 
     Raises:
         ValueError: unknown kind (``kind must be one of [...]``), or a setting the dataclass does

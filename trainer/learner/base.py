@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from copc.registries import Registry
+from seams.registry import Registry
 
 from ..errors import ConfigError
 from ..outputs.checkpoint import DirectoryState
@@ -73,21 +73,18 @@ LearnerFactory = Callable[[Any, Path], Learner]
 
 #: Capability metadata of a learner backend (checked against the config's ``learner`` section by
 #: :meth:`~trainer.config.learner_section.LearnerSection.check_plugin`): ``distributed`` (it runs on
-#: ``learner.world_size`` rank processes; set by
+#: ``learner.backend_settings.world_size`` rank processes; set by
 #: :func:`~trainer.learner.distributed.registry.register_rank_learner`), ``tensor_parallel`` and
-#: ``pipeline_parallel`` (it accepts ``learner.tensor_parallel_size`` /
-#: ``learner.pipeline_parallel_size`` > 1), ``lora`` (it trains ``learner.lora`` /
-#: ``learner.critic_lora`` adapters and has ``export_adapter()``), ``critic_freeze_attention`` (it
-#: honours ``learner.critic_freeze_attention``), ``autocast`` (it honours ``learner.autocast_dtype``),
-#: ``shared_prefix`` (it honours ``learner.shared_prefix_tokens``).
+#: ``pipeline_parallel`` (it accepts a ``tensor_parallel_size`` / ``pipeline_parallel_size`` > 1 in
+#: its :class:`~trainer.learner.backend_settings.DistributedSettings`), ``lora`` (it trains
+#: ``learner.lora`` / ``learner.critic_lora`` adapters and has ``export_adapter()``). A backend's
+#: other features are its settings dataclass's fields (``settings=``): a setting it lacks is refused.
 LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
-                    "pipeline_parallel": (bool, False), "lora": (bool, False),
-                    "critic_freeze_attention": (bool, False), "autocast": (bool, False),
-                    "shared_prefix": (bool, False)}
+                    "pipeline_parallel": (bool, False), "lora": (bool, False)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
 #: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`);
-#: a :class:`copc.Registry`.
+#: a :class:`seams.registry.Registry`.
 LEARNERS: Registry[LearnerFactory] = Registry("learner backend", LEARNER_METADATA, key="learner.backend")
 
 
@@ -106,7 +103,7 @@ def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False
         ``factory``.
 
     Raises:
-        copc.registries.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
+        seams.registry.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
             ``overwrite`` is False.
     """
     return LEARNERS.register(name, factory, overwrite=overwrite, settings=settings, **metadata)
@@ -116,7 +113,7 @@ def make_learner(exp_cfg: Any, model_dir: str | Path) -> Learner:
     """The learner of ``exp_cfg.learner.backend``, initialised from ``model_dir``.
 
     Raises:
-        copc.registries.RegistryError: (a ``KeyError``) unknown backend.
+        seams.registry.RegistryError: (a ``KeyError``) unknown backend.
     """
     return LEARNERS.get(exp_cfg.learner.backend)(exp_cfg, Path(model_dir))
 
@@ -152,14 +149,15 @@ def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
     Raises:
         ConfigError: the checkpoint's kind does not match the learner (a sharded learner and a
             checkpoint without ``learner_shards``, or the reverse), naming ``learner.backend``
-            (and, for a sharded checkpoint, the ``learner.*`` settings that wrote it).
+            (and, for a sharded checkpoint, the ``learner.backend_settings`` that wrote it).
     """
     saved = state["learner"]
     sharded = isinstance(learner, ShardedCheckpoint)
     if not sharded and (SHARDED_STATE_KEY in state or (isinstance(saved, dict) and saved.get("sharded"))):
         info = saved if isinstance(saved, dict) else {}
-        wrote = " ".join(f"learner.{k}={info[k]}" for k in ("backend", "world_size", "tensor_parallel_size",
-                                                              "pipeline_parallel_size") if k in info)
+        wrote = " ".join(f"learner.{'' if k == 'backend' else 'backend_settings.'}{k}={info[k]}"
+                         for k in ("backend", "world_size", "tensor_parallel_size", "pipeline_parallel_size")
+                         if k in info)
         raise ConfigError(f"learner.backend: the checkpoint holds sharded learner state "
                           f"({SHARDED_STATE_KEY}/) that this {type(learner).__name__} cannot read; resume or "
                           f"evaluate it with the settings that wrote it: "

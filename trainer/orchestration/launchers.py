@@ -33,11 +33,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from copc.registries import Registry
+from seams.registry import Registry
 
 from ..ray_util import RayClusterSettings
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
 
 
 @dataclass
@@ -55,7 +58,7 @@ class LaunchSpec:
         settings: the launcher's settings (its registered dataclass, from ``launcher.settings``).
     """
 
-    cfg: Any
+    cfg: ExperimentConfig
     learner: Any
     engine: Any
     task: Any

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import environments
-from copc.registries import RegistryError
+from seams.registry import RegistryError
 
 from ..errors import ConfigError
 from .base import DrillPlan, EvalOption, Task, absolute_task_paths, check_env_settings

@@ -1,5 +1,5 @@
 """The task registry: environment id → :class:`~trainer.tasks.base.Task` subclass, with each
-task's settings dataclass and capability metadata (:data:`TASKS`, a :class:`copc.Registry`).
+task's settings dataclass and capability metadata (:data:`TASKS`, a :class:`seams.registry.Registry`).
 
 The built-in tasks are registered by :mod:`trainer.tasks` (its ``__init__``); a module of its own so
 that a task (``remote``) can look a class up without importing the package that registers it.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from copc.registries import Registry, RegistryError
+from seams.registry import Registry, RegistryError
 
 from .base import Task
 from .generic import GenericTask
@@ -21,7 +21,7 @@ from .generic import GenericTask
 TASK_METADATA = {"headline_metric": (str, "accuracy"), "delegated_settings": (bool, False)}
 
 #: The task registry, environment id → :class:`Task` subclass (``math_tool``, ``search`` and
-#: ``remote`` built in); a :class:`copc.Registry`. An id without an entry uses
+#: ``remote`` built in); a :class:`seams.registry.Registry`. An id without an entry uses
 #: :class:`GenericTask`.
 TASKS: Registry[type[Task]] = Registry("task", TASK_METADATA, key="task.env")
 
@@ -45,7 +45,7 @@ def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = Fals
 
     Raises:
         TypeError: ``task_cls`` is not a :class:`Task` subclass.
-        copc.registries.RegistryError: (a ``ValueError``) empty ``env_name``, a class is
+        seams.registry.RegistryError: (a ``ValueError``) empty ``env_name``, a class is
             already registered for it and ``overwrite`` is False, or ``settings`` differs from
             the class's own ``settings_class``.
     """

@@ -5,7 +5,7 @@ Each :class:`~trainer.tasks.base.Task` subclass names its settings dataclass in
 with the task (``TASKS.settings_type(env_id)``). The config carries the values as a plain mapping,
 ``task.settings``, so the central schema (:class:`~trainer.config.TaskConfig`) never names a
 task's knobs; :func:`parse_settings` turns the mapping into the dataclass (names and types checked
-by :func:`copc.settings.build_settings`, then the dataclass's own ``__post_init__``) when the task
+by :func:`seams.settings.build_settings`, then the dataclass's own ``__post_init__``) when the task
 is constructed, i.e. when :func:`trainer.tasks.build_task` starts it, before anything runs.
 """
 
@@ -29,7 +29,7 @@ def require(cond: bool, field: str, value: Any, why: str) -> None:
 
 def parse_settings(settings_class: type | None, values: Mapping[str, Any] | None, env_id: str) -> Any:
     """The settings object of a task from the ``task.settings`` mapping
-    (:func:`copc.settings.build_settings`: names and types checked, then the dataclass's own
+    (:func:`seams.settings.build_settings`: names and types checked, then the dataclass's own
     ``__post_init__``).
 
     Args:
@@ -45,7 +45,7 @@ def parse_settings(settings_class: type | None, values: Mapping[str, Any] | None
         ConfigError: a key that is not a field (the message lists the fields), a value of the
             wrong type, a value the dataclass refuses, or any value for a task without settings.
     """
-    from copc.settings import build_settings
+    from seams.settings import build_settings
 
     values = dict(values or {})
     if settings_class is None:

@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from copc.registries import Registry
+from seams.registry import Registry
 
 from ...rollout.batch import RolloutBatch
 
@@ -66,7 +66,7 @@ class RankContext:
         dp_group: the process group of the ranks that hold the same model shard (``None`` =
             the default group, which is exact when ``tp_size == pp_size == 1``). Model-parallel
             backends build their own groups (Megatron: ``parallel_state``) from the same layout.
-        timeout: collective timeout (``learner.timeout_s``).
+        timeout: collective timeout (``learner.backend_settings.timeout_s``).
     """
 
     rank: int
@@ -156,7 +156,7 @@ RankLearnerFactory = Callable[[Any, Path, RankContext], RankLearner]
 
 #: The rank-learner registry, ``learner.backend`` → per-rank factory (``fsdp`` registered by
 #: :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`, both through
-#: :func:`~trainer.learner.distributed.registry.register_rank_learner`); a :class:`copc.Registry`.
+#: :func:`~trainer.learner.distributed.registry.register_rank_learner`); a :class:`seams.registry.Registry`.
 #: It lives here, beside the protocol, so the driver and the rank processes read it without
 #: importing the registration module (which imports the driver).
 RANK_LEARNERS: Registry[RankLearnerFactory] = Registry("distributed rank learner", key="learner.backend")

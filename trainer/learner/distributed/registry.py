@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from seams.registry import RegistryError
+
+from ..backend_settings import DistributedSettings
 from .base import RANK_LEARNERS, RankLearnerFactory
 
 __all__ = ["RANK_LEARNERS", "RankLearnerFactory", "register_rank_learner"]
@@ -22,22 +25,28 @@ def register_rank_learner(name: str, factory: RankLearnerFactory, overwrite: boo
     """Register a distributed backend: ``factory`` builds one rank's :class:`RankLearner`, and
     ``learner.backend: <name>`` builds a driver-side
     :class:`~trainer.learner.distributed.runtime.DistributedLearner` running it on
-    ``learner.world_size`` ranks.
+    ``learner.backend_settings.world_size`` ranks.
 
     Args:
         name: the value of ``learner.backend``.
         factory: builds one rank's learner.
         overwrite: replace an existing backend of that name.
-        settings: the backend's settings dataclass (``learner.backend_settings``), or None.
+        settings: the backend's settings dataclass (``learner.backend_settings``):
+            :class:`~trainer.learner.backend_settings.DistributedSettings` (default) or a subclass
+            of it (the runtime reads the rank layout, launch and timeout from it).
         **metadata: further capability metadata (:data:`~trainer.learner.base.LEARNER_METADATA`).
 
     Raises:
-        copc.registries.RegistryError: (a ``ValueError``) empty name, or ``name`` already a
-            backend and ``overwrite`` is False.
+        seams.registry.RegistryError: (a ``ValueError``) empty name, ``name`` already a backend and
+            ``overwrite`` is False, or ``settings`` not a subclass of ``DistributedSettings``.
     """
     from ..base import register_learner
     from .runtime import DistributedLearner
 
+    settings = DistributedSettings if settings is None else settings
+    if not (isinstance(settings, type) and issubclass(settings, DistributedSettings)):
+        raise RegistryError(f"learner backend {name!r}: settings={settings!r} must be DistributedSettings or "
+                            "a subclass of it (trainer.learner.backend_settings)")
     register_learner(name, DistributedLearner.from_config, overwrite=overwrite, settings=settings,
                      distributed=True, **metadata)
     RANK_LEARNERS.register(name, factory, overwrite=True)

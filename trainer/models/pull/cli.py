@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from copc.registries import RegistryError
+from seams.registry import RegistryError
 
 from ...errors import ConfigError
 from ...plugins import import_plugins
