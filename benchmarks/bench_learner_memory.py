@@ -10,21 +10,22 @@ of the table in its own fresh process:
   ``(B, P + T, V)`` float tensor, then the response tokens (:class:`FullLogitsLearner`, the torch
   learner's path before the chunked one; kept here only, as the reference);
 * ``chunked``: the learner as shipped (hidden states at the model tokens, LM head + log-softmax in
-  chunks of ``learner.logprob_chunk_tokens`` with recomputation in backward, plus the entropy
-  metric);
-* ``chunked + ckpt``: the same with ``learner.gradient_checkpointing=true``;
+  chunks of ``learner.backend_settings.logprob_chunk_tokens`` with recomputation in backward, plus
+  the entropy metric);
+* ``chunked + ckpt``: the same with ``learner.backend_settings.gradient_checkpointing=true``;
 * ``chunked + ckpt, mmap 1 MiB``: the same with ``learner.malloc_mmap_threshold=1048576`` (the
   low-memory allocator option): what it saves and what it costs;
 * ``chunked, bf16 autocast`` / ``chunked + ckpt, bf16 autocast``: the chunked rows with
-  ``learner.autocast_dtype=bfloat16`` (forward passes in bfloat16, float32 weights and optimizer
-  state; log-probs within bfloat16 rounding of the float32 ones, not equal).
+  ``learner.backend_settings.autocast_dtype=bfloat16`` (forward passes in bfloat16, float32 weights
+  and optimizer state; log-probs within bfloat16 rounding of the float32 ones, not equal).
 
 Measured: the child's peak RSS (its ``resource.getrusage`` ``ru_maxrss``: model, optimizer state,
 activations, interpreter), its RSS before the step, and response tokens per second of the
 step. Goals (issue 22): peak RSS ≤ 0.35 × the reference's, tokens/s ≥ 0.9 × the reference's,
 printed for every row; the exit status is the row named by ``--gate`` (default ``chunked + ckpt,
-mmap 1 MiB``: the settings a run that must fit uses, ``learner.gradient_checkpointing: true`` and
-``learner.malloc_mmap_threshold: 1048576``). The reference peaks near 14 GB at the
+mmap 1 MiB``: the settings a run that must fit uses,
+``learner.backend_settings.gradient_checkpointing: true`` and ``learner.malloc_mmap_threshold:
+1048576``). The reference peaks near 14 GB at the
 default size: on a shared machine run it under ``flock`` (``make bench`` does not).
 
 Allocator retention: with glibc's default (dynamic) mmap threshold, tensors of up to 32 MB come
@@ -76,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MEMORY_GOAL, SPEED_GOAL = 0.35, 0.9
 #: Table rows: label -> (learner class, gradient checkpointing, the low-memory mmap threshold,
-#: ``learner.autocast_dtype``).
+#: ``learner.backend_settings.autocast_dtype``).
 ROWS = {"full logits": ("full", False, False, None), "chunked": ("chunked", False, False, None),
         "chunked + ckpt": ("chunked", True, False, None),
         "chunked + ckpt, mmap 1 MiB": ("chunked", True, True, None),
@@ -113,10 +114,11 @@ def child(args: argparse.Namespace) -> None:
     kind, ckpt, low_memory, autocast = ROWS[args.child]
     threshold = args.mmap_threshold if low_memory else None  # None: the shipped default
     cfg = load_config(None, ["preset=copc", f"train.micro_batch_size={args.rows}", "train.num_mini_batches=1",
-                             "train.actor_lr=1e-6", f"learner.gradient_checkpointing={str(ckpt).lower()}",
-                             f"learner.logprob_chunk_tokens={args.chunk}",
+                             "train.actor_lr=1e-6",
+                             f"learner.backend_settings.gradient_checkpointing={str(ckpt).lower()}",
+                             f"learner.backend_settings.logprob_chunk_tokens={args.chunk}",
                              f"model.attn_implementation={args.attn}",
-                             f"learner.autocast_dtype={autocast or 'null'}"]
+                             f"learner.backend_settings.autocast_dtype={autocast or 'null'}"]
                       + ([] if threshold is None else [f"learner.malloc_mmap_threshold={threshold}"]))
     set_malloc_mmap_threshold(cfg.learner.malloc_mmap_threshold)  # as copc train does
     learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_config(cfg, args.model)
@@ -159,7 +161,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--response-tokens", type=int, default=512)
-    ap.add_argument("--chunk", type=int, default=512, help="learner.logprob_chunk_tokens")
+    ap.add_argument("--chunk", type=int, default=512, help="learner.backend_settings.logprob_chunk_tokens")
     ap.add_argument("--gate", default="chunked + ckpt, mmap 1 MiB",
                     choices=[r for r in ROWS if r != "full logits"])
     ap.add_argument("--mmap-threshold", type=int, default=2**20,

@@ -45,11 +45,12 @@ MEMORY_GATE = 0.6
 
 #: (label, learner overrides) of the distributed rows; a backend's helper may append its own.
 DISTRIBUTED_ROWS: list[tuple[str, list[str]]] = [
-    ("fsdp DP=2", ["learner.backend=fsdp", "learner.world_size=2"]),
+    ("fsdp DP=2", ["learner.backend=fsdp", "learner.backend_settings.world_size=2"]),
 ]
 if "megatron" in RANK_LEARNERS.names():
-    DISTRIBUTED_ROWS.append(("megatron TP=2", ["learner.backend=megatron", "learner.world_size=2",
-                                               "learner.tensor_parallel_size=2"]))
+    DISTRIBUTED_ROWS.append(("megatron TP=2", ["learner.backend=megatron",
+                                               "learner.backend_settings.world_size=2",
+                                               "learner.backend_settings.tensor_parallel_size=2"]))
 
 
 def bench_batch(n: int, prompt_len: int, response_len: int) -> RolloutBatch:

@@ -39,15 +39,15 @@ MIN_SECONDS = {"torch": 10.0, "fsdp": 30.0, "megatron": 45.0}
 
 def overrides(backend: str, dtype: str, device: str, timeout_s: float = 120.0) -> list[str]:
     """Config overrides of one run (``backend`` in torch | fsdp | megatron); ``timeout_s`` bounds a
-    distributed run's wait for its ranks (``learner.timeout_s``: a hung rank fails this run, not the
-    whole step)."""
+    distributed run's wait for its ranks (``learner.backend_settings.timeout_s``: a hung rank fails this
+    run, not the whole step)."""
     o = {"preset": "copc", "model.dtype": dtype, "train.actor_lr": "1e-3", "train.critic_lr": "1e-3",
          "train.micro_batch_size": "2", "train.num_mini_batches": "2", "train.grad_clip": "1.0",
          "learner.optimizer": "adamw", "rollout.n_samples_per_prompt": "2"}
     if backend != "torch":
-        o.update({"learner.backend": backend, "learner.world_size": "1",
-                  "learner.dist_backend": "nccl" if device == "cuda" else "gloo",
-                  "learner.timeout_s": f"{timeout_s:.0f}"})
+        o.update({"learner.backend": backend, "learner.backend_settings.world_size": "1",
+                  "learner.backend_settings.dist_backend": "nccl" if device == "cuda" else "gloo",
+                  "learner.backend_settings.timeout_s": f"{timeout_s:.0f}"})
     return [f"{k}={v}" for k, v in o.items()]
 
 

@@ -282,8 +282,9 @@ def run10_command(ctx: StepContext, out_dir: Path, sandbox: str) -> list[str]:
             "train", "--config", "configs/math_tool/cpu_tiny.yaml", f"train.total_steps={ctx.run_steps}",
             f"warm_start.steps={ctx.warm_start_steps}", f"eval.num_samples={ctx.eval_samples}", "eval.k=1",
             "logging.plots=false", "logging.tensorboard=false", "logging.progress=false",
-            f"checkpoint.every_steps={ctx.run_steps}", "learner.backend=fsdp", "learner.world_size=1",
-            f"learner.dist_backend={dist}", f"output_dir={out_dir}"]
+            f"checkpoint.every_steps={ctx.run_steps}", "learner.backend=fsdp",
+            "learner.backend_settings.world_size=1", f"learner.backend_settings.dist_backend={dist}",
+            f"output_dir={out_dir}"]
 
 
 def _read_json(path: Path) -> dict:
@@ -307,8 +308,8 @@ def _finite_mean(rows: list[dict], key: str) -> float | None:
 
 def step_run10(ctx: StepContext) -> dict:
     """``copc train --config configs/math_tool/cpu_tiny.yaml`` for ``ctx.run_steps`` RL steps with
-    the learner on the device: ``learner.backend=fsdp learner.world_size=1`` (NCCL on CUDA; the
-    only setting that puts a learner on the GPU — the torch backend and the embedded engine stay on
+    the learner on the device: ``learner.backend=fsdp learner.backend_settings.world_size=1`` (NCCL on
+    CUDA; the only setting that puts a learner on the GPU — the torch backend and the embedded engine stay on
     the CPU in ``copc train``). Passes iff the run exits 0 having done every step with finite
     losses. The run's summary, metrics and config are archived."""
     sb = json.loads((ctx.work / "sandbox.json").read_text()) if (ctx.work / "sandbox.json").is_file() \

@@ -1,7 +1,7 @@
-"""``learner.autocast_dtype: bfloat16`` on a real (tiny) transformers model: the forward passes run
-in bfloat16 (log-probs and values move by bfloat16 rounding, not more), the update direction is
-the float32 one, weights / gradients / optimizer state stay float32, the attestation's reference
-stays exactly float32, and off is bit-identical to a learner without the setting."""
+"""``learner.backend_settings.autocast_dtype: bfloat16`` on a real (tiny) transformers model: the forward
+passes run in bfloat16 (log-probs and values move by bfloat16 rounding, not more), the update direction is the
+float32 one, weights / gradients / optimizer state stay float32, the attestation's reference stays exactly
+float32, and off is bit-identical to a learner without the setting."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.attestation import PROBE_PROMPTS
+from trainer.plugins import plugin_settings
 
 OPT = OptimizerSettings(actor_lr=1e-3, critic_lr=1e-3, grad_clip=0.0)
 
@@ -93,15 +94,15 @@ def test_off_is_bit_identical_to_the_default(tiny):
 
 
 def test_bad_settings_are_one_line_naming_the_key():
-    with pytest.raises(ConfigError, match=r"learner\.autocast_dtype.*float16.*must be null \(float32\) or "
-                                          r"'bfloat16'"):
-        load_config("configs/math_tool/cpu_tiny.yaml", ["learner.autocast_dtype=float16"])
-    with pytest.raises(ConfigError, match=r"learner\.autocast_dtype='bfloat16': learner\.backend='fsdp' does "
-                                          r"not run its forward passes under autocast \(backends that do: "
-                                          r"\['torch'\]\)"):
+    with pytest.raises(ConfigError, match=r"learner\.backend_settings\.autocast_dtype.*float16.*must be null "
+                                          r"\(float32\) or 'bfloat16'"):
+        load_config("configs/math_tool/cpu_tiny.yaml", ["learner.backend_settings.autocast_dtype=float16"])
+    # a backend whose settings have no autocast_dtype refuses it, naming the key
+    with pytest.raises(ConfigError, match=r"learner\.backend_settings\.autocast_dtype='bfloat16': unknown "
+                                          r"setting of DistributedSettings"):
         load_config("configs/math_tool/cpu_tiny.yaml",
-                    ["learner.autocast_dtype=bfloat16", "learner.backend=fsdp"])
-    assert load_config("configs/math_tool/cpu_tiny.yaml", ["learner.autocast_dtype=bfloat16"]
-                       ).learner.autocast_dtype == "bfloat16"
-    with pytest.raises(ValueError, match=r"learner\.autocast_dtype='fp8'"):
+                    ["learner.backend_settings.autocast_dtype=bfloat16", "learner.backend=fsdp"])
+    cfg = load_config("configs/math_tool/cpu_tiny.yaml", ["learner.backend_settings.autocast_dtype=bfloat16"])
+    assert plugin_settings(cfg, "learner.backend").autocast_dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"learner\.backend_settings\.autocast_dtype='fp8'"):
         LearnerConfig(autocast_dtype="fp8")

@@ -26,6 +26,7 @@ from trainer.models.chunked_logprobs import chunked_token_scores
 from trainer.models.lm_head import check_output_head, output_head, token_scores
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, build_tiny_model, save_tiny_checkpoint
+from trainer.plugins import plugin_settings
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -250,14 +251,15 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def test_gradient_checkpointing_recomputes_the_decoder_with_the_same_update(tiny_dir):
-    """``learner.gradient_checkpointing=true``: both models' decoder layers are checkpointed (each layer
-    runs again in backward) and one SGD step gives the same metrics and weights."""
+    """``learner.backend_settings.gradient_checkpointing=true``: both models' decoder layers are
+    checkpointed (each layer runs again in backward) and one SGD step gives the same metrics and weights."""
     common = ["preset=copc", "learner.optimizer=sgd", "train.actor_lr=1e-2", "train.critic_lr=1e-2",
               "train.micro_batch_size=2", "train.num_mini_batches=1"]
     b = padded_batch(vocab=256, pad_id=257)
     out = {}
     for gc in ("false", "true"):
-        learner = make_learner(load_config(None, [*common, f"learner.gradient_checkpointing={gc}"]), tiny_dir)
+        cfg = load_config(None, [*common, f"learner.backend_settings.gradient_checkpointing={gc}"])
+        learner = make_learner(cfg, tiny_dir)
         calls: list[int] = []
         for model in (learner.actor.get_decoder(), learner.critic.backbone):
             assert all(layer.gradient_checkpointing == (gc == "true") for layer in model.layers)
@@ -274,18 +276,21 @@ def test_gradient_checkpointing_recomputes_the_decoder_with_the_same_update(tiny
 
 @pytest.mark.parametrize("override,match", [
     (["model.gradient_checkpointing=true"],
-     r"^model.gradient_checkpointing: moved to learner.gradient_checkpointing$"),
-    (["learner.logprob_chunk_tokens=0"], r"^learner.logprob_chunk_tokens=0: must be an int >= 1$"),
+     r"^model.gradient_checkpointing: moved to learner.backend_settings.gradient_checkpointing$"),
+    (["learner.backend_settings.logprob_chunk_tokens=0"],
+     r"^learner.backend_settings.logprob_chunk_tokens=0: must be an int >= 1$"),
 ])
 def test_config_keys_name_the_new_spelling(override, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
         load_config(None, override)
     key, _, value = override[0].partition("=")
-    section, name = key.split(".")
-    (tmp_path / "c.yaml").write_text(f"{section}:\n  {name}: {value}\n")
+    *sections, name = key.split(".")
+    nested = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections))
+    (tmp_path / "c.yaml").write_text(f"{nested}{'  ' * len(sections)}{name}: {value}\n")
     with pytest.raises(ConfigError, match=match.lstrip("^")):
         load_config(tmp_path / "c.yaml")
-    assert load_config(None, ["learner.logprob_chunk_tokens=64"]).learner.logprob_chunk_tokens == 64
+    cfg = load_config(None, ["learner.backend_settings.logprob_chunk_tokens=64"])
+    assert plugin_settings(cfg, "learner.backend").logprob_chunk_tokens == 64
 
 
 @pytest.mark.realmodel

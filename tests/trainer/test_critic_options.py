@@ -1,6 +1,7 @@
 """SAO's critic options on a real (tiny) transformers model: K critic updates per actor update
 (``train.critic_updates_per_step``) and a critic whose attention is frozen
-(``learner.critic_freeze_attention``), and the sao_critic / brace presets through the learner."""
+(``learner.backend_settings.critic_freeze_attention``), and the sao_critic / brace presets through
+the learner."""
 
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def test_frozen_critic_attention_stays_as_loaded_and_the_rest_trains(tiny):
 
 
 def test_freeze_attention_refuses_a_model_without_attention():
-    with pytest.raises(ValueError, match=r"learner\.critic_freeze_attention: the critic has no "
-                                         r"trainable attention module"):
+    with pytest.raises(ValueError, match=r"learner\.backend_settings\.critic_freeze_attention: the critic "
+                                         r"has no trainable attention module"):
         freeze_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
@@ -124,8 +125,11 @@ def test_config_keys_are_validated_in_one_line():
     assert LearnerConfig.from_config(cfg).critic_updates_per_step == 2
     with pytest.raises(ConfigError, match=r"train\.critic_updates_per_step.*must be an int >= 1"):
         load_config("configs/math_tool/cpu_tiny.yaml", ["train.critic_updates_per_step=0"])
-    with pytest.raises(ConfigError, match=r"learner\.critic_freeze_attention: learner\.backend='fsdp'"):
-        load_config("configs/math_tool/cpu_tiny.yaml", ["learner.critic_freeze_attention=true",
-                                                         "learner.backend=fsdp", "learner.world_size=2"])
-    cfg = load_config("configs/math_tool/cpu_tiny.yaml", ["learner.critic_freeze_attention=true"])
+    with pytest.raises(ConfigError, match=r"learner\.backend_settings\.critic_freeze_attention=True: unknown "
+                                          r"setting of DistributedSettings"):  # fsdp has no such setting
+        load_config("configs/math_tool/cpu_tiny.yaml",
+                    ["learner.backend=fsdp",
+                     "learner.backend_settings={critic_freeze_attention: true, world_size: 2}"])
+    cfg = load_config("configs/math_tool/cpu_tiny.yaml",
+                      ["learner.backend_settings.critic_freeze_attention=true"])
     assert LearnerConfig.from_config(cfg).critic_freeze_attention

@@ -24,6 +24,7 @@ from trainer.learner.distributed.launch import RankError
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.outputs.checkpoint import CheckpointManager, DirectoryState
 from trainer.outputs.viewer.samples import read_samples
+from trainer.plugins import plugin_settings
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -49,8 +50,8 @@ def small_batch(n: int = 4):
 
 
 def fsdp_cfg(*extra: str):
-    return load_config(None, ["learner.backend=fsdp", "learner.world_size=2", "learner.timeout_s=120",
-                              "train.micro_batch_size=2", *extra])
+    return load_config(None, ["learner.backend=fsdp", "learner.backend_settings.world_size=2",
+                              "learner.backend_settings.timeout_s=120", "train.micro_batch_size=2", *extra])
 
 
 # -- checkpoint directories (no processes) -------------------------------------------------------
@@ -115,19 +116,20 @@ def test_a_torch_learner_refuses_a_sharded_checkpoint_naming_the_settings_that_w
              "learner_shards": tmp_path}
     with pytest.raises(ConfigError, match=r"learner.backend: the checkpoint holds sharded learner state "
                                           r"\(learner_shards/\) that this TorchLearner cannot read; .*: "
-                                          r"learner.backend=megatron learner.world_size=2 "
-                                          r"learner.tensor_parallel_size=2 "
-                                          r"learner.pipeline_parallel_size=1$"):
+                                          r"learner.backend=megatron learner.backend_settings.world_size=2 "
+                                          r"learner.backend_settings.tensor_parallel_size=2 "
+                                          r"learner.backend_settings.pipeline_parallel_size=1$"):
         restore_learner(lrn, state)
     assert lrn.policy_version == 0
     assert all(torch.equal(v, before[k]) for k, v in lrn.actor.state_dict().items())
 
 
 def test_spawned_ranks_get_no_torchrun_rendezvous_variables_and_spawn_under_torchrun_is_refused(monkeypatch):
-    """Under torchrun, ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited by spawned ranks made every rank
-    wait for a rendezvous store nobody starts (a hang until ``learner.timeout_s``); several torchrun
-    processes each spawning ranks would each run the whole experiment. ``learner.launch=torchrun``
-    without torchrun, or at another world size, is a config error (exit 2), not a ValueError."""
+    """Under torchrun, ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited by spawned ranks made every rank wait
+    for a rendezvous store nobody starts (a hang until ``learner.backend_settings.timeout_s``); several
+    torchrun processes each spawning ranks would each run the whole experiment.
+    ``learner.backend_settings.launch=torchrun`` without torchrun, or at another world size, is a config error
+    (exit 2), not a ValueError."""
     from trainer.learner.distributed.launch import spawn_env
     from trainer.learner.distributed.runtime import check_launch
     from trainer.learner.distributed.worker import torchrun_spec
@@ -137,22 +139,24 @@ def test_spawned_ranks_get_no_torchrun_rendezvous_variables_and_spawn_under_torc
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none"}
     env = spawn_env({**torchrun, "PATH": "/usr/bin", "PYTHONPATH": "/x"}, "ab12")
     assert env == {"PATH": "/usr/bin", "COPC_RANK_AUTHKEY": "ab12", "PYTHONPATH": f"{REPO}{os.pathsep}/x"}
-    spawn = fsdp_cfg().learner
-    with pytest.raises(ConfigError, match=r"learner.launch='spawn': this process is one of WORLD_SIZE=2 "
-                                          r"started by torchrun"):
+    spawn = plugin_settings(fsdp_cfg(), "learner.backend")  # the fsdp backend's DistributedSettings
+    with pytest.raises(ConfigError, match=r"learner.backend_settings.launch='spawn': this process is one of "
+                                          r"WORLD_SIZE=2 started by torchrun"):
         check_launch(spawn, torchrun)
     check_launch(spawn, {**torchrun, "WORLD_SIZE": "1"})  # torchrun --nproc-per-node 1: one driver
     check_launch(spawn, {})
-    check_launch(fsdp_cfg("learner.launch=torchrun").learner, torchrun)
+    section = plugin_settings(fsdp_cfg("learner.backend_settings.launch=torchrun"), "learner.backend")
+    check_launch(section, torchrun)
 
-    section = fsdp_cfg("learner.launch=torchrun").learner
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ConfigError, match=r"learner.launch='torchrun': RANK/WORLD_SIZE are not set"):
+    with pytest.raises(ConfigError, match=r"learner.backend_settings.launch='torchrun': RANK/WORLD_SIZE are "
+                                          r"not set"):
         torchrun_spec(section)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"learner.world_size=2 but torchrun started WORLD_SIZE=4"):
+    with pytest.raises(ConfigError, match=r"learner.backend_settings.world_size=2 but torchrun started "
+                                          r"WORLD_SIZE=4"):
         torchrun_spec(section)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -165,23 +169,24 @@ def test_nccl_without_cuda_is_a_config_error_naming_the_key():
     from trainer.learner.distributed.worker import resolve_dist_backend
 
     assert resolve_dist_backend("auto") == "gloo" and resolve_dist_backend("gloo") == "gloo"
-    with pytest.raises(ConfigError, match=r"learner.dist_backend='nccl' needs CUDA"):
+    with pytest.raises(ConfigError, match=r"learner.backend_settings.dist_backend='nccl' needs CUDA"):
         resolve_dist_backend("nccl")
 
 
 # -- failures ------------------------------------------------------------------------------------
 
 def test_a_setting_a_rank_refuses_is_a_config_error_in_the_driver(tiny):
-    """A ConfigError raised while a rank builds its learner (megatron refuses ``learner.cpu_offload``)
-    reaches the driver as a ConfigError (``copc train`` exits 2), not a RankError with a traceback;
-    no rank process is left."""
+    """A ConfigError raised while a rank builds its learner (megatron refuses
+    ``learner.backend_settings.cpu_offload``) reaches the driver as a ConfigError (``copc train`` exits 2),
+    not a RankError with a traceback; no rank process is left."""
     import trainer.learner.backends.megatron  # noqa: F401 - registers the megatron backend
 
-    cfg = load_config(None, ["learner.backend=megatron", "learner.world_size=2",
-                             "learner.tensor_parallel_size=2", "learner.cpu_offload=true",
-                             "learner.timeout_s=120"])
+    cfg = load_config(None, ["learner.backend=megatron", "learner.backend_settings.world_size=2",
+                             "learner.backend_settings.tensor_parallel_size=2",
+                             "learner.backend_settings.cpu_offload=true",
+                             "learner.backend_settings.timeout_s=120"])
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match=r"^learner.cpu_offload=true: an fsdp option"):
+    with pytest.raises(ConfigError, match=r"^learner.backend_settings.cpu_offload=true: an fsdp option"):
         make_learner(cfg, tiny)
     assert time.monotonic() - t0 < 60
     ranks = [c for c in psutil.Process().children(recursive=True)
@@ -223,7 +228,7 @@ def test_a_rank_killed_mid_step_raises_promptly_and_leaves_no_rank_behind(tiny):
     os.kill(pids[1], signal.SIGKILL)
     th.join(timeout=60)
     assert not th.is_alive() and err, "the driver hung after a rank died"
-    assert time.monotonic() - t0 < 20  # far below learner.timeout_s=120: noticed, not timed out
+    assert time.monotonic() - t0 < 20  # far below backend_settings.timeout_s=120: noticed, not timed out
     assert isinstance(err[0], RankError) and "learner rank" in str(err[0]), err[0]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
@@ -231,8 +236,9 @@ def test_a_rank_killed_mid_step_raises_promptly_and_leaves_no_rank_behind(tiny):
 # -- copc train end to end -----------------------------------------------------------------------
 
 def train_overrides(out: Path, steps: int, *extra: str) -> list[str]:
-    return [f"output_dir={out}", "learner.backend=fsdp", "learner.world_size=2", f"train.total_steps={steps}",
-            "train.prompts_per_step=2", "train.micro_batch_size=2", "train.critic_warmup_steps=0",
+    return [f"output_dir={out}", "learner.backend=fsdp", "learner.backend_settings.world_size=2",
+            f"train.total_steps={steps}", "train.prompts_per_step=2", "train.micro_batch_size=2",
+            "train.critic_warmup_steps=0",
             "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_layers=1",
             "rollout.max_new_tokens=12", "rollout.max_turns=2", "rollout.concurrency=4",
             "warm_start.enabled=false", "eval.enabled=false", "logging.progress=false", "logging.plots=false",
@@ -337,12 +343,14 @@ def test_fsdp_resume_after_sigkill_same_steps_no_repeated_prompts_same_next_step
 
 @pytest.mark.slow
 def test_ray_rank_actors_match_spawned_ranks(tiny):
-    """``learner.launch=ray``: 2 rank actors in a placement group; same step as spawned ranks."""
+    """``learner.backend_settings.launch=ray``: 2 rank actors in a placement group (a local Ray cluster of
+    ``learner.backend_settings.ray_num_cpus``); same step as spawned ranks."""
     batch = small_batch()
     with make_learner(fsdp_cfg(), tiny) as lrn:
         m_spawn = lrn.step(batch)
         w_spawn = dict(lrn.export_policy_weights())
-    with make_learner(fsdp_cfg("learner.launch=ray", "launcher.ray_num_cpus=2"), tiny) as lrn:
+    ray_cfg = fsdp_cfg("learner.backend_settings.launch=ray", "learner.backend_settings.ray_num_cpus=2")
+    with make_learner(ray_cfg, tiny) as lrn:
         m_ray = lrn.step(batch)
         w_ray = dict(lrn.export_policy_weights())
     assert abs(m_ray["actor/pg_loss"] - m_spawn["actor/pg_loss"]) < 1e-6
@@ -352,12 +360,12 @@ def test_ray_rank_actors_match_spawned_ranks(tiny):
 
 @pytest.mark.slow
 def test_copc_train_under_torchrun(tmp_path):
-    """``torchrun --nproc-per-node 2 -m trainer.cli train ... learner.launch=torchrun``: rank 0 runs the
-    experiment, rank 1 serves as a learner rank."""
+    """``torchrun --nproc-per-node 2 -m trainer.cli train ... learner.backend_settings.launch=torchrun``:
+    rank 0 runs the experiment, rank 1 serves as a learner rank."""
     out = tmp_path / "tr"
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port",
                 str(29_500 + os.getpid() % 1000), "-m"]
-    res = copc_train(train_overrides(out, 2, "learner.launch=torchrun"), launcher=torchrun)
+    res = copc_train(train_overrides(out, 2, "learner.backend_settings.launch=torchrun"), launcher=torchrun)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert trained_steps(out) == [1, 2]
@@ -365,18 +373,20 @@ def test_copc_train_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_without_launch_torchrun_is_refused_and_one_process_spawns_its_ranks(tmp_path):
-    """``torchrun --nproc-per-node 2`` without ``learner.launch=torchrun``: exit 2 naming
-    ``learner.launch`` (it used to hang until ``learner.timeout_s``: the spawned ranks inherited
-    torchrun's agent-store setting). ``--nproc-per-node 1`` with spawned ranks runs."""
+    """``torchrun --nproc-per-node 2`` without ``learner.backend_settings.launch=torchrun``: exit 2
+    naming ``learner.backend_settings.launch`` (it used to hang until
+    ``learner.backend_settings.timeout_s``: the spawned ranks inherited torchrun's agent-store setting).
+    ``--nproc-per-node 1`` with spawned ranks runs."""
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--master-port",
                 str(29_500 + os.getpid() % 1000)]
     t0 = time.monotonic()
-    res = copc_train(train_overrides(tmp_path / "two", 1, "learner.timeout_s=120"),
+    res = copc_train(train_overrides(tmp_path / "two", 1, "learner.backend_settings.timeout_s=120"),
                      launcher=[*torchrun, "--nproc-per-node", "2", "-m"], timeout=300)
     assert res.returncode != 0 and time.monotonic() - t0 < 110, res.stderr[-3000:]
-    assert "config error: learner.launch='spawn': this process is one of WORLD_SIZE=2" in res.stderr
+    assert ("config error: learner.backend_settings.launch='spawn': this process is one of WORLD_SIZE=2"
+            in res.stderr)
     out = tmp_path / "one"
-    res = copc_train(train_overrides(out, 1, "learner.timeout_s=120"),
+    res = copc_train(train_overrides(out, 1, "learner.backend_settings.timeout_s=120"),
                      launcher=[*torchrun, "--nproc-per-node", "1", "-m"], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert trained_steps(out) == [1]

@@ -1,10 +1,10 @@
 """The fsdp backend (FSDP2, DP = 2 gloo ranks on CPU) against the single-process torch backend.
 
 Real components end to end: a tiny Qwen2 (tied embeddings) saved with ``save_pretrained``, real
-rank processes (``learner.launch=spawn``), the torch backend as the reference. The batch has two
-PPO mini-batches of 3 rows, so each update splits 2 + 1 rows over the ranks and the second rank
-runs one zero-weight padding pass (equal collective counts); ``grad_clip`` is small enough to
-clip, so the global gradient norm across shards matters.
+rank processes (``learner.backend_settings.launch=spawn``), the torch backend as the reference. The
+batch has two PPO mini-batches of 3 rows, so each update splits 2 + 1 rows over the ranks and the
+second rank runs one zero-weight padding pass (equal collective counts); ``grad_clip`` is small
+enough to clip, so the global gradient norm across shards matters.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ConfigError, LearnerSection, load_config
+from trainer.config import ConfigError, load_config
 from trainer.evaluate.policy import checkpoint_policy_weights
-from trainer.learner import learner_checkpoint_state, make_learner, restore_learner
+from trainer.learner import DistributedSettings, learner_checkpoint_state, make_learner, restore_learner
 from trainer.learner.distributed.runtime import DistributedLearner, check_model_parallel
 from trainer.learner.distributed.shard import dp_rows, micro_plan
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -63,7 +63,8 @@ def overrides(preset: str, optimizer: str, **extra: str) -> list[str]:
 
 
 def fsdp_overrides(preset: str, optimizer: str, **extra: str) -> list[str]:
-    return overrides(preset, optimizer, **{"learner.backend": "fsdp", "learner.world_size": "2", **extra})
+    return overrides(preset, optimizer,
+                     **{"learner.backend": "fsdp", "learner.backend_settings.world_size": "2", **extra})
 
 
 def torch_gradients(learner) -> dict[str, torch.Tensor]:
@@ -113,10 +114,10 @@ def test_fsdp_dp2_sgd_step_equals_the_torch_backend(tiny, preset):
 
 
 def test_fsdp_dp2_gradient_checkpointing_step_equals_the_torch_backend(tiny):
-    """``learner.gradient_checkpointing=true`` on both backends (checkpointed decoder layers inside their
-    FSDP units; the actor's chunked LM head through the root unit's registered forward method): the
-    same metrics (``actor/entropy`` included), gradients and SGD-updated weights."""
-    batch, gc = multiturn_batch(), {"learner.gradient_checkpointing": "true"}
+    """``learner.backend_settings.gradient_checkpointing=true`` on both backends (checkpointed decoder
+    layers inside their FSDP units; the actor's chunked LM head through the root unit's registered
+    forward method): the same metrics (``actor/entropy`` included), gradients and SGD-updated weights."""
+    batch, gc = multiturn_batch(), {"learner.backend_settings.gradient_checkpointing": "true"}
     ref = make_learner(load_config(None, overrides("copc", "sgd", **gc)), tiny)
     m_ref = ref.step(batch)
     with make_learner(load_config(None, fsdp_overrides("copc", "sgd", **gc)), tiny) as lrn:
@@ -135,8 +136,8 @@ def test_fsdp_adamw_cpu_offload_step_and_sharded_checkpoint_round_trip(tiny, tmp
     policy weights (a second learner restored from it) bit for bit."""
     b1, b2 = multiturn_batch(6), multiturn_batch(5)
     ref = make_learner(load_config(None, overrides("copc", "adamw", **{"train.warmup_steps": "3"})), tiny)
-    cfg = load_config(None, fsdp_overrides("copc", "adamw", **{"train.warmup_steps": "3",
-                                                              "learner.cpu_offload": "true"}))
+    cfg = load_config(None, fsdp_overrides("copc", "adamw", **{
+        "train.warmup_steps": "3", "learner.backend_settings.cpu_offload": "true"}))
     ckpts = CheckpointManager(tmp_path / "checkpoints")
     with make_learner(cfg, tiny) as lrn:
         m_ref, m = ref.step(b1), lrn.step(b1)
@@ -177,20 +178,28 @@ def test_data_parallel_row_split_and_equal_pass_counts():
         dp_rows(4, 2, 2)
 
 
+BS = "learner.backend_settings"
+
+
 @pytest.mark.parametrize("override,match", [
-    (["learner.backend=fsdp", "learner.world_size=3", "learner.tensor_parallel_size=2"],
-     r"learner.world_size=3: must be divisible by learner.tensor_parallel_size × "
-     r"learner.pipeline_parallel_size = 2 × 1"),
-    (["learner.backend=fsdp", "learner.world_size=2", "learner.tensor_parallel_size=2"],
-     r"learner.tensor_parallel_size=2: learner.backend='fsdp' is data parallel only"),
-    (["learner.world_size=2"], r"learner.world_size=2: only for a distributed backend .*'torch' runs in one"),
-    (["learner.cpu_offload=true"], r"learner.cpu_offload=True: only for a distributed backend"),
-    (["learner.backend=fsdp", "learner.launch=mpirun"], r"learner.launch='mpirun': must be 'spawn', 'ray'"),
+    (["learner.backend=fsdp", f"{BS}.world_size=3", f"{BS}.tensor_parallel_size=2"],
+     r"learner.backend_settings.world_size=3: must be divisible by tensor_parallel_size × "
+     r"pipeline_parallel_size = 2 × 1"),
+    (["learner.backend=fsdp", f"{BS}.world_size=2", f"{BS}.tensor_parallel_size=2"],
+     r"learner.backend_settings.tensor_parallel_size=2: learner.backend='fsdp' is data parallel only"),
+    # a one-process backend has no rank layout: its settings lack the key
+    ([f"{BS}.world_size=2"], r"learner.backend_settings.world_size=2: unknown setting of TorchSettings"),
+    ([f"{BS}.cpu_offload=true"],
+     r"learner.backend_settings.cpu_offload=True: unknown setting of TorchSettings"),
+    (["learner.backend=fsdp", f"{BS}.launch=mpirun"],
+     r"learner.backend_settings.launch='mpirun': must be 'spawn', 'ray'"),
     (["learner.backend=fsdp", "learner.optimizer=lion"], r"learner.optimizer='lion': must be 'adamw'"),
-    (["learner.backend=fsdp", "learner.world_size=0"], r"learner.world_size=0: must be an int >= 1"),
-    (["learner.backend=fsdp", "learner.dist_backend=mpi"], r"learner.dist_backend='mpi'"),
-    (["learner.backend=megatron", "learner.world_size=2", "learner.pipeline_parallel_size=2"],
-     r"learner.pipeline_parallel_size=2: learner.backend='megatron' runs pipeline size 1 only"),
+    (["learner.backend=fsdp", f"{BS}.world_size=0"],
+     r"learner.backend_settings.world_size=0: must be an int >= 1"),
+    (["learner.backend=fsdp", f"{BS}.dist_backend=mpi"], r"learner.backend_settings.dist_backend='mpi'"),
+    (["learner.backend=megatron", f"{BS}.world_size=2", f"{BS}.pipeline_parallel_size=2"],
+     r"learner.backend_settings.pipeline_parallel_size=2: learner.backend='megatron' runs pipeline size 1 "
+     r"only"),
 ])
 def test_bad_learner_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -200,8 +209,7 @@ def test_bad_learner_settings_name_the_key(override, match):
 def test_model_dependent_parallel_sizes_name_the_key(tiny):
     """The tiny model has 4 attention heads, 2 key/value heads and 2 layers."""
     def section(tp=1, pp=1):
-        return LearnerSection(backend="fsdp", world_size=tp * pp, tensor_parallel_size=tp,
-                              pipeline_parallel_size=pp)
+        return DistributedSettings(world_size=tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
 
     check_model_parallel(section(tp=2), tiny)  # 4 heads, 2 kv heads: fine
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4: must divide the model's 2 key/value"):

@@ -94,7 +94,8 @@ def test_cpu_mode_runs_every_step_and_writes_the_summary(tmp_path):
     r10 = s["steps"]["run10"]
     assert r10["steps"] == 3 and r10["sandbox"] == "process" and r10["nonfinite_losses"] == 0
     assert r10["sft_loss_last"] < r10["sft_loss_first"] and r10["learner_step_s_mean"] > 0
-    assert "learner.backend=fsdp" in r10["command"] and "learner.dist_backend=gloo" in r10["command"]
+    assert "learner.backend=fsdp" in r10["command"]
+    assert "learner.backend_settings.dist_backend=gloo" in r10["command"]
 
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 for p in files)

@@ -57,7 +57,7 @@ def test_harness_episodes_play_in_a_ray_worker(batches, tmp_path):
         "rollout.max_turns=6", "rollout.concurrency=2", "logging.progress=false", "logging.tensorboard=false",
         "logging.plots=false", "learner.backend=recording", f"output_dir={out}", "train.total_steps=2",
         "train.prompts_per_step=2", "train.micro_batch_size=2", "train.staleness={mode: fixed, lag: 0}",
-        "eval.enabled=false", "launcher.kind=ray", "launcher.num_rollout_workers=1"]) == 0
+        "eval.enabled=false", "launcher.kind=ray", "launcher.settings.num_rollout_workers=1"]) == 0
     check_saved_batches(batches, str(model))  # the worker's episodes, exactly as the local run's
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["episodes_trained"], summary["infra_failed"]) == (2, 4, 0)

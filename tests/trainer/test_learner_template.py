@@ -1,4 +1,4 @@
-"""The learner step written once (:class:`trainer.learner.algorithm.TemplateLearner`) and the one
+"""The learner step written once (:class:`trainer.learner.template.TemplateLearner`) and the one
 optimiser-settings object every backend gets (:class:`trainer.learner.settings.OptimizerSettings`).
 
 Real components: a tiny Qwen2 saved with ``save_pretrained``, the torch backend, the fsdp backend
@@ -110,7 +110,8 @@ def test_fsdp_on_one_rank_gives_the_torch_backend_s_parameters_after_one_step(ti
     ref = make_learner(load_config(None, ov), tiny)
     init = {k: v.clone() for k, v in ref.actor.state_dict().items()}
     m_ref = ref.step(batch)
-    with make_learner(load_config(None, [*ov, "learner.backend=fsdp", "learner.world_size=1"]), tiny) as lrn:
+    fsdp = load_config(None, [*ov, "learner.backend=fsdp", "learner.backend_settings.world_size=1"])
+    with make_learner(fsdp, tiny) as lrn:
         m = lrn.step(batch)
         weights = dict(lrn.export_policy_weights())
     ref_w = ref.actor.state_dict()

@@ -206,7 +206,8 @@ def test_bad_lora_settings_name_the_key(override, message):
 def test_lora_with_a_backend_that_cannot_train_adapters_is_refused():
     with pytest.raises(ConfigError, match=r"^learner\.lora: learner\.backend='fsdp' does not train LoRA "
                                           r"adapters \(backends that do: \[.*'torch'.*\]\)"):
-        load_config(None, ["learner.lora.rank=4", "learner.backend=fsdp", "learner.world_size=2"])
+        load_config(None, ["learner.lora.rank=4", "learner.backend=fsdp",
+                           "learner.backend_settings.world_size=2"])
 
 
 def test_missing_target_modules_fail_at_model_load_naming_the_key(tiny):
@@ -236,8 +237,8 @@ def test_cli_train_with_missing_target_modules_exits_2_with_one_line(tmp_path):
 
 
 def test_adapters_train_under_activation_checkpointing(tiny):
-    """Activation checkpointing (``learner.gradient_checkpointing``) gives the adapters exactly the updates
-    they get without it (the critic's from step 2 on: its value head starts at 0)."""
+    """Activation checkpointing (``learner.backend_settings.gradient_checkpointing``) gives the adapters
+    exactly the updates they get without it (the critic's from step 2 on: its value head starts at 0)."""
     _, tok = load_model_and_tokenizer(tiny)
     batch, trained = _batch(tok), {}
     lora = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))

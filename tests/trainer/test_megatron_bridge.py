@@ -209,9 +209,9 @@ def test_vocab_parallel_logprobs_and_values_equal_hugging_face(pool, ckpts, arch
 
 def test_model_dependent_sizes_name_the_key(pool, ckpts):
     errs = pool.run(_r_check_sizes, ckpts["qwen2"])[0]  # 4 heads, 2 key/value heads, 258 tokens
-    assert "learner.tensor_parallel_size=4" in errs[0] and "2 key/value heads" in errs[0]
-    assert "learner.tensor_parallel_size=3" in errs[1] and "4 attention heads" in errs[1]
-    assert "learner.pipeline_parallel_size=2" in errs[2]
+    assert "learner.backend_settings.tensor_parallel_size=4" in errs[0] and "2 key/value heads" in errs[0]
+    assert "learner.backend_settings.tensor_parallel_size=3" in errs[1] and "4 attention heads" in errs[1]
+    assert "learner.backend_settings.pipeline_parallel_size=2" in errs[2]
 
 
 def test_cpu_shims_are_idempotent_and_replace_the_cuda_calls(pool):

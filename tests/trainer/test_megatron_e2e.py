@@ -35,8 +35,9 @@ run_experiment(load_config("configs/math_tool/cpu_tiny.yaml", sys.argv[2:]), res
 
 
 def train_overrides(out: Path, steps: int, *extra: str) -> list[str]:
-    return [f"output_dir={out}", "learner.backend=megatron", "learner.world_size=2",
-            "learner.tensor_parallel_size=2", "learner.timeout_s=300", f"train.total_steps={steps}",
+    return [f"output_dir={out}", "learner.backend=megatron", "learner.backend_settings.world_size=2",
+            "learner.backend_settings.tensor_parallel_size=2", "learner.backend_settings.timeout_s=300",
+            f"train.total_steps={steps}",
             "train.prompts_per_step=2", "train.micro_batch_size=2", "train.critic_warmup_steps=0",
             "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_layers=1",
             "rollout.max_new_tokens=12", "rollout.max_turns=2", "rollout.concurrency=4",

@@ -28,8 +28,10 @@ def test_megatron_on_gpu_steps_like_the_torch_backend(tmp_path):
     common = overrides("copc", "sgd", **{"train.weight_decay": "0.1"})
     ref = make_learner(load_config(None, common), tiny)  # the torch backend, on the CPU
     m_ref = ref.step(batch)
-    cfg = load_config(None, [*common, "learner.gradient_checkpointing=true", "learner.backend=megatron",
-                             "learner.world_size=1", "learner.dist_backend=nccl", "learner.timeout_s=300"])
+    cfg = load_config(None, [*common, "learner.backend_settings.gradient_checkpointing=true",
+                             "learner.backend=megatron", "learner.backend_settings.world_size=1",
+                             "learner.backend_settings.dist_backend=nccl",
+                             "learner.backend_settings.timeout_s=300"])
     with make_learner(cfg, tiny) as lrn:
         m = lrn.step(batch)
         weights = dict(lrn.export_policy_weights())

@@ -236,20 +236,23 @@ def test_megatron_adamw_step_and_dist_checkpoint_resume(pool, tiny, tmp_path):
 
 
 @pytest.mark.parametrize("extra,tp,pp,match", [
-    (["learner.cpu_offload=true"], 2, 1, "learner.cpu_offload=true: an fsdp option"),
+    (["learner.backend_settings.cpu_offload=true"], 2, 1,
+     "learner.backend_settings.cpu_offload=true: an fsdp option"),
     (["model.dtype=bfloat16"], 2, 1, "model.dtype=bfloat16: the megatron backend on CPU runs float32 only"),
     # the config refuses pipeline_parallel_size=2 at load; the rank learner checks its context too
-    ([], 1, 2, "learner.pipeline_parallel_size=2: the megatron backend runs pipeline size 1"),
+    ([], 1, 2, "learner.backend_settings.pipeline_parallel_size=2: the megatron backend runs pipeline "
+               "size 1"),
 ])
 def test_unsupported_settings_are_refused_naming_the_key(pool, tiny, extra, tp, pp, match):
     cfg = load_config(None, overrides("copc", "adamw") + extra + [
-        "learner.backend=megatron", "learner.world_size=2", f"learner.tensor_parallel_size={tp}"])
+        "learner.backend=megatron", "learner.backend_settings.world_size=2",
+        f"learner.backend_settings.tensor_parallel_size={tp}"])
     assert all(match in msg for msg in pool.run(_r_build_error, cfg, tiny, tp, pp))
 
 
 def test_gradient_checkpointing_is_megatron_activation_recompute_with_the_same_gradients(pool, tiny):
-    """``learner.gradient_checkpointing=true`` (set by the paper configs) turns on Megatron's full
-    recompute: each layer re-runs in the backward pass, and the step (metrics, actor and critic
+    """``learner.backend_settings.gradient_checkpointing=true`` (set by the paper configs) turns on Megatron's
+    full recompute: each layer re-runs in the backward pass, and the step (metrics, actor and critic
     gradients, SGD-updated weights) is bit-identical to the step without recompute (TP = 2).
 
     Layer forward passes per rank (TP = 2: every rank sees all 6 rows; micro-batch 1): without
@@ -257,7 +260,8 @@ def test_gradient_checkpointing_is_megatron_activation_recompute_with_the_same_g
     recompute each of the 6 training passes re-runs the layer once more in backward = 18."""
     batch = multiturn_batch()
     plain_cfg = load_config(None, overrides("copc", "sgd"))
-    rc_cfg = load_config(None, overrides("copc", "sgd", **{"learner.gradient_checkpointing": "true"}))
+    rc_cfg = load_config(None, overrides("copc", "sgd",
+                                         **{"learner.backend_settings.gradient_checkpointing": "true"}))
     out = {}
     for key, cfg in (("plain", plain_cfg), ("recompute", rc_cfg)):
         build(pool, key, cfg, tiny, 2)

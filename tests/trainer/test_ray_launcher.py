@@ -159,7 +159,8 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
                       "register_learner('torch_from_plugin', TorchLearner.from_config, overwrite=True)\n")
     ov = {
         "plugins": f"[{plugin}]", "learner.backend": "torch_from_plugin",
-        "preset": "copc", "output_dir": str(out), "launcher.kind": "ray", "launcher.num_rollout_workers": "1",
+        "preset": "copc", "output_dir": str(out), "launcher.kind": "ray",
+        "launcher.settings.num_rollout_workers": "1",
         "model.tiny.hidden_size": "32", "model.tiny.intermediate_size": "64", "model.tiny.num_layers": "1",
         "task.env": "math_tool", "task.train_data": "[math_train]", "task.max_train_samples": "40",
         "task.env_kwargs": "{prompt_template: 'Q: {problem}\n'}",

@@ -1,7 +1,7 @@
-"""``learner.shared_prefix_tokens`` on a real (tiny) transformers model: a micro-batch's common
-prefix run once gives the plain forward's hidden states, log-probs, values and gradients (float
-rounding apart), whatever the padding holds; too short a prefix is the plain forward, bit for bit;
-bad settings are one line naming the key."""
+"""``learner.backend_settings.shared_prefix_tokens`` on a real (tiny) transformers model: a
+micro-batch's common prefix run once gives the plain forward's hidden states, log-probs, values and
+gradients (float rounding apart), whatever the padding holds; too short a prefix is the plain
+forward, bit for bit; bad settings are one line naming the key."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from trainer.learner.settings import OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.shared_prefix import common_prefix_len, decoder_hidden_states
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.plugins import plugin_settings
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 
@@ -123,11 +124,16 @@ def test_a_learner_step_with_a_shared_prefix_is_the_plain_step(tiny):
 
 def test_bad_settings_are_one_line_naming_the_key():
     cfg = "configs/math_tool/cpu_tiny.yaml"
-    with pytest.raises(ConfigError, match=r"learner\.shared_prefix_tokens.*-1.*must be an int >= 0"):
-        load_config(cfg, ["learner.shared_prefix_tokens=-1"])
-    with pytest.raises(ConfigError, match=r"learner\.shared_prefix_tokens.*gradient_checkpointing"):
-        load_config(cfg, ["learner.shared_prefix_tokens=64", "learner.gradient_checkpointing=true"])
-    with pytest.raises(ConfigError, match=r"learner\.shared_prefix_tokens=64: learner\.backend='fsdp' cannot "
-                                          r"run a shared prefix once \(backends that can: \['torch'\]\)"):
-        load_config(cfg, ["learner.shared_prefix_tokens=64", "learner.backend=fsdp"])
-    assert load_config(cfg, ["learner.shared_prefix_tokens=64"]).learner.shared_prefix_tokens == 64
+    with pytest.raises(ConfigError, match=r"learner\.backend_settings\.shared_prefix_tokens.*-1.*must be an "
+                                          r"int >= 0"):
+        load_config(cfg, ["learner.backend_settings.shared_prefix_tokens=-1"])
+    with pytest.raises(ConfigError, match=r"learner\.backend_settings\.shared_prefix_tokens.*"
+                                          r"gradient_checkpointing"):
+        load_config(cfg, ["learner.backend_settings.shared_prefix_tokens=64",
+                          "learner.backend_settings.gradient_checkpointing=true"])
+    # a backend whose settings have no shared_prefix_tokens refuses it, naming the key
+    with pytest.raises(ConfigError, match=r"learner\.backend_settings\.shared_prefix_tokens=64: unknown "
+                                          r"setting of DistributedSettings"):
+        load_config(cfg, ["learner.backend_settings.shared_prefix_tokens=64", "learner.backend=fsdp"])
+    on = load_config(cfg, ["learner.backend_settings.shared_prefix_tokens=64"])
+    assert plugin_settings(on, "learner.backend").shared_prefix_tokens == 64

@@ -2,8 +2,10 @@
 
 ``make_learner(exp_cfg, model_dir)`` builds the backend named by ``learner.backend``;
 ``register_learner(name, factory)`` adds one. Built in: ``torch`` (one process), ``fsdp``
-(PyTorch FSDP2 over ``learner.world_size`` ranks) and, when :mod:`trainer.learner.backends.megatron` is
-present, ``megatron``. Distributed backends register a per-rank factory with
+(PyTorch FSDP2 over ``learner.backend_settings.world_size`` ranks) and, when
+:mod:`trainer.learner.backends.megatron` is present, ``megatron``. Their own settings
+(``learner.backend_settings``) are :class:`TorchSettings` / :class:`DistributedSettings`.
+Distributed backends register a per-rank factory with
 :func:`~trainer.learner.distributed.registry.register_rank_learner`; the driver side is then
 :class:`~trainer.learner.distributed.runtime.DistributedLearner`.
 """
@@ -11,6 +13,7 @@ present, ``megatron``. Distributed backends register a per-rank factory with
 import importlib
 import importlib.util
 
+from .backend_settings import DistributedSettings, TorchSettings
 from .backends.torch import TorchLearner
 from .base import (
     LEARNERS,
@@ -32,13 +35,13 @@ def _build_fsdp(exp_cfg, model_dir, ctx):
     return build_fsdp_rank_learner(exp_cfg, model_dir, ctx)
 
 
-register_learner("torch", TorchLearner.from_config, lora=True, critic_freeze_attention=True, autocast=True,
-                 shared_prefix=True)
-register_rank_learner("fsdp", _build_fsdp)
+register_learner("torch", TorchLearner.from_config, lora=True, settings=TorchSettings)
+register_rank_learner("fsdp", _build_fsdp, settings=DistributedSettings)
 _MEGATRON = f"{__name__}.backends.megatron"
 if importlib.util.find_spec(_MEGATRON) is not None:  # registers "megatron" (lazy factory)
     importlib.import_module(_MEGATRON)
 
-__all__ = ["LEARNERS", "RANK_LEARNERS", "Learner", "LearnerConfig", "OptimizerSettings", "ShardedCheckpoint",
-           "TorchLearner", "learner_checkpoint_state", "make_learner", "register_learner",
-           "register_rank_learner", "restore_learner"]
+__all__ = ["LEARNERS", "RANK_LEARNERS", "DistributedSettings", "Learner", "LearnerConfig",
+           "OptimizerSettings", "ShardedCheckpoint", "TorchLearner", "TorchSettings",
+           "learner_checkpoint_state", "make_learner", "register_learner", "register_rank_learner",
+           "restore_learner"]

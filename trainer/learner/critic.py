@@ -70,7 +70,7 @@ class ValueModel(nn.Module):
 ATTENTION_MODULE_NAMES = ("self_attn", "attn", "attention", "self_attention")
 
 
-def freeze_attention(critic: nn.Module, key: str = "learner.critic_freeze_attention") -> int:
+def freeze_attention(critic: nn.Module, key: str = "learner.backend_settings.critic_freeze_attention") -> int:
     """Stop training the critic's attention parameters (SAO's critic recipe, arXiv 2607.07508):
     every parameter under a module whose own name is one of :data:`ATTENTION_MODULE_NAMES` gets
     ``requires_grad=False`` (LoRA adapters on attention projections included), so the optimiser

@@ -1,7 +1,7 @@
 """One model's optimizer behind one interface (:class:`ModelOptimizer`), built from
 :class:`~trainer.learner.settings.OptimizerSettings`.
 
-The template step (:class:`~trainer.learner.algorithm.TemplateLearner`) drives it:
+The template step (:class:`~trainer.learner.template.TemplateLearner`) drives it:
 ``zero_grad`` → (the backend's forward/backward passes) → ``step`` (clip, update; returns the
 gradient norm) per mini-batch, ``schedule_step`` once per learner step. :class:`TorchOptimizer`
 is the torch / FSDP one (and, on CPU, Megatron's over ``main_grad``:

@@ -21,8 +21,13 @@ from ..models.lora import LoraSettings
 
 #: ``learner.optimizer`` values.
 OPTIMIZERS = ("adamw", "sgd")
-#: ``learner.autocast_dtype`` values: None (float32 throughout) or a :func:`torch.autocast` dtype.
+#: ``autocast_dtype`` values (:class:`~trainer.learner.backend_settings.TorchSettings`): None (float32
+#: throughout) or a :func:`torch.autocast` dtype.
 AUTOCAST_DTYPES = (None, "bfloat16")
+#: Fields of a backend's own settings (``learner.backend_settings``) that :class:`LearnerConfig`
+#: carries to the shared step code when the backend's settings dataclass has them
+#: (:meth:`LearnerConfig.from_config`); a backend without one keeps :class:`LearnerConfig`'s default.
+STEP_FIELDS = ("logprob_chunk_tokens", "critic_freeze_attention", "autocast_dtype", "shared_prefix_tokens")
 
 
 @dataclass(frozen=True)
@@ -103,14 +108,17 @@ class LearnerConfig:
         lora / critic_lora: the actor's / critic's LoRA adapter (``learner.lora`` /
             ``learner.critic_lora``), None: the model is fully fine-tuned.
         logprob_chunk_tokens: tokens whose logits the LM head computes at a time in the actor's
-            log-probs (``learner.logprob_chunk_tokens``; :mod:`trainer.models.chunked_logprobs`).
+            log-probs (``learner.backend_settings.logprob_chunk_tokens``;
+            :mod:`trainer.models.chunked_logprobs`).
         critic_updates_per_step: critic updates per mini-batch (``train.critic_updates_per_step``).
         critic_freeze_attention: the critic's attention parameters stay as loaded
-            (``learner.critic_freeze_attention``; :func:`~trainer.learner.critic.freeze_attention`).
+            (``learner.backend_settings.critic_freeze_attention``;
+            :func:`~trainer.learner.critic.freeze_attention`).
         autocast_dtype: ``"bfloat16"``: forward passes under :func:`torch.autocast`
-            (``learner.autocast_dtype``); None: float32.
+            (``learner.backend_settings.autocast_dtype``); None: float32.
         shared_prefix_tokens: shortest common prefix of a micro-batch's rows run once
-            (``learner.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`); 0: off.
+            (``learner.backend_settings.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`);
+            0: off.
 
     Raises:
         ValueError: ``logprob_chunk_tokens`` or ``critic_updates_per_step`` not an int >= 1, or an
@@ -132,26 +140,37 @@ class LearnerConfig:
     shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for key, n in (("learner.logprob_chunk_tokens", self.logprob_chunk_tokens),
+        for key, n in (("learner.backend_settings.logprob_chunk_tokens", self.logprob_chunk_tokens),
                        ("train.critic_updates_per_step", self.critic_updates_per_step)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{key}={n!r}: must be an int >= 1")
         if self.autocast_dtype not in AUTOCAST_DTYPES:
-            raise ValueError(f"learner.autocast_dtype={self.autocast_dtype!r}: must be None (float32) or "
-                             "'bfloat16'")
+            raise ValueError(f"learner.backend_settings.autocast_dtype={self.autocast_dtype!r}: must be None "
+                             "(float32) or 'bfloat16'")
 
     @classmethod
-    def from_config(cls, exp: Any) -> LearnerConfig:
+    def from_config(cls, exp: Any, backend: Any = None) -> LearnerConfig:
         """From an :class:`~trainer.config.ExperimentConfig` (``train``, ``learner.optimizer``,
-        ``learner.lora`` / ``learner.critic_lora``, ``learner.logprob_chunk_tokens`` and
-        ``rollout.temperature``)."""
+        ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature``) and the backend's own
+        settings.
+
+        Args:
+            exp: the experiment config.
+            backend: the backend's settings (``learner.backend_settings`` as its dataclass, e.g.
+                :class:`~trainer.learner.backend_settings.TorchSettings`); None: those of
+                ``learner.backend`` (:func:`trainer.plugins.plugin_settings`). Its fields named in
+                :data:`STEP_FIELDS` are carried over; the others keep their defaults.
+
+        Raises:
+            ConfigError: as :func:`trainer.plugins.plugin_settings` (bad backend settings).
+        """
+        from ..plugins import plugin_settings
+
+        own = plugin_settings(exp, "learner.backend") if backend is None else backend
+        step = {k: getattr(own, k) for k in STEP_FIELDS if hasattr(own, k)}
         t = exp.train
         lora, critic_lora = exp.learner.lora_settings()
         return cls(optim=OptimizerSettings.from_config(exp), critic_warmup_steps=t.critic_warmup_steps,
                    num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
                    temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
-                   logprob_chunk_tokens=exp.learner.logprob_chunk_tokens,
-                   critic_updates_per_step=t.critic_updates_per_step,
-                   critic_freeze_attention=exp.learner.critic_freeze_attention,
-                   autocast_dtype=exp.learner.autocast_dtype,
-                   shared_prefix_tokens=exp.learner.shared_prefix_tokens)
+                   critic_updates_per_step=t.critic_updates_per_step, **step)

@@ -26,8 +26,8 @@ from torch.nn import functional
 
 Tensor = torch.Tensor
 
-#: Default tokens per chunk (``learner.logprob_chunk_tokens``): with a 49k vocabulary a chunk's
-#: float32 logits are 100 MB; with 151k, 310 MB.
+#: Default tokens per chunk (``learner.backend_settings.logprob_chunk_tokens``): with a 49k vocabulary
+#: a chunk's float32 logits are 100 MB; with 151k, 310 MB.
 DEFAULT_CHUNK_TOKENS = 512
 
 

@@ -1,5 +1,5 @@
 """Decoder hidden states of a batch whose rows begin with the same tokens, with that common prefix
-run once (``learner.shared_prefix_tokens``).
+run once (``learner.backend_settings.shared_prefix_tokens`` of the torch backend).
 
 A few-shot prompt is most of every sequence of the search main job (~440 of ~570 tokens, the same
 in every row). :func:`decoder_hidden_states` finds the longest prefix the rows' real tokens share
@@ -83,7 +83,7 @@ def decoder_hidden_states(decoder: nn.Module, input_ids: Tensor, attention_mask:
                   cache=cache, use_cache=True)
     if cache.get_seq_length() != c:
         raise ValueError(f"{type(decoder).__name__}: the forward did not fill the key/value cache it was "
-                         "given; learner.shared_prefix_tokens needs one (set it to 0)")
+                         "given; learner.backend_settings.shared_prefix_tokens needs one (set it to 0)")
     cache.batch_repeat_interleave(b)
     # every row's remaining tokens, right-aligned at column C (a row's own padding kept as 0s)
     rest_len = length - starts - c                       # (B,) tokens after the prefix, padding incl.

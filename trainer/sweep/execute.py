@@ -9,13 +9,30 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from trainer.errors import ConfigError
-from trainer.plugins import plugin_metadata
+from trainer.plugins import plugin_metadata, plugin_settings
+from trainer.ray_util import RayClusterSettings
 
 from .collect import CellAgg, RunRow, aggregate, collect, write_csv
 from .plan import RunPlan, SweepPlan
 from .plots import Annotation, plot_curves, plot_heatmaps
 from .report import write_report
 from .runner import LocalPool, RayPool, run_all
+
+
+def ray_cluster(plan: SweepPlan) -> tuple[str, int]:
+    """``(address, num_cpus)`` of the Ray cluster the base config's launcher runs on (its settings,
+    a :class:`~trainer.ray_util.RayClusterSettings`: ``launcher.settings.address`` / ``num_cpus``).
+
+    Raises:
+        ConfigError: the launcher has the ``ray_cluster`` capability but its settings are not a
+            ``RayClusterSettings`` (naming ``launcher.kind``).
+    """
+    settings = plugin_settings(plan.base, "launcher.kind")
+    if not isinstance(settings, RayClusterSettings):
+        raise ConfigError(f"launcher.kind={plan.base.launcher.kind!r}: a ray_cluster launcher's settings "
+                          "must be a trainer.ray_util.RayClusterSettings (address, num_cpus) for copc sweep "
+                          f"to run its cells on that cluster; got {type(settings).__name__}")
+    return settings.address, settings.num_cpus
 
 
 def run_plan(plan: SweepPlan, console: Console) -> dict[str, dict]:
@@ -35,9 +52,8 @@ def run_plan(plan: SweepPlan, console: Console) -> dict[str, dict]:
                   f"{len(todo)} to run")
     if not todo:
         return {}
-    launcher = plan.base.launcher
     on_ray = plugin_metadata(plan.base, "launcher.kind")["ray_cluster"]  # the runs' launcher uses Ray
-    pool = RayPool(launcher.ray_address, launcher.ray_num_cpus) if on_ray else LocalPool(plan.spec.parallel)
+    pool = RayPool(*ray_cluster(plan)) if on_ray else LocalPool(plan.spec.parallel)
 
     def describe() -> str:
         return (f"sweep: {counts['ok'] + skipped} done, {counts['running']} running, "

@@ -45,7 +45,7 @@ WARM_START_CACHE = "warm_start_cache"
 #: plan when a sweep is re-run: where the sweep lives (it may be moved), the Ray cluster's address,
 #: how many checkpoints are kept (``--eval-checkpoints``) and logging. Any other difference means
 #: the directory holds a run of other settings.
-RERUN_FREE_KEYS = ("output_dir", "warm_start.cache_dir", "launcher.ray_address", "checkpoint.keep_last",
+RERUN_FREE_KEYS = ("output_dir", "warm_start.cache_dir", "launcher.settings.address", "checkpoint.keep_last",
                    "logging.")
 
 

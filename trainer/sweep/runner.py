@@ -11,10 +11,10 @@ is recorded in its status file and the sweep goes on.
 Ray (``launcher.kind=ray`` in the base config): every run is a Ray task (``num_cpus=0``: the
 ``copc train`` driver it starts is light, and the rollout workers and learner that this run
 asks the cluster for hold the resources) running the same subprocess. The sweep connects to
-``launcher.ray_address`` or starts a local cluster with ``launcher.ray_num_cpus`` CPUs, and
-passes the cluster's address to every run as ``launcher.ray_address`` so the runs' actors
-share that one cluster. On a multi-node cluster the sweep directory must be on a filesystem
-that every node sees at the same path.
+``launcher.settings.address`` or starts a local cluster with ``launcher.settings.num_cpus`` CPUs
+(:func:`trainer.ray_util.connect_ray`, as the Ray launcher does), and passes the cluster's address to
+every run as ``launcher.settings.address`` so the runs' actors share that one cluster. On a
+multi-node cluster the sweep directory must be on a filesystem that every node sees at the same path.
 """
 
 from __future__ import annotations
@@ -207,26 +207,31 @@ class LocalPool:
 
 
 class RayPool:
-    """Runs :func:`execute_run` as Ray tasks on the cluster of ``address`` (empty: a local one).
+    """Runs :func:`execute_run` as Ray tasks on the cluster of ``address`` (empty: a local one),
+    joined or started with :func:`trainer.ray_util.connect_ray` (the runs' output goes to their logs,
+    not to this process).
 
     Args:
-        address: ``launcher.ray_address``. num_cpus: CPUs of a local cluster.
+        address: the launcher's ``launcher.settings.address``. num_cpus: CPUs of a local cluster
+            (``launcher.settings.num_cpus``).
+
+    Raises:
+        ConnectionError / RuntimeError: from ``ray.init`` (no cluster at ``address``).
     """
 
     def __init__(self, address: str, num_cpus: int) -> None:
         import ray
 
+        from ..ray_util import connect_ray
+
         self._ray = ray
-        self._started = not ray.is_initialized()
-        if self._started:
-            ray.init(address=address or None, num_cpus=None if address else num_cpus,
-                     include_dashboard=False, log_to_driver=False)
+        self._started = connect_ray(address, num_cpus, log_to_driver=False)
         self.address = address or ray.get_runtime_context().gcs_address
         self._remote = ray.remote(num_cpus=0, max_retries=0)(execute_run)
 
     def prepare(self, plan: RunPlan) -> RunPlan:
-        """``plan`` with ``launcher.ray_address`` set to this cluster (its actors join it)."""
-        address = f"launcher.ray_address={format_value(self.address)}"
+        """``plan`` with ``launcher.settings.address`` set to this cluster (its actors join it)."""
+        address = f"launcher.settings.address={format_value(self.address)}"
         return replace(plan, overrides=(*plan.overrides, address))
 
     def submit(self, plan: RunPlan) -> Any:

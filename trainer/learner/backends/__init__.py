@@ -5,7 +5,7 @@
 * :mod:`.megatron` — ``learner.backend: megatron``, Megatron-core tensor + data parallel (the
   ``megatron`` extra).
 
-Each implements the hooks of :class:`~trainer.learner.algorithm.TemplateLearner` (recompute,
+Each implements the hooks of :class:`~trainer.learner.template.TemplateLearner` (recompute,
 update, schedule); the step itself is written once there. The rank processes, collectives and
 checkpoint plumbing shared by the distributed backends are :mod:`trainer.learner.distributed`.
 """

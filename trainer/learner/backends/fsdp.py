@@ -4,7 +4,7 @@ the critic, data parallel over the ranks of a
 
 Per rank: parameters, gradients and optimizer state are sharded (each decoder layer its own
 FSDP unit, then the root: embeddings, final norm, LM / value head). The step is the template's
-(:class:`~trainer.learner.algorithm.TemplateLearner`, as the torch backend) with the rows of
+(:class:`~trainer.learner.template.TemplateLearner`, as the torch backend) with the rows of
 every mini-batch split over the data-parallel ranks in the hooks:
 
 * ``logp_old`` / ``values_old`` are recomputed on each rank's rows and all-gathered, so the
@@ -59,13 +59,15 @@ import copc
 
 from ...models.lm_head import check_output_head, token_scores
 from ...rollout.batch import RolloutBatch
-from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
+from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
+from ..backend_settings import DistributedSettings, backend_settings
 from ..critic import ValueModel
 from ..distributed.base import RankContext
 from ..distributed.collectives import all_gather_objects
 from ..distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
+from ..template import TemplateLearner
 from .torch import TransformersForward, enable_activation_checkpointing
 
 Tensor = torch.Tensor
@@ -291,18 +293,21 @@ def build_fsdp_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> 
 
     Loads the actor from ``model_dir`` (float32 master weights; ``model.dtype`` bfloat16/float16
     becomes the compute dtype through FSDP mixed precision), the critic from the actor (as the
-    torch backend); ``learner.gradient_checkpointing`` checkpoints both models' decoder layers
-    (before sharding).
+    torch backend). Its settings are the backend's
+    :class:`~trainer.learner.backend_settings.DistributedSettings` (``learner.backend_settings``):
+    ``gradient_checkpointing`` checkpoints both models' decoder layers (before sharding),
+    ``cpu_offload`` keeps the sharded state in CPU memory, ``logprob_chunk_tokens`` as the torch backend.
     """
     from ...models.loading import load_model_and_tokenizer
 
+    own = backend_settings(exp_cfg, DistributedSettings)
     dtype = getattr(torch, exp_cfg.model.dtype)
     actor, _ = load_model_and_tokenizer(model_dir, dtype=torch.float32,
                                         attn_implementation=exp_cfg.model.attn_implementation)
     algo = exp_cfg.algorithm_config()
     critic = ValueModel.from_causal_lm(actor) if algo.use_critic else None
-    if exp_cfg.learner.gradient_checkpointing:
+    if own.gradient_checkpointing:
         enable_activation_checkpointing(actor, critic)
-    return FSDPRankLearner(actor, algo, LearnerConfig.from_config(exp_cfg), ctx, critic,
-                           cpu_offload=exp_cfg.learner.cpu_offload,
+    return FSDPRankLearner(actor, algo, LearnerConfig.from_config(exp_cfg, own), ctx, critic,
+                           cpu_offload=own.cpu_offload,
                            param_dtype=None if dtype == torch.float32 else dtype)

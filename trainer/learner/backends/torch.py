@@ -1,6 +1,6 @@
 """The plain-torch learner backend (``learner.backend: torch``): one process, one device.
 
-The backend part only: the hooks of :class:`~trainer.learner.algorithm.TemplateLearner`
+The backend part only: the hooks of :class:`~trainer.learner.template.TemplateLearner`
 (forward passes: per-token log-probs, entropies and values of a micro-batch; the whole-batch
 recompute; the micro-batch backward passes) and its optimizers
 (:class:`~trainer.learner.optim.TorchOptimizer`: AdamW or SGD, gradient clipping, linear LR
@@ -13,10 +13,11 @@ the critic's value head) are optimised and checkpointed; :meth:`TorchLearner.exp
 weight syncs send, :meth:`TorchLearner.export_policy_weights` the merged model (export, evaluation).
 
 The actor's log-probs never materialise the full-vocabulary logits: hidden states are taken at the
-model tokens only and the LM head + log-softmax run in chunks of ``learner.logprob_chunk_tokens``
+model tokens only and the LM head + log-softmax run in chunks of ``logprob_chunk_tokens``
 with recomputation in backward (:func:`response_scores`; shared with the fsdp backend).
-``learner.gradient_checkpointing`` adds activation checkpointing of the decoder layers
-(:func:`enable_activation_checkpointing`).
+``gradient_checkpointing`` adds activation checkpointing of the decoder layers
+(:func:`enable_activation_checkpointing`). The backend's own settings are
+:class:`~trainer.learner.backend_settings.TorchSettings` (``learner.backend_settings``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from ...models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from ...models.lm_head import check_output_head, token_scores
 from ...models.lora import AdapterWeights, merged_state_dict
 from ...rollout.batch import RolloutBatch, pad_response
-from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
+from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
+from ..backend_settings import TorchSettings, backend_settings
 from ..critic import ValueModel, freeze_attention
 from ..lora import check_trainable_dtype, load_role_state, prepare_models, role_state, trainable_parameters
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
+from ..template import TemplateLearner
 
 Tensor = torch.Tensor
 
@@ -63,8 +66,8 @@ def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
         scorer: what runs :func:`~trainer.models.lm_head.token_scores` on ``model`` with the remaining
             arguments (default: that function; the fsdp backend passes the actor's FSDP forward method).
         shared_prefix_tokens: a common prefix of the rows of at least this many tokens is run once
-            (``learner.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`; 0: off; not
-            passed to a ``scorer``).
+            (``learner.backend_settings.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`; 0:
+            off; not passed to a ``scorer``).
 
     Returns:
         ``(logp, entropy)``, ``(B, T)`` float32 each (entropy None when not asked for).
@@ -86,7 +89,8 @@ def response_logprobs(model: nn.Module, b: RolloutBatch, temperature: float, *,
 
 
 def enable_activation_checkpointing(*models: nn.Module | None) -> None:
-    """Activation checkpointing of every decoder layer of each model (``learner.gradient_checkpointing``):
+    """Activation checkpointing of every decoder layer of each model (``gradient_checkpointing`` of
+    ``learner.backend_settings``):
     ``transformers``' own (non-reentrant :func:`torch.utils.checkpoint.checkpoint`), so a layer's
     activations are recomputed in backward instead of kept. A :class:`ValueModel` gets it on its
     backbone; None is skipped."""
@@ -108,7 +112,7 @@ def mb_values(critic: ValueModel, b: RolloutBatch, shared_prefix_tokens: int = 0
 
 
 class TransformersForward:
-    """The forward hooks of :class:`~trainer.learner.algorithm.TemplateLearner` over a
+    """The forward hooks of :class:`~trainer.learner.template.TemplateLearner` over a
     ``transformers`` causal LM ``actor`` and a :class:`ValueModel` ``critic`` (torch and FSDP)."""
 
     actor: nn.Module
@@ -119,7 +123,7 @@ class TransformersForward:
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Where the forward passes run: :func:`torch.autocast` in ``cfg.autocast_dtype`` on the
-        actor's device type (``learner.autocast_dtype``), else a null context (float32)."""
+        actor's device type (``learner.backend_settings.autocast_dtype``), else a null context (float32)."""
         if self.cfg.autocast_dtype is None:
             return contextlib.nullcontext()
         device = next(self.actor.parameters()).device.type
@@ -144,7 +148,7 @@ class TransformersForward:
         return self.scores(mb, True)
 
     def values(self, mb: RolloutBatch) -> Tensor:
-        """The critic's values of ``mb`` (:func:`mb_values`, ``learner.shared_prefix_tokens``),
+        """The critic's values of ``mb`` (:func:`mb_values`, ``shared_prefix_tokens``),
         float32, under :meth:`forward_context`."""
         width, mb = mb.loss_mask.shape[1], mb.trimmed()
         with self.forward_context():
@@ -153,7 +157,7 @@ class TransformersForward:
     @torch.no_grad()
     def next_token_logprobs(self, prompt_ids: Tensor, temperature: float) -> Tensor:
         """The actor's next-token distribution after each prompt, ``log softmax(logits / T)``, in
-        float32 whatever ``learner.autocast_dtype`` (an exact reference of the weights).
+        float32 whatever ``autocast_dtype`` (an exact reference of the weights).
 
         Args:
             prompt_ids: ``(K, P)`` int64 unpadded prompts.
@@ -207,13 +211,20 @@ class TorchLearner(TransformersForward, TemplateLearner):
 
     @classmethod
     def from_config(cls, exp: Any, model_dir: str | Path) -> TorchLearner:
-        """The torch backend of an :class:`~trainer.config.ExperimentConfig`, actor from ``model_dir``."""
+        """The torch backend of an :class:`~trainer.config.ExperimentConfig`, actor from ``model_dir``;
+        its own settings are the backend's :class:`~trainer.learner.backend_settings.TorchSettings`
+        (``learner.backend_settings``; defaults for a backend registered without settings).
+
+        Raises:
+            ConfigError: the backend's settings are not a ``TorchSettings``; as :meth:`__init__`.
+        """
         from ...models.loading import load_model_and_tokenizer
 
+        own = backend_settings(exp, TorchSettings)
         actor, _ = load_model_and_tokenizer(model_dir, dtype=getattr(torch, exp.model.dtype),
                                             attn_implementation=exp.model.attn_implementation)
-        learner = cls(actor, exp.algorithm_config(), LearnerConfig.from_config(exp))
-        if exp.learner.gradient_checkpointing:
+        learner = cls(actor, exp.algorithm_config(), LearnerConfig.from_config(exp, own))
+        if own.gradient_checkpointing:
             enable_activation_checkpointing(learner.actor, learner.critic)
         return learner
 

@@ -1,17 +1,20 @@
-"""Starting the rank processes of a distributed learner and talking to them (``learner.launch``).
+"""Starting the rank processes of a distributed learner and talking to them
+(``learner.backend_settings.launch``: :class:`~trainer.learner.backend_settings.DistributedSettings`).
 
 Each launcher returns a :class:`RankGroup`: ``call(cmd, *args)`` runs one command on every
 rank (:class:`~trainer.learner.distributed.worker.RankServer`) and returns the per-rank results,
 or raises :class:`RankError` promptly when a rank raises, dies or exceeds
-``learner.timeout_s`` (the group is then closed: no rank is left waiting in a collective). A
+``learner.backend_settings.timeout_s`` (the group is then closed: no rank is left waiting in a collective). A
 :class:`~trainer.errors.ConfigError` raised in a rank (a setting the rank learner refuses, e.g.
 ``model.dtype=bfloat16`` for ``megatron`` on CPU) is raised again as a ``ConfigError`` in the
 driver (``copc train`` exits with status 2), the group closed the same way.
 
 * ``spawn``: ``world_size`` child interpreters on this machine, one socket pair each (tensors
   travel through shared memory);
-* ``ray``: one Ray actor per rank in a placement group (``launcher.ray_address``: an existing
-  cluster); rank 0's node address is the rendezvous;
+* ``ray``: one Ray actor per rank in a placement group, on the Ray cluster of the backend's own
+  settings (``learner.backend_settings.ray_address``, empty: a local one with ``ray_num_cpus`` CPUs;
+  :func:`trainer.ray_util.connect_ray`, as the Ray launcher and ``copc sweep``); rank 0's node
+  address is the rendezvous;
 * ``torchrun``: this process is rank 0 of a group started by ``torchrun``; commands are
   broadcast to the other ranks, which run :func:`~.worker.serve_torchrun_worker`.
 """
@@ -33,6 +36,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ...errors import ConfigError
+from ..backend_settings import DistributedSettings, backend_settings
 from .worker import (
     CONFIG_ERROR,
     RankServer,
@@ -70,7 +74,7 @@ class RankGroup(Protocol):
 #: Variables set by ``torchrun`` (torch elastic) that must not reach spawned ranks: with
 #: ``TORCHELASTIC_USE_AGENT_STORE=True`` inherited, ``init_process_group`` expects torchrun's
 #: agent to host the rendezvous store, so no rank starts one and all of them wait until
-#: ``learner.timeout_s``.
+#: ``learner.backend_settings.timeout_s``.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
@@ -94,7 +98,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class SpawnGroup:
-    """``world_size`` rank processes started on this machine (``learner.launch: spawn``).
+    """``world_size`` rank processes started on this machine (``learner.backend_settings.launch: spawn``).
 
     Each rank is a fresh interpreter (``python -m trainer.learner.distributed.rank_main``; nothing of
     the driver's ``__main__`` is re-run, so a script without a ``__main__`` guard works) joined to
@@ -112,7 +116,7 @@ class SpawnGroup:
     def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
         import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
 
-        sec = exp_cfg.learner
+        sec = backend_settings(exp_cfg, DistributedSettings)
         self.world_size, self.timeout_s = sec.world_size, sec.timeout_s
         init = f"tcp://127.0.0.1:{free_port()}"
         env = spawn_env(dict(os.environ), multiprocessing.current_process().authkey.hex())
@@ -127,7 +131,7 @@ class SpawnGroup:
                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL))
                 theirs.close()
                 self.conns.append(Connection(mine.detach()))
-                self.conns[-1].send((RankSpec.from_section(sec, rank, init), exp_cfg, str(model_dir)))
+                self.conns[-1].send((RankSpec.from_settings(sec, rank, init), exp_cfg, str(model_dir)))
         except BaseException:
             self.close(graceful=False)
             raise
@@ -158,7 +162,7 @@ class SpawnGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(f"learner ranks {sorted(pending)} did not answer {cmd!r} within "
-                           f"learner.timeout_s={self.timeout_s}")
+                           f"learner.backend_settings.timeout_s={self.timeout_s}")
             ready = wait([self.conns[r] for r in pending], timeout=min(1.0, left))
             for r in sorted(pending):
                 if self.conns[r] in ready:
@@ -213,7 +217,7 @@ class SpawnGroup:
 
 
 class RankActor:
-    """One rank as a Ray actor (``learner.launch: ray``); see :class:`RayGroup`."""
+    """One rank as a Ray actor (``learner.backend_settings.launch: ray``); see :class:`RayGroup`."""
 
     def __init__(self) -> None:
         self.server: RankServer | None = None
@@ -238,10 +242,11 @@ class RankActor:
 
 
 class RayGroup:
-    """One Ray actor per rank in a placement group (``learner.launch: ray``).
+    """One Ray actor per rank in a placement group (``learner.backend_settings.launch: ray``).
 
-    Ray is started here unless already initialised (``launcher.ray_address`` / ``ray_num_cpus``).
-    Each rank reserves 1 CPU (and 1 GPU with NCCL).
+    Ray is joined or started here unless already initialised in this process
+    (:func:`~trainer.ray_util.connect_ray` with ``learner.backend_settings.ray_address`` /
+    ``ray_num_cpus``). Each rank reserves 1 CPU (and 1 GPU with NCCL).
 
     Raises:
         RankError: a rank failed to start or the placement group could not be placed in time.
@@ -252,20 +257,20 @@ class RayGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ...ray_util import init_ray
+        from ...ray_util import connect_ray
         from .worker import resolve_dist_backend
 
-        sec = exp_cfg.learner
+        sec = backend_settings(exp_cfg, DistributedSettings)
         self.world_size, self.timeout_s = sec.world_size, sec.timeout_s
-        self._owns_ray = init_ray(exp_cfg.launcher.ray_address, exp_cfg.launcher.ray_num_cpus)
+        self._owns_ray = connect_ray(sec.ray_address, sec.ray_num_cpus)
         gpu = resolve_dist_backend(sec.dist_backend) == "nccl"
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         self._pg = placement_group([bundle] * self.world_size, strategy="PACK")
         self._remove_pg = remove_placement_group
         self._closed = False
         if not self._pg.wait(timeout_seconds=min(120.0, self.timeout_s)):
-            self._fail(f"learner.world_size={self.world_size}: Ray could not place {self.world_size} "
-                       f"rank bundles {bundle} (too few CPUs/GPUs in the cluster?)")
+            self._fail(f"learner.backend_settings.world_size={self.world_size}: Ray could not place "
+                       f"{self.world_size} rank bundles {bundle} (too few CPUs/GPUs in the cluster?)")
         actor_cls = ray.remote(RankActor)
         self.actors = [actor_cls.options(
             num_cpus=1, num_gpus=1 if gpu else 0, name=None,
@@ -275,7 +280,7 @@ class RayGroup:
         ip, port = self._get([self.actors[0].address.remote()], "address")[0]
         init = f"tcp://{ip}:{port}"
         # local ranks on one node: Ray's PACK places bundles together; LOCAL_RANK = rank
-        self.ready = self._get([a.setup.remote(RankSpec.from_section(sec, r, init), exp_cfg, str(model_dir))
+        self.ready = self._get([a.setup.remote(RankSpec.from_settings(sec, r, init), exp_cfg, str(model_dir))
                                 for r, a in enumerate(self.actors)], "start")
 
     def _get(self, refs: list[Any], cmd: str) -> list[Any]:
@@ -286,7 +291,8 @@ class RayGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                self._fail(f"learner ranks did not answer {cmd!r} within learner.timeout_s={self.timeout_s}")
+                self._fail(f"learner ranks did not answer {cmd!r} within learner.backend_settings.timeout_s="
+                           f"{self.timeout_s}")
             try:
                 ray.get(done[0])
             except Exception as e:  # RayTaskError (a rank raised) or RayActorError (a rank died)
@@ -326,8 +332,8 @@ class RayGroup:
 
 
 class TorchrunGroup:
-    """This process is rank 0 of a ``torchrun`` group (``learner.launch: torchrun``); the other
-    ranks run :func:`~.worker.serve_torchrun_worker` (started by ``copc train`` itself when
+    """This process is rank 0 of a ``torchrun`` group (``learner.backend_settings.launch: torchrun``);
+    the other ranks run :func:`~.worker.serve_torchrun_worker` (started by ``copc train`` itself when
     ``RANK > 0``). Commands are broadcast from here; every rank reports its error status after
     each command, so a rank's exception raises here (a hung collective ends at ``timeout_s``).
 
@@ -338,10 +344,10 @@ class TorchrunGroup:
     """
 
     def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
-        spec = torchrun_spec(exp_cfg.learner)
+        spec = torchrun_spec(backend_settings(exp_cfg, DistributedSettings))
         if spec.rank != 0:
-            raise ValueError(f"learner.launch='torchrun': the driver must be RANK 0, this is RANK "
-                             f"{spec.rank}")
+            raise ValueError(f"learner.backend_settings.launch='torchrun': the driver must be RANK 0, this "
+                             f"is RANK {spec.rank}")
         self.world_size = spec.world_size
         self.ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
         self._closed = False
@@ -382,10 +388,11 @@ LAUNCHERS = {"spawn": SpawnGroup, "ray": RayGroup, "torchrun": TorchrunGroup}
 
 
 def start_ranks(exp_cfg: Any, model_dir: str | Path) -> RankGroup:
-    """Start the ranks of ``learner.launch`` and build their learners (blocks until all are ready).
+    """Start the ranks of ``learner.backend_settings.launch`` and build their learners (blocks until
+    all are ready).
 
     Raises:
         RankError: a rank failed to start. ConfigError: a rank refused a setting; torchrun
             environment missing or of another size.
     """
-    return LAUNCHERS[exp_cfg.learner.launch](exp_cfg, model_dir)
+    return LAUNCHERS[backend_settings(exp_cfg, DistributedSettings).launch](exp_cfg, model_dir)

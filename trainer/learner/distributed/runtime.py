@@ -1,6 +1,8 @@
 """The driver side of a distributed learner: :class:`DistributedLearner` (a
-:class:`~trainer.learner.base.Learner`) runs a registered rank learner on ``learner.world_size``
-ranks and looks like any other backend to the loop, the Ray launcher and ``run.py``.
+:class:`~trainer.learner.base.Learner`) runs a registered rank learner on
+``learner.backend_settings.world_size`` ranks (the backend's
+:class:`~trainer.learner.backend_settings.DistributedSettings`) and looks like any other backend to
+the loop, the Ray launcher and ``run.py``.
 
 * ``step(batch)``: the same full batch goes to every rank; rank 0's metrics come back (and, when
   the run keeps per-step samples, rank 0's per-token step inputs: :attr:`last_step_inputs`).
@@ -10,7 +12,7 @@ ranks and looks like any other backend to the loop, the Ray launcher and ``run.p
   is written by the ranks into a directory of the checkpoint being built (:meth:`save_dir`,
   called by :class:`~trainer.outputs.checkpoint.CheckpointManager` through
   :func:`~trainer.learner.base.learner_checkpoint_state`) and read back by :meth:`load_dir`.
-* Failures: a rank that raises, dies or hangs longer than ``learner.timeout_s`` raises
+* Failures: a rank that raises, dies or hangs longer than ``learner.backend_settings.timeout_s`` raises
   :class:`~.launch.RankError` here; the ranks are then stopped.
 """
 
@@ -29,35 +31,39 @@ import torch
 from ...errors import ConfigError
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, StepInputs
+from ..backend_settings import DistributedSettings, backend_settings
 from ..settings import LearnerConfig
 from .launch import RankGroup, start_ranks
 
 
-def check_launch(section: Any, environ: dict[str, str] | None = None) -> None:
-    """Refuse ``learner.launch`` spawn / ray in a process that ``torchrun`` started with more than
+def check_launch(settings: DistributedSettings, environ: dict[str, str] | None = None) -> None:
+    """Refuse ``launch`` spawn / ray in a process that ``torchrun`` started with more than
     one process: each of them would run the whole experiment (engine, rollouts, its own learner
     ranks) into the same ``output_dir``.
 
     Args:
-        section: the :class:`~trainer.config.LearnerSection`. environ: default ``os.environ``.
+        settings: the backend's :class:`~trainer.learner.backend_settings.DistributedSettings`.
+        environ: default ``os.environ``.
 
     Raises:
-        ConfigError: naming ``learner.launch`` and torchrun's ``WORLD_SIZE``.
+        ConfigError: naming ``learner.backend_settings.launch`` and torchrun's ``WORLD_SIZE``.
     """
     env = os.environ if environ is None else environ
     world = int(env.get("WORLD_SIZE", "1") or 1)
-    if section.launch != "torchrun" and "RANK" in env and world > 1:
-        raise ConfigError(f"learner.launch={section.launch!r}: this process is one of WORLD_SIZE={world} "
-                          "started by torchrun, and each would run the whole experiment; with torchrun set "
-                          "learner.launch=torchrun (or run copc train without torchrun)")
+    if settings.launch != "torchrun" and "RANK" in env and world > 1:
+        raise ConfigError(f"learner.backend_settings.launch={settings.launch!r}: this process is one of "
+                          f"WORLD_SIZE={world} started by torchrun, and each would run the whole experiment; "
+                          "with torchrun set learner.backend_settings.launch=torchrun (or run copc train "
+                          "without torchrun)")
 
 
-def check_model_parallel(section: Any, model_dir: str | Path) -> None:
+def check_model_parallel(settings: DistributedSettings, model_dir: str | Path) -> None:
     """Model-dependent checks of the parallel sizes, against ``model_dir/config.json``.
 
-    ``learner.tensor_parallel_size`` must divide the number of attention heads and of key/value
-    heads (Megatron splits heads across tensor-parallel ranks); ``learner.pipeline_parallel_size``
-    must not exceed the number of layers.
+    ``tensor_parallel_size`` must divide the number of attention heads and of key/value heads
+    (Megatron splits heads across tensor-parallel ranks); ``pipeline_parallel_size`` must not exceed
+    the number of layers (``settings``: the backend's
+    :class:`~trainer.learner.backend_settings.DistributedSettings`).
 
     Raises:
         ConfigError: naming the key, the value and the model's count.
@@ -67,21 +73,22 @@ def check_model_parallel(section: Any, model_dir: str | Path) -> None:
         return
     cfg = json.loads(path.read_text())
     cfg = cfg.get("text_config", cfg)
-    tp, pp = section.tensor_parallel_size, section.pipeline_parallel_size
+    tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
     heads = int(cfg.get("num_attention_heads", 0) or 0)
     kv = int(cfg.get("num_key_value_heads", heads) or heads)
     layers = int(cfg.get("num_hidden_layers", 0) or 0)
     for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
         if count and (tp > count or count % tp):
-            raise ConfigError(f"learner.tensor_parallel_size={tp}: must divide the model's {count} {what} "
-                              f"({path})")
+            raise ConfigError(f"learner.backend_settings.tensor_parallel_size={tp}: must divide the model's "
+                              f"{count} {what} ({path})")
     if layers and pp > layers:
-        raise ConfigError(f"learner.pipeline_parallel_size={pp}: more stages than the model's {layers} "
-                          f"layers ({path})")
+        raise ConfigError(f"learner.backend_settings.pipeline_parallel_size={pp}: more stages than the "
+                          f"model's {layers} layers ({path})")
 
 
 class DistributedLearner:
-    """A :class:`~trainer.learner.base.Learner` whose work runs on ``learner.world_size`` ranks.
+    """A :class:`~trainer.learner.base.Learner` whose work runs on ``learner.backend_settings.world_size``
+    ranks.
 
     Args:
         exp_cfg: the :class:`~trainer.config.ExperimentConfig` (``learner.backend`` names a rank
@@ -100,15 +107,16 @@ class DistributedLearner:
     def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
         from .base import RANK_LEARNERS
 
-        sec = exp_cfg.learner
-        RANK_LEARNERS.get(sec.backend)  # RegistryError naming learner.backend
-        check_launch(sec)
-        check_model_parallel(sec, model_dir)
-        self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), sec.backend
+        RANK_LEARNERS.get(exp_cfg.learner.backend)  # RegistryError naming learner.backend
+        #: the backend's rank layout, launch and timeout
+        self.settings = backend_settings(exp_cfg, DistributedSettings)
+        check_launch(self.settings)
+        check_model_parallel(self.settings, model_dir)
+        self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), exp_cfg.learner.backend
         #: the channel intervals of the preset, for the run's samples (the ranks hold the algorithm
         #: that trains; this one computes nothing)
         self.algorithm = ActorCriticAlgorithm.from_config(exp_cfg.algorithm_config(),
-                                                          LearnerConfig.from_config(exp_cfg))
+                                                          LearnerConfig.from_config(exp_cfg, self.settings))
         #: rank 0's last step inputs (CPU; ``(B, T)`` log-probs and advantages), or None when the
         #: run keeps no per-step samples (``logging.samples_per_step: 0``)
         self.last_step_inputs: StepInputs | None = None
@@ -155,7 +163,7 @@ class DistributedLearner:
         """The small driver state: ``{"backend", "world_size", "tensor_parallel_size",
         "pipeline_parallel_size", "policy_version", "sharded": True}``; the weights and optimizer
         state are written by :meth:`save_dir`."""
-        sec = self.exp_cfg.learner
+        sec = self.settings
         return {"backend": self.backend, "world_size": sec.world_size,
                 "tensor_parallel_size": sec.tensor_parallel_size,
                 "pipeline_parallel_size": sec.pipeline_parallel_size,

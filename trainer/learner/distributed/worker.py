@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ...errors import ConfigError
 from ...parent_watch import exit_with_parent
 from ..allocator import release_free_heap, set_malloc_mmap_threshold
+from ..backend_settings import DistributedSettings, backend_settings
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
 from .collectives import all_gather_objects, broadcast_object
 
@@ -62,27 +63,30 @@ class RankSpec:
     timeout_s: float = 1800.0
 
     @classmethod
-    def from_section(cls, section: Any, rank: int, init_method: str, local_rank: int | None = None,
-                     local_world_size: int | None = None) -> RankSpec:
-        """The spec of ``rank`` from a :class:`~trainer.config.LearnerSection`."""
-        return cls(rank=rank, world_size=section.world_size,
+    def from_settings(cls, settings: DistributedSettings, rank: int, init_method: str,
+                      local_rank: int | None = None, local_world_size: int | None = None) -> RankSpec:
+        """The spec of ``rank`` from the backend's
+        :class:`~trainer.learner.backend_settings.DistributedSettings` (``local_rank`` defaults to
+        ``rank``, ``local_world_size`` to ``world_size``: every rank on this machine)."""
+        return cls(rank=rank, world_size=settings.world_size,
                    local_rank=rank if local_rank is None else local_rank,
-                   local_world_size=section.world_size if local_world_size is None else local_world_size,
-                   init_method=init_method, tp_size=section.tensor_parallel_size,
-                   pp_size=section.pipeline_parallel_size, dist_backend=section.dist_backend,
-                   timeout_s=section.timeout_s)
+                   local_world_size=settings.world_size if local_world_size is None else local_world_size,
+                   init_method=init_method, tp_size=settings.tensor_parallel_size,
+                   pp_size=settings.pipeline_parallel_size, dist_backend=settings.dist_backend,
+                   timeout_s=settings.timeout_s)
 
 
 def resolve_dist_backend(name: str) -> str:
     """``auto`` → ``nccl`` when CUDA is available, else ``gloo``; other names unchanged.
 
     Raises:
-        ConfigError: ``nccl`` without CUDA (naming ``learner.dist_backend``).
+        ConfigError: ``nccl`` without CUDA (naming ``learner.backend_settings.dist_backend``).
     """
     if name == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("learner.dist_backend='nccl' needs CUDA; this machine has none (use 'gloo' or "
+        raise ConfigError("learner.backend_settings.dist_backend='nccl' needs CUDA; this machine has none "
+                          "(use 'gloo' or "
                          "'auto')")
     return name
 
@@ -249,23 +253,25 @@ def spawn_main(conn: Any) -> None:
         os._exit(0)  # nothing left to flush (checkpoints are fsync-ed); skips seconds of interpreter teardown
 
 
-def torchrun_spec(section: Any) -> RankSpec:
+def torchrun_spec(settings: DistributedSettings) -> RankSpec:
     """This process's :class:`RankSpec` from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``).
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``) and the backend's settings.
 
     Raises:
-        ConfigError: not started by torchrun, or ``WORLD_SIZE`` differs from ``learner.world_size``
-            (naming ``learner.launch`` / ``learner.world_size``; ``copc train`` exits 2).
+        ConfigError: not started by torchrun, or ``WORLD_SIZE`` differs from ``settings.world_size``
+            (naming ``learner.backend_settings.launch`` / ``.world_size``; ``copc train`` exits 2).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ConfigError("learner.launch='torchrun': RANK/WORLD_SIZE are not set; start the run with "
-                         "`torchrun --nproc-per-node N -m trainer.cli train ...`")
+        raise ConfigError("learner.backend_settings.launch='torchrun': RANK/WORLD_SIZE are not set; start "
+                          "the run with `torchrun --nproc-per-node N -m trainer.cli train ...`")
     world = int(os.environ["WORLD_SIZE"])
-    if world != section.world_size:
-        raise ConfigError(f"learner.world_size={section.world_size} but torchrun started WORLD_SIZE={world}")
+    if world != settings.world_size:
+        raise ConfigError(f"learner.backend_settings.world_size={settings.world_size} but torchrun started "
+                          f"WORLD_SIZE={world}")
     rank = int(os.environ["RANK"])
-    return RankSpec.from_section(section, rank, "env://", local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return RankSpec.from_settings(settings, rank, "env://",
+                                  local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def broadcast_command(msg: Any, ctx: RankContext) -> Any:
@@ -302,8 +308,8 @@ def serve_torchrun_worker(exp_cfg: Any) -> None:
     Raises:
         ConfigError: as :func:`torchrun_spec`.
     """
-    ctx = init_rank(torchrun_spec(exp_cfg.learner), exp_cfg.train.torch_threads,
-                    exp_cfg.learner.malloc_mmap_threshold)
+    ctx = init_rank(torchrun_spec(backend_settings(exp_cfg, DistributedSettings)),
+                    exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
     server: RankServer | None = None
     try:
         while True:

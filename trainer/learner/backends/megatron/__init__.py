@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...backend_settings import DistributedSettings
 from ...distributed.registry import RANK_LEARNERS, register_rank_learner
 
 
@@ -23,6 +24,6 @@ def build_rank_learner(exp_cfg: Any, model_dir: Path, ctx: Any) -> Any:
 
 
 if "megatron" not in RANK_LEARNERS:
-    register_rank_learner("megatron", build_rank_learner, tensor_parallel=True)
+    register_rank_learner("megatron", build_rank_learner, settings=DistributedSettings, tensor_parallel=True)
 
 __all__ = ["build_rank_learner"]

@@ -47,17 +47,17 @@ def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int) -> None:
     """Model-dependent checks of the parallel sizes for Megatron.
 
     Raises:
-        ConfigError: ``learner.pipeline_parallel_size`` ≠ 1 (pipeline schedules are not wired in
-            this backend); ``learner.tensor_parallel_size`` not dividing the attention heads,
-            the key/value heads or the vocabulary (Megatron shards heads and the vocabulary);
-            an architecture mbridge does not know (``model.path``).
+        ConfigError: ``learner.backend_settings.pipeline_parallel_size`` ≠ 1 (pipeline schedules are
+            not wired in this backend); ``learner.backend_settings.tensor_parallel_size`` not dividing
+            the attention heads, the key/value heads or the vocabulary (Megatron shards heads and the
+            vocabulary); an architecture mbridge does not know (``model.path``).
     """
     from mbridge import AutoBridge
 
     if pp_size != 1:
-        raise ConfigError(f"learner.pipeline_parallel_size={pp_size}: the megatron backend runs pipeline "
-                          "size 1 only (tensor and data parallel); use tensor_parallel_size for model "
-                          "parallelism")
+        raise ConfigError(f"learner.backend_settings.pipeline_parallel_size={pp_size}: the megatron "
+                          "backend runs pipeline size 1 only (tensor and data parallel); use "
+                          "tensor_parallel_size for model parallelism")
     known = AutoBridge.list_supported_models()
     if hf_config.model_type not in known:
         raise ConfigError(f"model.path: architecture {hf_config.model_type!r} is not supported by mbridge "
@@ -66,8 +66,8 @@ def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int) -> None:
                         (getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
                          "key/value heads"), (hf_config.vocab_size, "vocabulary entries")):
         if count % tp_size:
-            raise ConfigError(f"learner.tensor_parallel_size={tp_size}: must divide the model's "
-                              f"{count} {what}")
+            raise ConfigError(f"learner.backend_settings.tensor_parallel_size={tp_size}: must divide the "
+                              f"model's {count} {what}")
 
 
 def make_bridge(model_dir: str | Path, dtype: torch.dtype) -> Any:

@@ -5,7 +5,7 @@ critic are Megatron ``GPTModel`` s built from the Hugging Face checkpoint throug
 (:mod:`.bridge`), wrapped in Megatron ``DistributedDataParallel``; ``parallel_state`` lays out
 ``tp × dp`` ranks (pipeline size 1) in the runtime's order (tensor-parallel ranks adjacent).
 
-The step is the template's (:class:`~trainer.learner.algorithm.TemplateLearner`, as the torch
+The step is the template's (:class:`~trainer.learner.template.TemplateLearner`, as the torch
 backend): every algorithmic part comes from
 :class:`~trainer.learner.algorithm.ActorCriticAlgorithm`; per mini-batch, the rows are split over
 the data-parallel ranks (contiguous,
@@ -38,12 +38,14 @@ import copc
 
 from ....errors import ConfigError
 from ....rollout.batch import RolloutBatch
-from ...algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs, TemplateLearner
+from ...algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
+from ...backend_settings import DistributedSettings, backend_settings
 from ...distributed.base import RankContext
 from ...distributed.collectives import all_gather_objects
 from ...distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
 from ...optim import ModelOptimizer
 from ...settings import LearnerConfig
+from ...template import TemplateLearner
 from . import shims
 from .bridge import build_actor, build_critic, export_actor, export_critic, make_bridge
 from .logprobs import response_logprobs, response_values
@@ -60,14 +62,15 @@ def init_parallel_state(ctx: RankContext) -> None:
     previous learner in this process used other sizes).
 
     Raises:
-        ConfigError: ``pp_size != 1`` (naming ``learner.pipeline_parallel_size``).
+        ConfigError: ``pp_size != 1`` (naming ``learner.backend_settings.pipeline_parallel_size``).
         RuntimeError: Megatron's rank layout differs from ``ctx``'s (a runtime bug).
     """
     from megatron.core import parallel_state as ps
 
     if ctx.pp_size != 1:
-        raise ConfigError(f"learner.pipeline_parallel_size={ctx.pp_size}: the megatron backend runs pipeline "
-                          "size 1 only (tensor and data parallel); use tensor_parallel_size")
+        raise ConfigError(f"learner.backend_settings.pipeline_parallel_size={ctx.pp_size}: the megatron "
+                          "backend runs pipeline size 1 only (tensor and data parallel); use "
+                          "tensor_parallel_size")
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == \
                 (ctx.tp_size, ctx.pp_size):
@@ -92,10 +95,11 @@ class MegatronRankLearner(TemplateLearner):
         algo: the preset. cfg: :class:`LearnerConfig` (the torch backend's settings).
         ctx: this rank's :class:`RankContext` (``torch.distributed`` initialised).
         dtype: parameter dtype (float32 only on CPU).
-        recompute: activation recompute (``learner.gradient_checkpointing``): Megatron's full,
-            uniform recompute of every transformer layer (``recompute_granularity="full"``,
-            ``recompute_method="uniform"``, ``recompute_num_layers=1``): each layer keeps only its
-            input and is re-run in the backward pass. Same gradients, less activation memory.
+        recompute: activation recompute (``learner.backend_settings.gradient_checkpointing``):
+            Megatron's full, uniform recompute of every transformer layer
+            (``recompute_granularity="full"``, ``recompute_method="uniform"``,
+            ``recompute_num_layers=1``): each layer keeps only its input and is re-run in the
+            backward pass. Same gradients, less activation memory.
 
     Raises:
         ConfigError: ``model.dtype`` other than float32 on CPU; CPU ranks (gloo) on a CUDA
@@ -111,8 +115,9 @@ class MegatronRankLearner(TemplateLearner):
         on_gpu = ctx.device.type == "cuda"
         if not on_gpu:
             if shims.cuda_available():  # the CPU shims stay off on a CUDA machine
-                raise ConfigError("learner.dist_backend=gloo on a machine with CUDA: the megatron backend "
-                                  "runs on the GPUs there (learner.dist_backend=auto or nccl)")
+                raise ConfigError("learner.backend_settings.dist_backend=gloo on a machine with CUDA: the "
+                                  "megatron backend runs on the GPUs there "
+                                  "(learner.backend_settings.dist_backend=auto or nccl)")
             shims.apply_cpu_shims()
             if dtype != torch.float32:
                 raise ConfigError(f"model.dtype={str(dtype).removeprefix('torch.')}: the megatron backend "
@@ -286,15 +291,19 @@ def build_megatron_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext)
     """The ``megatron`` rank-learner factory
     (:func:`~trainer.learner.distributed.registry.register_rank_learner`).
 
-    ``learner.gradient_checkpointing`` turns on Megatron's activation recompute (see
-    :class:`MegatronRankLearner`).
+    Its settings are the :class:`~trainer.learner.backend_settings.DistributedSettings` of
+    ``learner.backend_settings``: ``gradient_checkpointing`` turns on Megatron's activation
+    recompute (see :class:`MegatronRankLearner`).
 
     Raises:
-        ConfigError: ``learner.cpu_offload`` (an FSDP option), and as :class:`MegatronRankLearner`.
+        ConfigError: ``cpu_offload`` (an FSDP option, naming ``learner.backend_settings.cpu_offload``),
+            and as :class:`MegatronRankLearner`.
     """
-    if exp_cfg.learner.cpu_offload:
-        raise ConfigError("learner.cpu_offload=true: an fsdp option; learner.backend=megatron shards the "
-                          "optimizer state over data parallel on GPU instead (set it to false)")
-    return MegatronRankLearner(model_dir, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg), ctx,
-                               dtype=getattr(torch, exp_cfg.model.dtype),
-                               recompute=bool(exp_cfg.learner.gradient_checkpointing))
+    own = backend_settings(exp_cfg, DistributedSettings)
+    if own.cpu_offload:
+        raise ConfigError("learner.backend_settings.cpu_offload=true: an fsdp option; "
+                          "learner.backend=megatron shards the optimizer state over data parallel on GPU "
+                          "instead (set it to false)")
+    return MegatronRankLearner(model_dir, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg, own),
+                               ctx, dtype=getattr(torch, exp_cfg.model.dtype),
+                               recompute=bool(own.gradient_checkpointing))

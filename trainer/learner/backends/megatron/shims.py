@@ -97,8 +97,8 @@ def apply_cpu_shims() -> bool:
     * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` → no CUDA
       generator state (None / no-op). Upstream caller: activation recompute
       (``CheckpointFunction`` via ``_get_all_rng_states`` / ``_set_all_rng_states``, used when
-      ``learner.gradient_checkpointing`` turns on Megatron's full recompute), which saves the CPU
-      generator itself and the CUDA one through these; there is no CUDA generator on CPU.
+      ``learner.backend_settings.gradient_checkpointing`` turns on Megatron's full recompute), which
+      saves the CPU generator itself and the CUDA one through these; there is no CUDA generator on CPU.
     * ``TORCHDYNAMO_DISABLE=1``: Megatron's ``jit_fuser`` functions (``torch.compile``) cost
       8–22 s on their first CPU call (fused vocab-parallel cross entropy); eager is identical.
 
