@@ -84,12 +84,15 @@ def test_summarize_k1_wilson_over_scored_problems():
     assert all(isinstance(v, float) for v in m.values())
 
 
-def test_summarize_k2_normal_interval_of_per_problem_avg():
+def test_summarize_k2_effective_size_wilson_of_per_problem_avg():
     outcomes = [(0, 0), (1, 0), (1, 1), (1, 1)]  # per-problem avg@2: 0, .5, 1, 1
     trajs = [traj(float(c), sid=i) for i, pair in enumerate(outcomes) for c in pair]
     m = summarize(trajs, 2)
     assert m["accuracy"] == 0.625 and "em_ci95_low" not in m
-    assert m["accuracy_ci95_low"] == pytest.approx(0.1558693, abs=1e-7) and m["accuracy_ci95_high"] == 1.0
+    # s² = .2291667, n_eff = .625 · .375 · 4 / .2291667 = 4.0909091 (in [4, 8]); Wilson(.625, 4.0909):
+    # 1 + z²/n = 1.9390233, centre .5644654, half .3422962 (the normal interval gave [.1558693, 1])
+    ci = (m["accuracy_ci95_low"], m["accuracy_ci95_high"])
+    assert ci == pytest.approx((0.2221692, 0.9067617), abs=1e-7)
 
 
 def test_summarize_no_scored_problem_gives_nan_intervals():

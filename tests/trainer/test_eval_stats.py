@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from trainer.evaluate.stats import (
-    Z95,
     bootstrap_ci,
     normal_mean_interval,
     paired_bootstrap,
@@ -35,13 +34,16 @@ def test_wilson_3_of_10_by_hand():
     assert wilson_interval(0.0, 40) == pytest.approx((0.0, 0.0876216), abs=1e-7)
 
 
-def test_held_out_interval_is_wilson_for_k1_and_normal_for_k2():
+def test_held_out_interval_is_wilson_for_k1_and_effective_size_wilson_for_k2():
     assert proportion_or_mean_interval([1.0, 0.0, 0.0, 1.0, 1.0], 1) == wilson_interval(3 / 5, 5)
-    # [0, .5, 1]: mean .5, s = .5, half = 1.959964 · .5 / sqrt(3) = 0.5657818 → [0, 1] clipped
-    assert proportion_or_mean_interval([0.0, 0.5, 1.0], 2) == normal_mean_interval([0.0, 0.5, 1.0])
-    assert normal_mean_interval([0.0, 0.5, 1.0]) == (0.0, 1.0)
-    low, high = proportion_or_mean_interval([0.5, 0.75, 0.75, 1.0], 4)  # mean .75, s = .2041241
-    assert (low, high) == pytest.approx((0.75 - Z95 * 0.2041241 / 2, 0.75 + Z95 * 0.2041241 / 2), abs=1e-7)
+    # [0, .5, 1], k = 2: p̂ = .5, s² = .25, n_eff = .25 · 3 / .25 = 3 (in [3, 6]) → Wilson(.5, 3):
+    # centre .5, half 1.959964 / 2.2804863 · sqrt(.25/3 + z²/36) = .8594522 · .4359368 = .3746655
+    assert proportion_or_mean_interval([0.0, 0.5, 1.0], 2) == pytest.approx((0.1253345, 0.8746655), abs=1e-7)
+    assert normal_mean_interval([0.0, 0.5, 1.0]) == (0.0, 1.0)  # the normal interval, clipped
+    # [.5, .75, .75, 1], k = 4: n_eff = .1875 · 4 / .0416667 = 18, capped at the 16 samples
+    low, high = proportion_or_mean_interval([0.5, 0.75, 0.75, 1.0], 4)
+    assert (low, high) == wilson_interval(0.75, 16)
+    assert (low, high) == pytest.approx((0.5050168, 0.8981793), abs=1e-7)
     assert all(math.isnan(v) for v in proportion_or_mean_interval([], 1))
 
 
@@ -93,7 +95,8 @@ def test_pass_at_k_by_hand():
 def test_no_second_copy_of_the_statistics_in_the_package():
     """Wilson / normal / bootstrap / paired bootstrap / pass@k / majority vote are defined once."""
     names = {"wilson_interval", "normal_mean_interval", "bootstrap_ci", "paired_bootstrap", "pass_at_k",
-             "maj_at_k", "majority_answer", "paired_difference", "proportion_or_mean_interval"}
+             "maj_at_k", "majority_answer", "paired_difference", "proportion_or_mean_interval",
+             "clustered_proportion_interval"}
     found: dict[str, list[str]] = {}
     for pkg in ("copc", "environments", "retriever", "trainer"):
         for path in sorted((REPO / pkg).rglob("*.py")):

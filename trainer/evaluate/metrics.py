@@ -3,11 +3,12 @@
 :func:`summarize_benchmark` groups the per-episode records (:mod:`trainer.evaluate.records`)
 by question, leaves out infrastructure failures (counted, never scored 0), asks the benchmark
 kind (:mod:`trainer.evaluate.kinds`) for the per-question values of its metrics (math: avg@n,
-pass@k, maj@n; QA: EM, F1, cover-EM), and adds to each its 95 % percentile-bootstrap interval
-(:func:`trainer.evaluate.stats.bootstrap_ci`) and the episode statistics. Formulas and sources
-are in ``docs/evaluation.md``; the statistics themselves live in :mod:`trainer.evaluate.stats`
-(re-exported here: ``pass_at_k``, ``maj_at_k``, ``majority_answer``, ``bootstrap_ci``,
-``default_ks``).
+pass@k, maj@n; QA: EM, F1, cover-EM), and adds to each its 95 % interval (proportions: the
+Wilson interval, :func:`trainer.evaluate.stats.clustered_proportion_interval`; other scores: the
+percentile bootstrap, :func:`trainer.evaluate.stats.bootstrap_ci`) and the episode statistics.
+Formulas and sources are in ``docs/evaluation.md``; the statistics themselves live in
+:mod:`trainer.evaluate.stats` (re-exported here: ``pass_at_k``, ``maj_at_k``, ``majority_answer``,
+``bootstrap_ci``, ``default_ks``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from typing import Any
 
 from ..rollout.trajectory import split_finish
 from .kinds import QA_COMPONENTS, BenchmarkKind, kind_names, make_kind
-from .stats import bootstrap_ci, check_int, default_ks, maj_at_k, majority_answer, pass_at_k
+from .stats import (
+    bootstrap_ci,
+    check_int,
+    clustered_proportion_interval,
+    default_ks,
+    maj_at_k,
+    majority_answer,
+    pass_at_k,
+)
 
 CI_SUFFIX = "_ci95"
 Record = Mapping[str, Any]
@@ -79,6 +88,17 @@ def episode_statistics(scored: Sequence[Record], failed: Sequence[Record]) -> di
     return out
 
 
+def _interval(outcomes: str | None, values: Sequence[float], groups: Sequence[Sequence[Record]],
+              n_boot: int, seed: int) -> list[float]:
+    """The 95 % interval of one metric's per-question ``values`` (see :func:`summarize_benchmark`)."""
+    if outcomes is None:
+        return list(bootstrap_ci(values, n_boot=n_boot, seed=seed))
+    if outcomes not in ("episodes", "question"):
+        raise ValueError(f"BenchmarkKind.outcomes gave {outcomes!r}: must be 'episodes', 'question' or None")
+    samples = [len(g) for g in groups] if outcomes == "episodes" else 1
+    return list(clustered_proportion_interval(values, samples))
+
+
 def summarize_benchmark(records: Sequence[Record], kind: str | BenchmarkKind, ks: Sequence[int] | None = None,
                         n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Metrics of one benchmark from its per-episode records.
@@ -94,8 +114,15 @@ def summarize_benchmark(records: Sequence[Record], kind: str | BenchmarkKind, ks
     ``avg@n``, ``pass@k`` for each k in ``ks`` (default: powers of two <= min_i n_i, plus
     min_i n_i; a question with ``n_i < k`` is skipped, ``pass@k_questions`` then counts those
     left, and ``pass@k`` is None when none is) and ``maj@n``; ``qa`` ``em``, ``f1``, ``cover_em``.
-    Every metric ``m`` also gets ``m_ci95 = [low, high]`` (:func:`bootstrap_ci` of the
-    per-question values, 95 %, ``n_boot`` resamples, ``seed``; the same seed for every metric).
+    Every metric ``m`` also gets a 95 % interval ``m_ci95 = [low, high]``, chosen by the kind's
+    :meth:`~trainer.evaluate.kinds.BenchmarkKind.outcomes`: a proportion (avg@n, maj@n, EM,
+    cover-EM) gets the Wilson score interval (Wilson 1927) —
+    :func:`~trainer.evaluate.stats.clustered_proportion_interval` of the per-question values with
+    ``m_i`` = the question's scored episodes (``"episodes"``) or 1 (``"question"``); with one
+    sample per question exactly ``wilson_interval(p̂, questions)``, and never zero-width at 0 % or
+    100 % (0 of 30 × 4: ``[0, 0.1135]``) — and any other score (pass@k, F1) the percentile
+    bootstrap (:func:`bootstrap_ci` of the per-question values, ``n_boot`` resamples, ``seed``;
+    the same seed for every metric).
 
     Always present: ``benchmark``, ``kind``, ``headline`` (the headline metric's name), ``n``
     (nominal), ``min_n`` / ``max_n`` (over scored questions), ``questions``, ``episodes``
@@ -131,7 +158,8 @@ def summarize_benchmark(records: Sequence[Record], kind: str | BenchmarkKind, ks
     per_question, extra = kind.metrics(groups, nominal_n, ks)
     for name, values in per_question.items():
         out[name] = _mean(values)
-        out[name + CI_SUFFIX] = list(bootstrap_ci(values, n_boot=n_boot, seed=seed)) if values else None
+        out[name + CI_SUFFIX] = (_interval(kind.outcomes(name), values, groups, n_boot, seed)
+                                 if values else None)
         if name in extra:
             raise ValueError(f"benchmark kind {kind.name!r}: {name!r} is both a metric and an extra field")
     for name, value in extra.items():  # in the order the kind gave them, after its metrics

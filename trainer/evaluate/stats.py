@@ -7,6 +7,9 @@ Every evaluation metric of the house — ``copc train``'s held-out evaluation
 
 * :func:`wilson_interval`: Wilson 1927 (JASA 22:209), the score interval of a proportion;
 * :func:`normal_mean_interval`: the normal (z) interval of a mean;
+* :func:`clustered_proportion_interval`: the Wilson interval of a proportion of samples drawn
+  k to a question, at the design-effect (effective) sample size (Kish 1965; Korn & Graubard
+  1998), never zero-width at 0 % or 100 %;
 * :func:`bootstrap_ci`: the percentile bootstrap of a mean (Efron & Tibshirani 1993, ch. 13);
 * :func:`paired_bootstrap`: the same over per-question differences of two evaluations;
 * :func:`pass_at_k`: the unbiased estimator of Chen et al. 2021, eq. 1;
@@ -36,7 +39,7 @@ def check_int(name: str, v: Any, minimum: int) -> int:
     return int(v)
 
 
-def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson_interval(p_hat: float, n: float, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (Wilson 1927, JASA 22:209, eq. of the
     "probable inference" limits):
 
@@ -47,7 +50,8 @@ def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]
 
     Args:
         p_hat: observed proportion of successes in [0, 1] (successes / n).
-        n: number of trials (problems scored); 0 gives ``(nan, nan)``.
+        n: number of trials (problems scored; an effective, non-integer size is allowed, see
+            :func:`clustered_proportion_interval`); 0 gives ``(nan, nan)``.
         z: standard normal quantile (default :data:`Z95`, a 95 % interval).
 
     Returns:
@@ -93,14 +97,71 @@ def normal_mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float
     return max(0.0, mean - half), min(1.0, mean + half)
 
 
+def clustered_proportion_interval(per_question: Sequence[float], samples: Sequence[int] | int = 1,
+                                  z: float = Z95) -> tuple[float, float]:
+    """Wilson interval of a proportion whose 0/1 outcomes come ``m_i`` to a question (avg@k).
+
+    ``per_question[i] = c_i / m_i`` is the fraction of question ``i``'s ``m_i = samples[i]``
+    outcomes that are 1; the estimate is ``p̂ = mean_i per_question[i]`` (avg@k). Outcomes of one
+    question are correlated (easy and hard questions), so the ``M = Σ m_i`` outcomes are worth
+    fewer independent trials: the interval is :func:`wilson_interval` of ``p̂`` at the effective
+    sample size (Kish 1965, *Survey Sampling*, design effect; Korn & Graubard 1998, Survey
+    Methodology 24:193, the effective-size binomial interval; Dean & Pagano 2015, J. Survey Stat.
+    Methodol. 3:484, its Wilson form for cluster samples)::
+
+        n_eff = p̂ (1 − p̂) / (s² / n),   clipped to [n, M]
+
+    with ``n`` questions and ``s²`` the sample variance (ddof = 1) of ``per_question``. The
+    bounds: ``n`` is the worst case (every question's outcomes equal, design effect ``M / n``),
+    ``M`` the best (independent outcomes). Where ``s²`` says nothing about the correlation the
+    choice is fixed: ``p̂`` of 0 or 1 (every outcome equal) takes the worst case ``n`` — so
+    0 of 30 × 4 gives ``[0, z²/(30 + z²)] = [0, 0.1135]``, the interval of 30 single-sample
+    questions, not a point; ``s² = 0`` with ``0 < p̂ < 1`` (every question the same fraction)
+    takes ``M``; a single question takes ``n = 1``. With one outcome per question
+    (``m_i = 1``) this is exactly ``wilson_interval(p̂, n)``; inside (0, 1) with ``n_eff`` in
+    range it is close to the normal interval ``p̂ ± z·s/√n``.
+
+    Args:
+        per_question: each question's fraction of 1-outcomes, in [0, 1] (float list, length n).
+        samples: ``m_i`` per question (ints >= 1, length n), or one int for every question.
+        z: standard normal quantile (default :data:`Z95`).
+
+    Returns:
+        ``(low, high)`` floats in [0, 1]; ``(nan, nan)`` with no question.
+
+    Raises:
+        ValueError: naming the argument: a value outside [0, 1], ``samples`` of another length,
+            or an ``m_i < 1``.
+    """
+    n = len(per_question)
+    ms = [samples] * n if isinstance(samples, int | np.integer) else list(samples)
+    if len(ms) != n:
+        raise ValueError(f"clustered_proportion_interval: samples has {len(ms)} entries, per_question {n}")
+    for m in ms:
+        check_int("clustered_proportion_interval: samples[i]", m, 1)
+    if n == 0:
+        return float("nan"), float("nan")
+    arr = np.asarray(per_question, dtype=np.float64)
+    bad = np.flatnonzero(~((arr >= 0.0) & (arr <= 1.0)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"clustered_proportion_interval: per_question[{i}]={float(arr[i])!r} "
+                         "must be in [0, 1]")
+    p_hat, total = float(sum(per_question)) / n, int(sum(ms))
+    if total == n or n == 1 or p_hat in (0.0, 1.0):
+        return wilson_interval(p_hat, n, z)
+    var = float(arr.var(ddof=1))
+    n_eff = float(total) if var == 0.0 else min(float(total), max(float(n), p_hat * (1.0 - p_hat) * n / var))
+    return wilson_interval(p_hat, n_eff, z)
+
+
 def proportion_or_mean_interval(per_problem: Sequence[float], k: int) -> tuple[float, float]:
-    """The 95 % interval of a held-out score over problems: with ``k == 1`` (per-problem 0/1
-    outcomes) the Wilson interval of the proportion (:func:`wilson_interval`), else the normal
-    interval of the mean of the per-problem scores (:func:`normal_mean_interval`)."""
-    if k == 1:
-        n = len(per_problem)
-        return wilson_interval(sum(per_problem) / n if n else 0.0, n)
-    return normal_mean_interval(per_problem)
+    """The 95 % interval of a held-out score over problems, each the fraction of its ``k``
+    episodes solved: :func:`clustered_proportion_interval` with ``k`` samples a problem — with
+    ``k == 1`` the Wilson interval of the proportion (:func:`wilson_interval`), with ``k > 1`` the
+    Wilson interval at the effective sample size (close to the normal interval of the mean of
+    the per-problem scores inside (0, 1), and not zero-width at 0 % or 100 %)."""
+    return clustered_proportion_interval(per_problem, k)
 
 
 def bootstrap_ci(values: Sequence[float], *, n_boot: int = 1000, seed: int = 0,
@@ -281,6 +342,6 @@ def maj_at_k(answers: Sequence[Hashable | None], correct: Sequence[bool], k: int
     return float(bool(correct[answers.index(winner)]))
 
 
-__all__ = ["Z95", "bootstrap_ci", "check_int", "default_ks", "maj_at_k", "majority_answer",
-           "normal_mean_interval", "paired_bootstrap", "pass_at_k", "proportion_or_mean_interval",
-           "wilson_interval"]
+__all__ = ["Z95", "bootstrap_ci", "check_int", "clustered_proportion_interval", "default_ks", "maj_at_k",
+           "majority_answer", "normal_mean_interval", "paired_bootstrap", "pass_at_k",
+           "proportion_or_mean_interval", "wilson_interval"]

@@ -78,7 +78,7 @@ def print_report(summary: dict, console: Any = None) -> None:
         table.add_row(*row)
     con.print(table)
     if before.get("accuracy" + CI_LOW) is not None or after.get("accuracy" + CI_LOW) is not None:
-        con.print("In brackets: 95 % interval (Wilson score for k = 1, normal for avg@k with k > 1)"
+        con.print("In brackets: 95 % interval (Wilson score; avg@k with k > 1 at the effective sample size)"
                   + ("; Δ: mean per-question change, 95 % paired bootstrap" if delta else ""))
     con.print(f"RL steps: {summary.get('steps')}, episodes: {summary.get('episodes')}, dropped as stale: "
               f"{summary.get('dropped_stale')}, infrastructure failures: {summary.get('infra_failed', 0)}, "
