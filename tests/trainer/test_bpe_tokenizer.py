@@ -33,6 +33,7 @@ from environments.search.env import (
 )
 from trainer.app.context import initial_model_dir
 from trainer.config import ConfigError, ExperimentConfig, load_config
+from trainer.config.specs import agent_loop_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.errors import TrainingError
@@ -40,7 +41,7 @@ from trainer.logprobs import sequence_logprobs
 from trainer.models.bpe import MIN_VOCAB, train_bpe_tokenizer
 from trainer.models.loading import load_model_and_tokenizer, load_tokenizer
 from trainer.models.tiny import SPECIAL_TOKENS, TinyModelConfig, build_tiny_model
-from trainer.rollout.agent_loop import AgentLoopConfig, run_episode
+from trainer.rollout.agent_loop import run_episode
 from trainer.tasks import SearchTask, build_task
 from trainer.warmstart.sft import action_token_loss
 
@@ -305,7 +306,7 @@ def test_search_episode_engine_logprobs_equal_learner_logprobs(search_run):
                f"<search>{' '.join(question.split()[-3:])}</search>",
                f"<think>Found it.</think>\n<answer>{golden}</answer>"]
     env = SearchEnv(retriever=CorpusBM25(corpus_contents()[:3000]), **cfg.task.env_kwargs)
-    agent_cfg = AgentLoopConfig.from_config(cfg)
+    agent_cfg = agent_loop_config(cfg)
     temperature = 0.8
 
     async def main():

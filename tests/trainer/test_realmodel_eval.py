@@ -17,8 +17,8 @@ import pytest
 
 from trainer.cli import main as cli_main
 from trainer.config import load_config
+from trainer.config.specs import agent_loop_config
 from trainer.evaluate.benchmarks import resolve_benchmark, task_env_applies, with_task_env_kwargs
-from trainer.rollout.agent_loop import AgentLoopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -83,4 +83,4 @@ def test_no_tool_configs_keep_the_tool_config_budgets():
         assert a.task.env_kwargs["prompt_template"] != b.task.env_kwargs["prompt_template"]
         for key in ("max_new_tokens", "max_total_tokens", "use_chat_template", "stop", "temperature"):
             assert getattr(a.rollout, key) == getattr(b.rollout, key), key
-        assert AgentLoopConfig.from_config(a).stop == tuple(a.rollout.stop)
+        assert agent_loop_config(a).stop == tuple(a.rollout.stop)

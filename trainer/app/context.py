@@ -27,6 +27,7 @@ import torch
 from environments.errors import InfrastructureError
 
 from ..config import ExperimentConfig
+from ..config.specs import agent_loop_config
 from ..errors import ConfigError, TrainingError
 from ..learner import Learner, make_learner, restore_learner
 from ..learner.allocator import set_malloc_mmap_threshold
@@ -124,8 +125,8 @@ class RunContext:
     lock: Any = None
 
     def agent_config(self) -> AgentLoopConfig:
-        """Episode budgets of the config (:meth:`AgentLoopConfig.from_config`)."""
-        return AgentLoopConfig.from_config(self.cfg)
+        """Episode budgets of the config (:func:`trainer.config.specs.agent_loop_config`)."""
+        return agent_loop_config(self.cfg)
 
     def wall_s(self) -> float:
         """Seconds spent on this run so far, earlier invocations (before a resume) included."""
@@ -197,7 +198,7 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     except InfrastructureError as e:  # a sandbox / retriever failure is not a bug of the run
         raise TrainingError(f"warm start: {e} (nothing trained yet; run again once it is back)") from e
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
-    agent_cfg = AgentLoopConfig.from_config(cfg)
+    agent_cfg = agent_loop_config(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(threads, os.cpu_count() or 1))  # nothing else computes during the SFT
     try:

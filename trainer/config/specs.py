@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..engines.registry import ENGINES, EngineSpec, Weights
 from ..errors import ConfigError
 from ..plugins import plugin_settings
+from ..rollout.agent_loop import AgentLoopConfig
 
 if TYPE_CHECKING:  # typing only: the config package imports this module
     from . import ExperimentConfig
@@ -50,3 +51,15 @@ def preflight_engine(cfg: ExperimentConfig) -> None:
         raise ConfigError(str(e)) from None
     if check is not None:
         check(cfg)
+
+
+def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:
+    """The episode budgets and chat settings of ``cfg.rollout`` as the agent loop's typed
+    :class:`~trainer.rollout.agent_loop.AgentLoopConfig` (``max_total_tokens``, ``max_turns``,
+    ``max_observation_tokens``, ``use_chat_template``, ``system_prompt``, ``observation_role``,
+    ``stop``)."""
+    r = cfg.rollout
+    return AgentLoopConfig(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
+                           max_observation_tokens=r.max_observation_tokens,
+                           use_chat_template=r.use_chat_template, system_prompt=r.system_prompt,
+                           observation_role=r.observation_role, stop=tuple(r.stop))

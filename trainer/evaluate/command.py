@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
+    from ..config import ExperimentConfig
     from ..tasks.base import EvalOption
 
 
@@ -111,7 +112,7 @@ def _fail(flag: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"{flag}={value!r}: {why}")
 
 
-def _policy(args: argparse.Namespace, cfg: Any) -> tuple[Path, Any]:
+def _policy(args: argparse.Namespace, cfg: ExperimentConfig) -> tuple[Path, Any]:
     """``(model_dir, weights or None)`` of ``--model`` / ``--checkpoint``."""
     if args.model:
         path = Path(args.model)
@@ -148,7 +149,7 @@ def _experiment_config(args: argparse.Namespace) -> Any:
     return load_config(base, overrides)
 
 
-async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[Any, Any, dict]:
+async def _open_engine(args: argparse.Namespace, cfg: ExperimentConfig, out: Path) -> tuple[Any, Any, dict]:
     """``(engine, close, description)``."""
     from ..models.loading import load_tokenizer
 
@@ -186,7 +187,8 @@ async def _open_engine(args: argparse.Namespace, cfg: Any, out: Path) -> tuple[A
 SETTINGS_FILE = "eval_settings.json"
 
 
-def _specs(args: argparse.Namespace, cfg: Any, max_samples: int) -> list[tuple[Any, Any, list[dict]]]:
+def _specs(args: argparse.Namespace, cfg: ExperimentConfig, max_samples: int
+           ) -> list[tuple[Any, Any, list[dict]]]:
     """Resolve ``--benchmarks``, their kinds (with ``eval.kind_settings``) and load each one's
     rows, before any model is loaded.
 
@@ -319,7 +321,7 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
     return {k: v for k, v in settings.items() if not k.startswith("_")}
 
 
-async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
+async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, settings: Any,
                benchmarks: list[tuple[Any, Any, list[dict]]], record: dict) -> dict:
     """Start the benchmarks' services and the engine, play every benchmark, write the report."""
     from ..tasks.base import check_env_settings
@@ -366,7 +368,7 @@ async def _run(args: argparse.Namespace, cfg: Any, out: Path, settings: Any,
     return {"header": header, "benchmarks": per_benchmark}
 
 
-async def _play_all(engine: Any, tok: Any, cfg: Any, settings: Any,
+async def _play_all(engine: Any, tok: Any, cfg: ExperimentConfig, settings: Any,
                     benchmarks: list[tuple[Any, Any, list[dict]]], services: Any, writer: Any,
                     done: dict) -> dict[str, dict]:
     """Play each benchmark through the evaluation core; its metrics (with ``k`` and ``temperature``)."""
@@ -431,14 +433,14 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
         import torch
 
         torch.set_num_threads(cfg.train.torch_threads)
-    from ..rollout.agent_loop import AgentLoopConfig
+    from ..config.specs import agent_loop_config
     from .records import RESULTS_FILE
     from .runner import EvalSettings
 
     try:
         settings = EvalSettings(k=args.k, temperature=args.temperature, max_samples=args.max_samples,
                                 seed=args.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                                agent=AgentLoopConfig.from_config(cfg), concurrency=cfg.rollout.concurrency)
+                                agent=agent_loop_config(cfg), concurrency=cfg.rollout.concurrency)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     benchmarks = _specs(args, cfg, settings.max_samples)

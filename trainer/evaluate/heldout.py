@@ -4,8 +4,8 @@
 (the same loop, seeds and records as ``copc eval``; benchmark name :data:`HELD_OUT`, the kind
 inferred from the rows), writes the records atomically to ``<output_dir>/eval/<name>.jsonl`` and
 returns :func:`summarize_records`: accuracy / avg@k / pass@k and episode statistics, with 95 %
-intervals of accuracy and exact match (Wilson for k = 1, normal for k > 1;
-:mod:`trainer.evaluate.stats`). :func:`eval_delta` compares the records after RL with those
+intervals of accuracy and exact match (Wilson for k = 1, Wilson at the effective sample size for
+k > 1; :mod:`trainer.evaluate.stats`). :func:`eval_delta` compares the records after RL with those
 before (:func:`paired_difference`, a paired bootstrap of the per-question change).
 
 :func:`evaluate`, :func:`run_eval_episodes`, :func:`summarize` and :func:`episode_records` are
@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config.specs import agent_loop_config
 from ..engines.base import InferenceEngine
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.trajectory import Trajectory, split_finish
@@ -217,7 +218,7 @@ async def evaluate_held_out(cfg: ExperimentConfig, engine: InferenceEngine, task
                        list(task.eval_samples), task.make_env, cfg.eval.k, cfg.eval.temperature,
                        task.episode())
     settings = EvalSettings(seed=cfg.train.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                            agent=AgentLoopConfig.from_config(cfg), retries=0,
+                            agent=agent_loop_config(cfg), retries=0,
                             concurrency=HELD_OUT_CONCURRENCY)
     records = await run_benchmark_with_bar(engine, tokenizer, job, settings, show=cfg.logging.progress,
                                            desc=f"eval {name}")  # ordered by question, then episode

@@ -65,14 +65,6 @@ class AgentLoopConfig:
     observation_role: str = ""
     stop: tuple[str, ...] = ()
 
-    @classmethod
-    def from_config(cls, exp: Any) -> AgentLoopConfig:
-        """Budgets of an :class:`~trainer.config.ExperimentConfig`'s ``rollout`` section."""
-        r = exp.rollout
-        return cls(max_total_tokens=r.max_total_tokens, max_turns=r.max_turns,
-                   max_observation_tokens=r.max_observation_tokens, use_chat_template=r.use_chat_template,
-                   system_prompt=r.system_prompt, observation_role=r.observation_role, stop=tuple(r.stop))
-
     def __post_init__(self) -> None:
         """Validate."""
         if self.observation_role not in ("", "user", "tool"):

@@ -29,7 +29,7 @@ from .generic import GenericTask
 if TYPE_CHECKING:
     import gymnasium
 
-    from ..config import WarmStartConfig
+    from ..config import ExperimentConfig, WarmStartConfig
     from ..warmstart.traces import Trace
 
 
@@ -44,7 +44,7 @@ class RemoteTask(Task):
         delegate: the task of ``served_env`` that supplied the data (``None`` until :meth:`start`).
     """
 
-    def __init__(self, cfg: Any, env_id: str | None = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
         super().__init__(cfg, env_id)
         self.served_env = ""
         self.delegate: Task | None = None

@@ -17,7 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
 
 #: Bump when the warm-start procedure changes in a way old entries must not be reused for.
 CACHE_FORMAT = 2
@@ -27,7 +30,7 @@ _ROLLOUT_NOT_SFT = frozenset({"engine", "temperature", "top_p", "top_k", "n_samp
                               "concurrency", "engine_max_batch_size", "engine_settings"})
 
 
-def cache_key(cfg: Any) -> str:
+def cache_key(cfg: ExperimentConfig) -> str:
     """Hash of the settings a warm-start result depends on.
 
     Args:
