@@ -31,7 +31,11 @@ def group_relative_advantages(scores: Tensor, group_ids: Tensor, *, std_normaliz
     Shao et al. 2024 (DeepSeekMath, §4.1.2, outcome supervision); DAPO (Yu et al. 2025)
     uses the same. ``std_g`` is the unbiased sample standard deviation of the group
     (``torch.std`` default, as in verl); a singleton group has std 0 and so
-    advantage 0.
+    advantage 0. A group whose scores are all equal (exactly: its min equals its max) gets
+    exactly 0, as the formula says in exact arithmetic: in floating point its mean is not
+    exactly the common score (16 × 0.7 in float32: ±1.2e-7), its std is ~1e-7, and
+    ``centred / (std + eps)`` would give ±0.1 instead of 0. Groups with distinct scores are
+    computed as before, bit for bit.
 
     Args:
         scores: ``(B,)`` float outcome reward per sequence.
@@ -54,19 +58,23 @@ def group_relative_advantages(scores: Tensor, group_ids: Tensor, *, std_normaliz
     sums = torch.zeros(counts.shape, dtype=scores.dtype, device=scores.device).index_add_(0, inv, scores)
     mean = sums / n
     centered = scores - mean[inv]
+    empty = torch.empty(counts.shape, dtype=scores.dtype, device=scores.device)
+    constant = (empty.scatter_reduce(0, inv, scores, "amax", include_self=False)
+                == empty.scatter_reduce(0, inv, scores, "amin", include_self=False))[inv]
     if not std_normalize:
-        return centered
+        return torch.where(constant, 0.0, centered)
     sq = torch.zeros(counts.shape, dtype=scores.dtype, device=scores.device).index_add_(
         0, inv, centered.square())
     std = torch.where(counts > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
-    return centered / (std[inv] + eps)
+    return torch.where(constant, 0.0, centered / (std[inv] + eps))
 
 
 def batch_normalized_advantages(scores: Tensor, *, eps: float = 1e-6) -> Tensor:
     """Batch-level advantage ``(r − mean_batch) / (std_batch + eps)`` (preset ``sao``).
 
     Spec "Baselines" (SAO, single rollout per prompt; **(choice)**: SAO's own paper was
-    not available, this is the spec's definition). Unbiased std; a batch of one gives 0.
+    not available, this is the spec's definition). Unbiased std; a batch of one, or of equal
+    scores, gives exactly 0 (:func:`group_relative_advantages` with one group).
 
     Args:
         scores: ``(B,)`` float outcome reward per sequence.
