@@ -37,6 +37,10 @@ Tensor = torch.Tensor
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: The one-entry ``target_modules`` that adapts every linear layer but the output layer (peft's value).
 ALL_LINEAR = "all-linear"
+#: Input-embedding module names refused in ``target_modules`` before any model is loaded (peft would
+#: put an embedding adapter there that the learner never trains, and save the whole embedding matrix
+#: with the adapter); other non-linear targets are refused at model load (:func:`check_target_modules`).
+EMBEDDING_TARGETS = ("embed_tokens",)
 #: peft's adapter name (one adapter per model).
 ADAPTER = "default"
 #: Name prefix of the tensors in a PEFT adapter file (``PeftModel.save_pretrained``).
@@ -54,10 +58,12 @@ class LoraSettings:
         dropout: dropout on the adapter's input in training mode, in ``[0, 1)`` (none in eval mode,
             where log-probs are recomputed and rollouts generated).
         target_modules: names of the linear layers to adapt, matched as peft matches them (a module
-            whose name is the entry or ends in ``.<entry>``), or ``("all-linear",)``.
+            whose name is the entry or ends in ``.<entry>``), or ``("all-linear",)``; never an
+            input embedding (:data:`EMBEDDING_TARGETS`).
 
     Raises:
-        ValueError: ``<field>=<value>: <why>`` (a config prefixes the section's key).
+        ValueError: ``<field>=<value>: <why>`` (a config prefixes the section's key), e.g.
+            ``target_modules=['q_proj', 'embed_tokens']: 'embed_tokens' is the input embedding, ...``.
     """
 
     rank: int = 8
@@ -79,6 +85,11 @@ class LoraSettings:
                              "non-empty list of module names")
         if ALL_LINEAR in mods and len(mods) > 1:
             raise ValueError(f"target_modules={list(mods)!r}: {ALL_LINEAR!r} stands alone")
+        emb = next((m for m in mods if m in EMBEDDING_TARGETS), None)
+        if emb is not None:
+            raise ValueError(f"target_modules={list(mods)!r}: {emb!r} is the input embedding, not a linear "
+                             "layer: its adapter would never be trained (tied to lm_head on tied models) and "
+                             "the whole embedding matrix would be sent in every adapter-only sync")
         object.__setattr__(self, "target_modules", tuple(mods))
 
     @property
@@ -116,10 +127,16 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 
 def check_target_modules(model: nn.Module, settings: LoraSettings, key: str) -> None:
-    """Refuse target modules that match no module of ``model`` (peft would silently skip them).
+    """Refuse target modules that match no module of ``model`` (peft would silently skip them), that
+    match a module other than an ``nn.Linear`` (an embedding: peft gives it ``lora_embedding_A/B``
+    adapters that the learner does not train — it trains ``lora_A`` / ``lora_B`` — and saves the
+    whole embedding matrix with the adapter, so every adapter-only sync would carry it; a
+    convolution or a block neither :func:`merged_state_dict` nor the engines merge), or the output
+    layer when it is tied to the input embeddings.
 
     Raises:
-        ConfigError: one line naming ``key``, the unmatched entries and the model's linear layers.
+        ConfigError: one line naming ``key``: the unmatched entries and the model's linear layers,
+            or the first non-linear module matched and its type, or the tied output layer.
     """
     if settings.target_modules == (ALL_LINEAR,):
         return
@@ -133,6 +150,13 @@ def check_target_modules(model: nn.Module, settings: LoraSettings, key: str) -> 
         raise ConfigError(f"{key}: no module named {', '.join(map(repr, missing))} in the model "
                           f"({type(model).__name__}); its linear layers: "
                           f"{', '.join(linear_module_names(model))}")
+    modules = dict(model.named_modules())
+    for t in settings.target_modules:
+        other = next((n for n in hits(t) if not isinstance(modules[n], nn.Linear)), None)
+        if other is not None:
+            raise ConfigError(f"{key}: {t!r} matches {other!r}, a {type(modules[other]).__name__}, not an "
+                              "nn.Linear: LoRA here adapts linear layers only (an adapter there would not "
+                              "be trained or merged)")
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     head = next((n for n, m in model.named_modules() if out_emb is not None and m is out_emb), None)
