@@ -40,11 +40,12 @@ from .sections import (  # noqa: F401 - re-exported: import sections from here
     moved_key_hint,
     require,
 )
-from .train_section import (
+from .train_section import (  # noqa: F401 - re-exported: the staleness settings types and parser
     OLD_STALENESS_KEYS,
     PRESET_STALENESS,
     BoundedStaleness,
     FixedStaleness,
+    StalenessSettings,
     TrainConfig,
     parse_staleness,
 )
@@ -116,12 +117,13 @@ class ExperimentConfig:
             raise ConfigError(f"{key}: {msg}") from None
 
     @property
-    def staleness(self) -> BoundedStaleness | FixedStaleness:
+    def staleness(self) -> StalenessSettings:
         """The effective staleness settings, resolved here and only here (read this, not ``train``'s).
 
         Returns:
-            ``train.staleness`` parsed (:func:`~trainer.config.train_section.parse_staleness`), its
-            number replaced by the preset's own staleness when it fixes one
+            ``train.staleness`` as parsed at load (:attr:`TrainConfig.staleness_settings
+            <trainer.config.train_section.TrainConfig.staleness_settings>`), its number replaced by
+            the preset's own staleness when it fixes one
             (:data:`~trainer.config.train_section.PRESET_STALENESS`, ``ppo``: 0): in ``bounded``
             mode that is the bound, in ``fixed`` mode the exact lag.
 
@@ -129,7 +131,7 @@ class ExperimentConfig:
             ConfigError: as :func:`parse_staleness`.
         """
         own = PRESET_STALENESS.get(self.preset)
-        settings = parse_staleness(self.train.staleness)
+        settings = self.train.staleness_settings
         if own is None:
             return settings
         # the preset's own staleness wins in either mode (``ppo``: 0)

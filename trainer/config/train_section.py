@@ -1,12 +1,15 @@
 """The ``train`` section of :class:`trainer.config.ExperimentConfig` (:class:`TrainConfig`) and its
 ``staleness`` sub-section (:func:`parse_staleness`: :class:`BoundedStaleness` or
-:class:`FixedStaleness`); validated at load, each error one line naming the key.
+:class:`FixedStaleness`, the one pair of staleness settings types; the training loop's strategies,
+:mod:`trainer.orchestration.staleness`, extend them with behaviour); validated at load, each error
+one line naming the key. The mapping is parsed once, at load (:attr:`TrainConfig.staleness_settings`).
 
 Import them from :mod:`trainer.config` (re-exported there).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -16,13 +19,29 @@ from typing import Any, ClassVar
 from .sections import require
 
 
+def _check_counts(settings: Any) -> None:
+    """Raise ``ValueError("<Class>.<field>=<v!r>: must be >= 0")`` for the first negative field."""
+    for f in dataclasses.fields(settings):
+        v = getattr(settings, f.name)
+        if v < 0:
+            raise ValueError(f"{type(settings).__name__}.{f.name}={v!r}: must be >= 0")
+
+
 @dataclass(frozen=True)
 class BoundedStaleness:
     """``train.staleness: {mode: bounded, max: s}``: at most ``s`` policy versions between the
-    behaviour policy of any trained token and the learner (0 = synchronous on-policy)."""
+    behaviour policy of any trained token and the learner (0 = synchronous on-policy).
+
+    Raises:
+        ValueError: ``max < 0``.
+    """
 
     max: int = 8
     mode: ClassVar[str] = "bounded"
+
+    def __post_init__(self) -> None:
+        """Validate the bound."""
+        _check_counts(self)
 
     @property
     def versions(self) -> int:
@@ -42,11 +61,18 @@ class FixedStaleness:
     ``prompts_per_step`` kept groups in draw order, once every group launched for it has finished
     (never the first to finish: that would favour short episodes); the kept groups beyond them are
     surplus, counted (``rollout/surplus_groups``) and their prompts re-queued.
+
+    Raises:
+        ValueError: ``lag < 0`` or ``groups_in_flight < 0``.
     """
 
     lag: int = 0
     groups_in_flight: int = 0
     mode: ClassVar[str] = "fixed"
+
+    def __post_init__(self) -> None:
+        """Validate the lag and the groups in flight."""
+        _check_counts(self)
 
     @property
     def versions(self) -> int:
@@ -59,6 +85,9 @@ class FixedStaleness:
 #: (:attr:`trainer.config.ExperimentConfig.staleness`): ``ppo`` is synchronous on-policy PPO.
 PRESET_STALENESS: dict[str, int] = {"ppo": 0}
 
+#: The typed staleness settings: one of the pair (what :func:`parse_staleness` returns).
+StalenessSettings = BoundedStaleness | FixedStaleness
+
 #: ``train.staleness.mode`` → its settings dataclass.
 STALENESS_MODES: dict[str, type[BoundedStaleness] | type[FixedStaleness]] = {
     "bounded": BoundedStaleness, "fixed": FixedStaleness}
@@ -68,7 +97,7 @@ OLD_STALENESS_KEYS = {"max_staleness": "train.staleness={{mode: bounded, max: {v
                       "fixed_lag": "train.staleness={{mode: fixed, lag: {v}}}"}
 
 
-def parse_staleness(raw: Any) -> BoundedStaleness | FixedStaleness:
+def parse_staleness(raw: Any) -> StalenessSettings:
     """The typed settings of a ``train.staleness`` mapping.
 
     Args:
@@ -114,7 +143,8 @@ class TrainConfig:
         critic_warmup_steps: first steps update only the critic.
         critic_updates_per_step: critic updates on every mini-batch for its one actor update
             (SAO's critic recipe, K = 2 in ``configs/*/sao_critic.yaml``); 1 (default): one.
-        staleness: one section, discriminated by ``mode`` (parsed by :func:`parse_staleness`):
+        staleness: one section, discriminated by ``mode`` (parsed once, at load, by
+            :func:`parse_staleness` into :attr:`staleness_settings`):
             ``{mode: bounded, max: s}`` (:class:`BoundedStaleness`: at most ``s`` policy versions
             between behaviour and learner, 0 = synchronous; realised staleness floats with machine
             speed) or ``{mode: fixed, lag: k}`` (:class:`FixedStaleness`: every token trained at
@@ -175,7 +205,7 @@ class TrainConfig:
                      "must be a finite number > 0")
         require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**32,
                  "train.seed", self.seed, "must be an int in [0, 2**32 - 1] (numpy's seed range)")
-        g = getattr(parse_staleness(self.staleness), "groups_in_flight", 0)  # fixed mode only
+        g = getattr(self.staleness_settings, "groups_in_flight", 0)  # fixed mode only; parsed here
         require(not (g and not self.filter_groups), "train.staleness.groups_in_flight", g,
                 "needs train.filter_groups: true (without dynamic sampling every group is kept, and "
                 "more than train.prompts_per_step would only be surplus)")
@@ -194,3 +224,17 @@ class TrainConfig:
                  "train.sync_check_tolerance", tol, "must be a number > 0 (nats) or null (off)")
         require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
                  self.max_infra_failure_fraction, "must be in [0, 1]")
+
+    @property
+    def staleness_settings(self) -> StalenessSettings:
+        """The ``staleness`` mapping parsed by :func:`parse_staleness`: once, when :meth:`validate`
+        first reads it at load; parsed again only if the mapping has been changed since.
+
+        Raises:
+            ConfigError: as :func:`parse_staleness`.
+        """
+        cached = self.__dict__.get("_staleness_parsed")  # (the mapping parsed, its settings)
+        if cached is None or cached[0] != self.staleness:
+            cached = (copy.deepcopy(self.staleness), parse_staleness(self.staleness))
+            self.__dict__["_staleness_parsed"] = cached
+        return cached[1]
