@@ -84,8 +84,10 @@ def fold_observation_rewards(rewards: Tensor, mask: Tensor, ends: Tensor,
     Raises:
         ValueError: in ``"error"`` mode, for any non-zero reward on an observation token;
             in ``"fold"`` mode, for one with no action token before it in its row (it
-            cannot be attributed, and dropping it would silently lose reward); for an
-            unknown ``mode``.
+            cannot be attributed, and dropping it would silently lose reward), the message
+            naming the position ``rewards[b, t]`` and, when row ``b`` has no action token at
+            all, saying so; for an unknown ``mode``. ``ends`` may be empty (no action token in
+            the batch): then every non-zero reward raises.
     """
     if mode not in ("fold", "error"):
         raise ValueError(f"obs_reward must be 'fold' or 'error', got {mode!r}")
@@ -103,10 +105,17 @@ def fold_observation_rewards(rewards: Tensor, mask: Tensor, ends: Tensor,
     if mode == "error":
         raise ValueError(f"{where_(int(pos[0]))} is on an observation token and obs_reward='error'")
     k = torch.searchsorted(ends, pos, right=True) - 1
-    owner = ends[k.clamp(min=0)]
-    ok = (k >= 0) & (torch.div(owner, T, rounding_mode="floor") == torch.div(pos, T, rounding_mode="floor"))
+    if ends.numel() == 0:
+        ok = torch.zeros_like(pos, dtype=torch.bool)
+    else:
+        row_of = torch.div(ends[k.clamp(min=0)], T, rounding_mode="floor")
+        ok = (k >= 0) & (row_of == torch.div(pos, T, rounding_mode="floor"))
     if not bool(ok.all()):
-        raise ValueError(f"{where_(int(pos[~ok][0]))} is on an observation token with no preceding "
+        p = int(pos[~ok][0])
+        if not bool(mask[p // T].any()):
+            raise ValueError(f"{where_(p)} is in row {p // T}, which has no action token; it cannot be "
+                             "attributed")
+        raise ValueError(f"{where_(p)} is on an observation token with no preceding "
                          "action token in its row; it cannot be attributed")
     return out.index_add_(0, k, flat_r[pos])
 
@@ -137,14 +146,16 @@ def td_residuals(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
         ``(B, T)`` contiguous tensor with ``values.dtype``.
 
     Raises:
-        ValueError: as :func:`fold_observation_rewards`.
+        ValueError: as :func:`fold_observation_rewards` (also when the batch has no action
+            token at all: a reward anywhere in it raises, naming its row).
     """
     T = values.shape[1]
     r = rewards if rewards.dtype == values.dtype else rewards.to(values.dtype)
     delta = torch.sub(r, values).contiguous()
     # interior action tokens: the next token is the next action token
     delta[:, :-1].add_(values[:, 1:], alpha=gamma)
-    if ends.numel() == 0:
+    if ends.numel() == 0:  # no action token: nothing to compute, but a reward must not vanish
+        fold_observation_rewards(r, mask, ends, obs_reward)
         return delta
     # turn ends: next action token is the next turn's first token, else the bootstrap value
     j = torch.searchsorted(starts, ends, right=True)
