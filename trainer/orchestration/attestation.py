@@ -25,6 +25,12 @@ or lag): ``(s + 2) × K × V × 4`` bytes, 4.8 MB per version for a 151k vocabul
 therefore reports a failure up to a few steps after the sync it concerns, not before the next
 step.
 
+After a resume the versions kept from before it (a fixed lag's ``n − k`` … ``n − 1``, restored from
+the checkpoint) have no reference: one is taken only when the learner makes a version, and
+recomputing it would need the learner to load each kept version's weights. Their syncs are not
+attested, and :meth:`SyncAttestor.unreferenced` says so once at the start of the run, naming the
+versions and the first one that will be checked.
+
 Off (:attr:`SyncAttestor.enabled` False, logged once) when the rollouts cannot sample one request
 directly (no ``probe``: Ray rollouts) or the learner cannot give its next-token distribution (no
 ``next_token_logprobs``: a distributed or remote learner), or the vocabulary is smaller than the
@@ -136,6 +142,22 @@ class SyncAttestor:
         for old in [v for v in self._refs if v <= version - self.keep]:
             del self._refs[old]
         return loop.time() - t0
+
+    def unreferenced(self, kept: list[int], now: int) -> list[int]:
+        """Log once (warning) that the syncs to the kept versions without a reference will not be
+        attested: ``kept`` are the versions a fixed lag may still sync to (restored by a resume),
+        ``now`` the learner's version, the first one checked. Nothing when off or when every kept
+        version has a reference (a fresh run).
+
+        Returns:
+            The kept versions without a reference, sorted.
+        """
+        missing = sorted(v for v in kept if v not in self._refs)
+        if self.enabled and missing:
+            log.warning("weight-sync attestation: the syncs to policy versions %s (kept from before the "
+                        "resume) are not attested: their references were not kept; checks start with "
+                        "version %d", missing, now)
+        return missing
 
     async def synced(self, version: int) -> float:
         """The rollouts now generate with ``version``: start its check (when its reference is

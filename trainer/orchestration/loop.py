@@ -441,6 +441,7 @@ class AsyncTrainingLoop:
         self._last_step_end = time.perf_counter()
         await self.attestor.reference(st.version)  # before any sync can need it
         await self.cfg.staleness.start(self)
+        self.attestor.unreferenced(st.history.versions(), st.version)  # a resume's kept versions
         producer = asyncio.create_task(self._producer())
         try:
             while st.step < self.cfg.total_steps:
