@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _run_fixed(path, k, *, steps=6, per_step=2, make_env=EchoEnv, learner_delay=0.0, history=None,
-               start_step=0, state=None):
+               start_step=0, state=None, sync_check=None):
     actor, tok = load_model_and_tokenizer(path)
     learner = TorchLearner(actor, copc.get_preset("copc"),
                            LearnerConfig(
@@ -81,7 +81,7 @@ def _run_fixed(path, k, *, steps=6, per_step=2, make_env=EchoEnv, learner_delay=
         loop = AsyncTrainingLoop(
             learner, rollouts, PromptStream(SAMPLES, 0),
             LoopConfig(total_steps=steps, prompts_per_step=per_step, n_samples_per_prompt=1,
-                       pad_token_id=tok.pad_token_id, staleness=FixedLag(k)),
+                       pad_token_id=tok.pad_token_id, staleness=FixedLag(k), sync_check=sync_check),
             hooks, LoopState.resume({"step": start_step, "weight_history": history}))
         try:
             await asyncio.wait_for(loop.run(), 180)
