@@ -17,6 +17,11 @@ agent rewrote; other ``tools``; a call that adds no message) is still answered �
 messages afresh — but the episode is *dropped*: its trajectory ends ``history_edited`` (excluded
 from training and scoring like an infrastructure failure, counted in ``rollout/infra_failed`` /
 evaluation's ``failed/history_edited``; :attr:`Episode.edits` counts the edited calls).
+
+**Templates that drop ``tools``.** Some chat templates ignore the ``tools`` argument (SmolLM2's
+renders only the messages): the model then never sees the tool schemas the agent sends. The first
+call with ``tools`` checks it (:func:`template_shows_tools`) and warns once per model and process
+(once per run; once per Ray rollout worker), naming the model.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +50,43 @@ from .wire import (
 
 #: Seed stride between the calls of one episode (a prime).
 CALL_SEED_STRIDE = 104729
+#: The conversation :func:`template_shows_tools` renders with and without the tools.
+TOOLS_PROBE = ({"role": "user", "content": "?"},)
+
+log = logging.getLogger(__name__)
+#: ``(model name, chat template) → whether the template renders tools``: one check (and warning) each.
+_SHOWS_TOOLS: dict[tuple[str, str], bool] = {}
+
+
+def template_shows_tools(tokenizer: Any, tools: Any) -> bool:
+    """Whether ``tokenizer``'s chat template shows the model ``tools`` (OpenAI function schemas):
+    :data:`TOOLS_PROBE` rendered with them differs from the same rendered without them.
+
+    Checked once per model (``tokenizer.name_or_path``) and template in a process; the first time
+    a template is found to drop them, one warning names the model (the schemas never reach it:
+    describe the tools in the messages, as ``docs/harness.md``'s example does, or use a model whose
+    template renders ``tools``).
+
+    Args:
+        tokenizer: the policy tokenizer (with a ``chat_template``). tools: non-empty schemas.
+
+    Returns:
+        True when the rendering changes with ``tools``.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template (as :class:`ChatTurns`).
+    """
+    name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    key = (name, str(getattr(tokenizer, "chat_template", "")))
+    if key not in _SHOWS_TOOLS:
+        probe = [dict(m) for m in TOOLS_PROBE]
+        shown = ChatTurns(tokenizer, tools).render(probe, True) != ChatTurns(tokenizer).render(probe, True)
+        _SHOWS_TOOLS[key] = shown
+        if not shown:
+            log.warning("harness: the chat template of %s ignores the requests' tools: the model never "
+                        "sees their schemas (describe them in the messages, as docs/harness.md's example "
+                        "does, or use a model whose template renders tools)", name)
+    return _SHOWS_TOOLS[key]
 
 
 class EpisodeInfraError(RuntimeError):
@@ -158,6 +201,8 @@ class Episode:
         fresh = [template_message(m) for m in messages]
         if self.trajectory is None:
             self._chat, self._tools = ChatTurns(self.tok, tools), tools_key
+            if tools:
+                template_shows_tools(self.tok, tools)
             ids = self._chat.conversation_ids(fresh)  # tool messages' text stays plain
             self.trajectory = Trajectory(prompt_ids=ids, sample_id=self.sample_id, group_id=self.group_id)
             return list(ids)
