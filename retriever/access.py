@@ -30,6 +30,7 @@ server lacks it, a close with code 1008.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import json
@@ -110,6 +111,39 @@ def check_bind(host: str, token: str | None) -> None:
     if not token and not is_loopback(host):
         raise ValueError(f"--host={host!r}: binding a non-loopback address requires a bearer token "
                          "(--token-file FILE): anyone who can reach that address could use the server")
+
+
+def check_port(host: str, port: int, flag: str = "--port") -> None:
+    """Refuse a ``port`` that cannot be bound on ``host`` (another process listens on it), before
+    a server prints that it serves there. Port 0 (any free one) is not checked.
+
+    The probe binds with ``SO_REUSEADDR``, as the servers do, so a port left in TIME_WAIT by an
+    earlier server passes.
+
+    Raises:
+        ValueError: one line naming ``flag`` and the port, e.g. ``--port 8000: in use on
+            127.0.0.1 (another process listens there; pick another port, or 0 for a free one)``.
+    """
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror or e})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            why = ("in use" if e.errno == errno.EADDRINUSE else
+                   "not allowed (ports below 1024 need privileges)" if e.errno == errno.EACCES else
+                   f"cannot be bound ({e.strerror or e})")
+            hint = " (another process listens there; pick another port, or 0 for a free one)" \
+                if e.errno == errno.EADDRINUSE else ""
+            raise ValueError(f"{flag} {port}: {why} on {host}{hint}") from None
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -254,4 +288,5 @@ def protect(app: Any, host: str, token: str | None) -> Any:
 
 
 __all__ = ["OPEN_PATHS", "AccessError", "BearerAuth", "LoopbackGuard", "check_bind", "check_header",
-           "check_loopback_headers", "host_name", "is_loopback", "protect", "read_token_file", "refuse"]
+           "check_loopback_headers", "check_port", "host_name", "is_loopback", "protect", "read_token_file",
+           "refuse"]

@@ -162,7 +162,7 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from retriever.access import check_bind, read_token_file
+    from retriever.access import check_bind, check_port, read_token_file
     from retriever.index import load_index
     from retriever.server import ServerConfig, serve
 
@@ -170,6 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
         _exit_with_parent(args.parent_pid)
     token = read_token_file(args.token_file) if args.token_file else None
     check_bind(args.host, token)  # before the (slow) index load
+    check_port(args.host, args.port)
 
     cfg = ServerConfig(
         default_topk=args.default_topk,

@@ -9,9 +9,10 @@ Examples::
 Environment settings are ``key=value`` words after the options: dotted keys build nested
 mappings, values are YAML (``limits.max_turns=4``, ``reward.mode=math_verify``,
 ``"prompt_template='Q: {problem}'"``), as ``copc train`` overrides. A bad setting, an unknown
-environment, an unreadable token file or a non-loopback ``--host`` without a token print one line
-naming the option and exit with status 2; an environment whose services cannot start (its
-sandbox, an MCP server that exits or never answers) prints one line and exits with status 1.
+environment, an unreadable token file, a ``--port`` in use or a non-loopback ``--host`` without
+a token print one line naming the option and exit with status 2; an environment whose services
+cannot start (its sandbox, an MCP server that exits or never answers) prints one line and exits
+with status 1.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def serve_command(args: argparse.Namespace) -> int:
                            reuse_envs=not args.no_reuse_envs, sandbox_workers=args.sandbox_workers,
                            sandbox_isolation=args.sandbox_isolation,
                            log_level=args.log_level)
+        from retriever.access import check_port
+
+        check_port(cfg.host, cfg.port)  # one line, before the env is built and "serving on" printed
         from .server import serve  # heavy (openenv imports gradio): only once the options are valid
 
         serve(cfg)

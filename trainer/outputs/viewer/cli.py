@@ -11,6 +11,8 @@ import http.server
 import sys
 from pathlib import Path
 
+from retriever.access import check_port
+
 from .load import load_episodes
 from .page import write_page
 
@@ -34,10 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run_view(args: argparse.Namespace) -> int:
     """Write the page; print its path (and the URL with ``--serve``). Exit status 2 with one line
-    when the directory holds no episodes' sources."""
+    when the directory holds no episodes' sources, or when ``--serve``'s ``--port`` is in use
+    (checked before the page is written)."""
     try:
+        if args.serve:
+            check_port("127.0.0.1", args.port)
         episodes = load_episodes(args.directory)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"copc view: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.directory) / "view.html"
