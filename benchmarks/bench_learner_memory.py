@@ -96,6 +96,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from trainer.config import load_config
+    from trainer.config.specs import learner_spec
     from trainer.learner.allocator import set_malloc_mmap_threshold
     from trainer.learner.backends.torch import TorchLearner
     from trainer.logprobs import token_logprobs
@@ -121,7 +122,7 @@ def child(args: argparse.Namespace) -> None:
                              f"learner.backend_settings.autocast_dtype={autocast or 'null'}"]
                       + ([] if threshold is None else [f"learner.malloc_mmap_threshold={threshold}"]))
     set_malloc_mmap_threshold(cfg.learner.malloc_mmap_threshold)  # as copc train does
-    learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_config(cfg, args.model)
+    learner = (FullLogitsLearner if kind == "full" else TorchLearner).from_spec(learner_spec(cfg), args.model)
     g = torch.Generator().manual_seed(0)
     V = learner.actor.config.vocab_size
     trs = []

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config
+from trainer.config.specs import learner_spec
 from trainer.learner import RANK_LEARNERS, make_learner
 from trainer.learner.distributed.launch import RankError
 from trainer.learner.distributed.shard import training_state_bytes
@@ -100,7 +101,7 @@ def main() -> int:
     print(f"model: tiny qwen2 hidden {args.hidden}, {args.layers} layers; actor + critic, AdamW; batch "
           f"{len(batch)} x {batch.input_ids.shape[1]} tokens; median of {args.steps} steps")
 
-    torch_lrn = make_learner(load_config(None, common), model_dir)
+    torch_lrn = make_learner(learner_spec(load_config(None, common)), model_dir)
     t_ref = timed_steps(torch_lrn, batch, args.steps)
     ref = training_state_bytes([torch_lrn.actor, torch_lrn.critic],
                                [torch_lrn.actor_opt.optimizer, torch_lrn.critic_opt.optimizer])
@@ -114,7 +115,7 @@ def main() -> int:
     for label, overrides in DISTRIBUTED_ROWS:
         cfg = load_config(None, common + overrides + ["train.torch_threads=1"])
         try:
-            with make_learner(cfg, model_dir) as lrn:
+            with make_learner(learner_spec(cfg), model_dir) as lrn:
                 t = timed_steps(lrn, batch, args.steps)
                 try:
                     per_rank = lrn.rank_state_bytes()

@@ -78,9 +78,10 @@ def _torch_learner(cfg: Any, model_dir: Path, device: str) -> Any:
     ``device``: ``Module.to`` keeps the parameter objects, so the optimizers (no state yet) follow.
     (Built on the CPU first because ``ValueModel.from_causal_lm`` creates the value head on the
     CPU whatever the backbone's device.)"""
+    from trainer.config.specs import learner_spec
     from trainer.learner import make_learner
 
-    lrn = make_learner(cfg, model_dir)
+    lrn = make_learner(learner_spec(cfg), model_dir)
     lrn.actor.to(device)
     if lrn.critic is not None:
         lrn.critic.to(device)
@@ -99,6 +100,7 @@ def run_backend(backend: str, dtype: str, device: str, model_dir: Path, batches:
     import torch
 
     from trainer.config import load_config
+    from trainer.config.specs import learner_spec
     from trainer.learner import make_learner
     from trainer.learner.distributed.shard import batch_to
 
@@ -117,7 +119,7 @@ def run_backend(backend: str, dtype: str, device: str, model_dir: Path, batches:
             step_s.append(time.perf_counter() - t1)
         weights = dict(lrn.export_policy_weights())
     else:
-        with make_learner(cfg, model_dir) as lrn:
+        with make_learner(learner_spec(cfg), model_dir) as lrn:
             build = time.perf_counter() - t0
             for b in batches:
                 t1 = time.perf_counter()

@@ -22,8 +22,9 @@ import pytest
 
 from trainer.config import ConfigError, load_config
 from trainer.config.sections import MOVED_KEYS
+from trainer.config.specs import learner_config, learner_spec
 from trainer.learner import DistributedSettings, TorchSettings
-from trainer.learner.settings import STEP_FIELDS, LearnerConfig
+from trainer.learner.settings import STEP_FIELDS
 from trainer.orchestration.launchers import LAUNCHERS, RayLauncherSettings
 from trainer.plugins import plugin_settings
 from trainer.ray_util import RayClusterSettings
@@ -72,7 +73,7 @@ def test_the_new_spellings_load_and_reach_the_typed_settings():
                                    "logprob_chunk_tokens: 64}"])
     own = plugin_settings(torch_cfg, "learner.backend")
     assert isinstance(own, TorchSettings) and own.shared_prefix_tokens == 8
-    step = LearnerConfig.from_config(torch_cfg)  # what the shared step code reads
+    step = learner_config(torch_cfg)  # what the shared step code reads
     assert (step.autocast_dtype, step.shared_prefix_tokens, step.critic_freeze_attention,
             step.logprob_chunk_tokens) == ("bfloat16", 8, True, 64)
     fsdp = load_config(None, ["learner.backend=fsdp", "learner.backend_settings.world_size=2",
@@ -81,7 +82,7 @@ def test_the_new_spellings_load_and_reach_the_typed_settings():
                               "learner.backend_settings.logprob_chunk_tokens=32"])
     dist = plugin_settings(fsdp, "learner.backend")
     assert isinstance(dist, DistributedSettings) and (dist.world_size, dist.data_parallel_size) == (2, 2)
-    step = LearnerConfig.from_config(fsdp)  # fields the backend lacks keep LearnerConfig's defaults
+    step = learner_config(fsdp)  # fields the backend lacks keep LearnerConfig's defaults
     assert (step.logprob_chunk_tokens, step.autocast_dtype, step.shared_prefix_tokens) == (32, None, 0)
     assert set(STEP_FIELDS) <= {f.name for f in dataclasses.fields(TorchSettings)}
     ray = load_config(None, ["launcher.kind=ray",
@@ -179,7 +180,7 @@ def test_ray_learner_ranks_connect_through_connect_ray_with_the_backend_settings
     cfg = load_config(None, ["learner.backend=fsdp", "learner.backend_settings={world_size: 2, launch: ray, "
                              "ray_address: 'HEAD:6379', ray_num_cpus: 5}"])
     with pytest.raises(ConnectedError):
-        RayGroup(cfg, tmp_path)
+        RayGroup(learner_spec(cfg), tmp_path)
     assert calls == [("HEAD:6379", 5, True)]
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 import copc
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_spec
 from trainer.learner import make_learner
 from trainer.learner.backends.torch import TorchLearner, response_scores
 from trainer.learner.settings import LearnerConfig, OptimizerSettings
@@ -259,7 +260,7 @@ def test_gradient_checkpointing_recomputes_the_decoder_with_the_same_update(tiny
     out = {}
     for gc in ("false", "true"):
         cfg = load_config(None, [*common, f"learner.backend_settings.gradient_checkpointing={gc}"])
-        learner = make_learner(cfg, tiny_dir)
+        learner = make_learner(learner_spec(cfg), tiny_dir)
         calls: list[int] = []
         for model in (learner.actor.get_decoder(), learner.critic.backbone):
             assert all(layer.gradient_checkpointing == (gc == "true") for layer in model.layers)

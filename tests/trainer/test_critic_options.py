@@ -13,6 +13,7 @@ from test_loop_learner import _batch  # six two-turn episodes, rewards 0/1
 
 import copc
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_config
 from trainer.learner.algorithm import ActorCriticAlgorithm
 from trainer.learner.backends.torch import TorchLearner
 from trainer.learner.critic import freeze_attention
@@ -122,7 +123,7 @@ def test_critic_presets_train_through_the_learner(tiny, preset):
 def test_config_keys_are_validated_in_one_line():
     cfg = load_config("configs/search/sao_critic.yaml", ["model.path=."])
     assert cfg.train.critic_updates_per_step == 2 and cfg.algorithm_config().advantage_estimator == "gae"
-    assert LearnerConfig.from_config(cfg).critic_updates_per_step == 2
+    assert learner_config(cfg).critic_updates_per_step == 2
     with pytest.raises(ConfigError, match=r"train\.critic_updates_per_step.*must be an int >= 1"):
         load_config("configs/math_tool/cpu_tiny.yaml", ["train.critic_updates_per_step=0"])
     with pytest.raises(ConfigError, match=r"learner\.backend_settings\.critic_freeze_attention=True: unknown "
@@ -132,4 +133,4 @@ def test_config_keys_are_validated_in_one_line():
                      "learner.backend_settings={critic_freeze_attention: true, world_size: 2}"])
     cfg = load_config("configs/math_tool/cpu_tiny.yaml",
                       ["learner.backend_settings.critic_freeze_attention=true"])
-    assert LearnerConfig.from_config(cfg).critic_freeze_attention
+    assert learner_config(cfg).critic_freeze_attention

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_spec
 from trainer.learner import make_learner, restore_learner
 from trainer.learner.distributed.launch import RankError
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -88,9 +89,9 @@ def test_bf16_mixed_precision_and_checkpoint_kind_checks(tiny):
     """``model.dtype=bfloat16``: float32 sharded master weights, bf16 compute; losses near float32's,
     weights exported in bf16. A torch checkpoint resumed by fsdp is refused naming the backend."""
     batch = small_batch()
-    torch_learner = make_learner(load_config(None, ["train.micro_batch_size=2"]), tiny)
+    torch_learner = make_learner(learner_spec(load_config(None, ["train.micro_batch_size=2"])), tiny)
     m_ref = torch_learner.step(batch)
-    with make_learner(fsdp_cfg("model.dtype=bfloat16"), tiny) as lrn:
+    with make_learner(learner_spec(fsdp_cfg("model.dtype=bfloat16")), tiny) as lrn:
         m = lrn.step(batch)
         weights = dict(lrn.export_policy_weights())
         assert abs(m["actor/pg_loss"] - m_ref["actor/pg_loss"]) < 1e-3
@@ -102,14 +103,14 @@ def test_bf16_mixed_precision_and_checkpoint_kind_checks(tiny):
         with pytest.raises(ConfigError, match=r"learner.backend: the checkpoint lacks sharded learner state"):
             restore_learner(lrn, {"learner": lrn.state_dict()})
         with pytest.raises(ConfigError, match=r"launcher.kind='ray' with learner.backend='fsdp'"):
-            make_learner(fsdp_cfg("launcher.kind=ray"), tiny)
+            make_learner(learner_spec(fsdp_cfg("launcher.kind=ray")), tiny)
 
 
 def test_a_torch_learner_refuses_a_sharded_checkpoint_naming_the_settings_that_wrote_it(tiny, tmp_path):
     """``copc eval --checkpoint`` / ``--resume`` of a megatron run with the default ``torch`` backend:
     a ConfigError naming the settings to use (it was a KeyError deep in ``load_state_dict``), and
     the learner is left untouched."""
-    lrn = make_learner(load_config(None, []), tiny)
+    lrn = make_learner(learner_spec(load_config(None, [])), tiny)
     before = {k: v.clone() for k, v in lrn.actor.state_dict().items()}
     state = {"learner": {"backend": "megatron", "world_size": 2, "tensor_parallel_size": 2,
                          "pipeline_parallel_size": 1, "policy_version": 3, "sharded": True},
@@ -187,7 +188,7 @@ def test_a_setting_a_rank_refuses_is_a_config_error_in_the_driver(tiny):
                              "learner.backend_settings.timeout_s=120"])
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=r"^learner.backend_settings.cpu_offload=true: an fsdp option"):
-        make_learner(cfg, tiny)
+        make_learner(learner_spec(cfg), tiny)
     assert time.monotonic() - t0 < 60
     ranks = [c for c in psutil.Process().children(recursive=True)
              if "rank_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
@@ -197,7 +198,7 @@ def test_a_setting_a_rank_refuses_is_a_config_error_in_the_driver(tiny):
 def test_a_rank_raising_mid_step_raises_in_the_driver_with_its_traceback(tiny):
     bad = small_batch()
     bad.input_ids[0, 3] = 10_000  # not in the 258-token vocabulary: the embedding lookup fails
-    lrn = make_learner(fsdp_cfg(), tiny)
+    lrn = make_learner(learner_spec(fsdp_cfg()), tiny)
     pids = lrn.rank_pids
     t0 = time.monotonic()
     with pytest.raises(RankError, match=r"(?s)learner rank \d raised during 'step'.*IndexError"):
@@ -209,7 +210,7 @@ def test_a_rank_raising_mid_step_raises_in_the_driver_with_its_traceback(tiny):
 
 
 def test_a_rank_killed_mid_step_raises_promptly_and_leaves_no_rank_behind(tiny):
-    lrn = make_learner(fsdp_cfg(), tiny)
+    lrn = make_learner(learner_spec(fsdp_cfg()), tiny)
     lrn.step(small_batch())  # warm: the next step is the one interrupted
     pids = lrn.rank_pids
     err: list[BaseException] = []
@@ -324,7 +325,7 @@ def test_fsdp_resume_after_sigkill_same_steps_no_repeated_prompts_same_next_step
     model_dir = out / "init_model"
     losses = []
     for _ in range(2):
-        with make_learner(cfg, model_dir) as lrn:
+        with make_learner(learner_spec(cfg), model_dir) as lrn:
             restore_learner(lrn, ckpts.load())
             assert lrn.policy_version == killed_at
             losses.append(lrn.step(small_batch())["actor/pg_loss"])
@@ -346,11 +347,11 @@ def test_ray_rank_actors_match_spawned_ranks(tiny):
     """``learner.backend_settings.launch=ray``: 2 rank actors in a placement group (a local Ray cluster of
     ``learner.backend_settings.ray_num_cpus``); same step as spawned ranks."""
     batch = small_batch()
-    with make_learner(fsdp_cfg(), tiny) as lrn:
+    with make_learner(learner_spec(fsdp_cfg()), tiny) as lrn:
         m_spawn = lrn.step(batch)
         w_spawn = dict(lrn.export_policy_weights())
     ray_cfg = fsdp_cfg("learner.backend_settings.launch=ray", "learner.backend_settings.ray_num_cpus=2")
-    with make_learner(ray_cfg, tiny) as lrn:
+    with make_learner(learner_spec(ray_cfg), tiny) as lrn:
         m_ray = lrn.step(batch)
         w_ray = dict(lrn.export_policy_weights())
     assert abs(m_ray["actor/pg_loss"] - m_spawn["actor/pg_loss"]) < 1e-6

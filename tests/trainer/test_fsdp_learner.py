@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_spec
 from trainer.evaluate.policy import checkpoint_policy_weights
 from trainer.learner import DistributedSettings, learner_checkpoint_state, make_learner, restore_learner
 from trainer.learner.distributed.runtime import DistributedLearner, check_model_parallel
@@ -90,10 +91,10 @@ def assert_same_metrics(ref: dict, got: dict, tol: float = 1e-5) -> None:
 @pytest.mark.parametrize("preset", ["copc", "areal", "dapo"])
 def test_fsdp_dp2_sgd_step_equals_the_torch_backend(tiny, preset):
     batch = multiturn_batch()
-    ref = make_learner(load_config(None, overrides(preset, "sgd")), tiny)
+    ref = make_learner(learner_spec(load_config(None, overrides(preset, "sgd"))), tiny)
     init = {k: v.clone() for k, v in ref.actor.state_dict().items()}
     m_ref = ref.step(batch)
-    with make_learner(load_config(None, fsdp_overrides(preset, "sgd")), tiny) as lrn:
+    with make_learner(learner_spec(load_config(None, fsdp_overrides(preset, "sgd"))), tiny) as lrn:
         assert isinstance(lrn, DistributedLearner) and lrn.policy_version == 0
         m = lrn.step(batch)
         grads, weights = lrn.named_gradients(), dict(lrn.export_policy_weights())
@@ -118,9 +119,9 @@ def test_fsdp_dp2_gradient_checkpointing_step_equals_the_torch_backend(tiny):
     layers inside their FSDP units; the actor's chunked LM head through the root unit's registered
     forward method): the same metrics (``actor/entropy`` included), gradients and SGD-updated weights."""
     batch, gc = multiturn_batch(), {"learner.backend_settings.gradient_checkpointing": "true"}
-    ref = make_learner(load_config(None, overrides("copc", "sgd", **gc)), tiny)
+    ref = make_learner(learner_spec(load_config(None, overrides("copc", "sgd", **gc))), tiny)
     m_ref = ref.step(batch)
-    with make_learner(load_config(None, fsdp_overrides("copc", "sgd", **gc)), tiny) as lrn:
+    with make_learner(learner_spec(load_config(None, fsdp_overrides("copc", "sgd", **gc))), tiny) as lrn:
         m = lrn.step(batch)
         grads, weights = lrn.named_gradients(), dict(lrn.export_policy_weights())
     assert m_ref["actor/entropy"] > 1.0  # the byte model's entropy, logged by both backends
@@ -135,11 +136,12 @@ def test_fsdp_adamw_cpu_offload_step_and_sharded_checkpoint_round_trip(tiny, tmp
     a reload repeats step 2 bit for bit. ``copc eval --checkpoint`` reads the sharded checkpoint's
     policy weights (a second learner restored from it) bit for bit."""
     b1, b2 = multiturn_batch(6), multiturn_batch(5)
-    ref = make_learner(load_config(None, overrides("copc", "adamw", **{"train.warmup_steps": "3"})), tiny)
+    ref = make_learner(learner_spec(load_config(None, overrides("copc", "adamw",
+                                                                **{"train.warmup_steps": "3"}))), tiny)
     cfg = load_config(None, fsdp_overrides("copc", "adamw", **{
         "train.warmup_steps": "3", "learner.backend_settings.cpu_offload": "true"}))
     ckpts = CheckpointManager(tmp_path / "checkpoints")
-    with make_learner(cfg, tiny) as lrn:
+    with make_learner(learner_spec(cfg), tiny) as lrn:
         m_ref, m = ref.step(b1), lrn.step(b1)
         assert_same_metrics(m_ref, m)
         w1 = dict(lrn.export_policy_weights())

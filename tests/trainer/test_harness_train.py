@@ -63,7 +63,7 @@ class RecordingLearner(TorchLearner):
 
 
 register_engine("scripted_embedded", scripted_embedded, overwrite=True)
-register_learner("recording", RecordingLearner.from_config, overwrite=True)
+register_learner("recording", RecordingLearner.from_spec, overwrite=True)
 '''
 
 

@@ -12,6 +12,7 @@ import torch
 
 import copc
 from trainer.config import load_config
+from trainer.config.specs import learner_config, learner_spec, optimizer_settings
 from trainer.learner import LearnerConfig, OptimizerSettings, TorchLearner, make_learner
 from trainer.learner.optim import TorchOptimizer, make_torch_optimizer
 from trainer.models.loading import load_model_and_tokenizer
@@ -107,11 +108,11 @@ def test_fsdp_on_one_rank_gives_the_torch_backend_s_parameters_after_one_step(ti
           "train.num_mini_batches=2", "train.grad_clip=0.5", "train.warmup_steps=2", "train.torch_threads=1",
           "learner.optimizer=adamw", "rollout.n_samples_per_prompt=2"]
     batch = multiturn_batch(6)
-    ref = make_learner(load_config(None, ov), tiny)
+    ref = make_learner(learner_spec(load_config(None, ov)), tiny)
     init = {k: v.clone() for k, v in ref.actor.state_dict().items()}
     m_ref = ref.step(batch)
     fsdp = load_config(None, [*ov, "learner.backend=fsdp", "learner.backend_settings.world_size=1"])
-    with make_learner(fsdp, tiny) as lrn:
+    with make_learner(learner_spec(fsdp), tiny) as lrn:
         m = lrn.step(batch)
         weights = dict(lrn.export_policy_weights())
     ref_w = ref.actor.state_dict()
@@ -128,8 +129,8 @@ def test_optimizer_settings_are_read_once_from_the_config():
                              "train.grad_clip=0.7", "train.warmup_steps=4", "learner.optimizer=sgd"])
     want = OptimizerSettings(name="sgd", actor_lr=3e-4, critic_lr=2e-3, weight_decay=0.1, grad_clip=0.7,
                              warmup_steps=4)
-    assert OptimizerSettings.from_config(exp) == want
-    assert LearnerConfig.from_config(exp).optim == want
+    assert optimizer_settings(exp) == want
+    assert learner_config(exp).optim == want
     assert [want.warmup_factor(i) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert OptimizerSettings().warmup_factor(0) == 1.0
     assert (want.lr("actor"), want.lr("critic")) == (3e-4, 2e-3)

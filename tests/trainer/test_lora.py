@@ -18,6 +18,7 @@ import torch
 
 import copc
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_spec
 from trainer.evaluate.policy import checkpoint_policy_weights
 from trainer.learner import learner_checkpoint_state, make_learner
 from trainer.learner.backends.torch import TorchLearner, response_logprobs
@@ -158,12 +159,12 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny, tmp_path):
 def test_critic_lora_follows_the_actor_or_trains_fully(tiny):
     cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=2",
                              "learner.lora.target_modules=[q_proj]"])
-    learner = make_learner(cfg, tiny)
+    learner = make_learner(learner_spec(cfg), tiny)
     assert learner.cfg.lora == learner.cfg.critic_lora == LoraSettings(rank=2, target_modules=("q_proj",))
     assert {n.split(".")[4] for n, p in learner.critic.named_parameters() if "lora_" in n} == {"q_proj"}
     cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=2",
                              "learner.critic_lora.enabled=false"])
-    learner = make_learner(cfg, tiny)
+    learner = make_learner(learner_spec(cfg), tiny)
     assert learner.cfg.critic_lora is None
     assert all(p.requires_grad for p in learner.critic.parameters())  # its own full copy
     emb = learner.critic.backbone.embed_tokens.weight
@@ -174,7 +175,7 @@ def test_critic_lora_follows_the_actor_or_trains_fully(tiny):
 def test_eval_checkpoint_reads_the_merged_policy(tiny, tmp_path):
     cfg = load_config(None, [f"model.path={tiny}", "learner.lora.rank=4",
                              "learner.lora.target_modules=[q_proj,v_proj]", f"output_dir={tmp_path}"])
-    learner = make_learner(cfg, tiny)
+    learner = make_learner(learner_spec(cfg), tiny)
     _, tok = load_model_and_tokenizer(tiny)
     learner.step(_batch(tok))
     path = CheckpointManager(tmp_path / "checkpoints").save(1, learner_checkpoint_state(learner))

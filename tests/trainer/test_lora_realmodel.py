@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.config.specs import engine_spec
+from trainer.config.specs import engine_spec, learner_spec
 from trainer.engines import make_engine
 from trainer.engines.base import SamplingParams
 from trainer.learner.backends.torch import TorchLearner
@@ -51,7 +51,7 @@ def smollm2(request) -> Path:
 def test_smollm2_adapter_sync_parity_and_payload(smollm2):
     exp = load_config(None, [f"model.path={smollm2}", "learner.lora.rank=8", "learner.lora.alpha=16",
                              "train.actor_lr=1e-3", "train.critic_lr=1e-3", "train.micro_batch_size=2"])
-    learner = TorchLearner.from_config(exp, smollm2)
+    learner = TorchLearner.from_spec(learner_spec(exp), smollm2)
     tok = load_tokenizer(smollm2)
     handle = make_engine("embedded", engine_spec(exp, smollm2, tok, adapter=learner.export_adapter()))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

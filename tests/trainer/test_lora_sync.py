@@ -19,7 +19,7 @@ import torch
 
 from trainer.app.run import run_experiment
 from trainer.config import load_config
-from trainer.config.specs import engine_spec
+from trainer.config.specs import engine_spec, learner_spec
 from trainer.engines import make_engine
 from trainer.engines.base import SamplingParams
 from trainer.learner.backends.torch import TorchLearner, response_logprobs
@@ -97,7 +97,7 @@ def _learner_logprobs(model, batch, temperature):
 
 def test_engine_logprobs_equal_the_learners_for_every_synced_adapter_version(tiny):
     exp = _exp(tiny, "train.actor_lr=0.05", "train.critic_lr=0.01", "train.micro_batch_size=4")
-    learner = TorchLearner.from_config(exp, tiny)
+    learner = TorchLearner.from_spec(learner_spec(exp), tiny)
     _, tok = load_model_and_tokenizer(tiny)
     handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))
     rec = Recording(handle)
@@ -139,7 +139,7 @@ def test_engine_logprobs_equal_the_learners_for_every_synced_adapter_version(tin
 
 def test_engine_refuses_mismatched_adapters_and_full_weights(tiny):
     exp = _exp(tiny)
-    learner = TorchLearner.from_config(exp, tiny)
+    learner = TorchLearner.from_spec(learner_spec(exp), tiny)
     _, tok = load_model_and_tokenizer(tiny)
     handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))
     other = AdapterWeights(LoraSettings(rank=2, alpha=8.0, dropout=0.1, target_modules=LORA.target_modules),
@@ -167,7 +167,7 @@ def test_fixed_lag_keeps_adapters_and_generates_each_batch_with_the_kept_version
     batch's behaviour log-probs equal a recomputation with the kept adapter of its generating version."""
     k, steps = 2, 5
     exp = _exp(tiny, "train.actor_lr=0.05", "train.critic_lr=0.01", "train.micro_batch_size=4")
-    learner = TorchLearner.from_config(exp, tiny)
+    learner = TorchLearner.from_spec(learner_spec(exp), tiny)
     base, tok = load_model_and_tokenizer(tiny)
     scratch = inject_lora(copy.deepcopy(base), LORA).eval()  # evaluates any kept adapter version
     handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from trainer.config import load_config
+from trainer.config.specs import learner_spec
 from trainer.learner import make_learner, restore_learner
 from trainer.outputs.checkpoint import CheckpointManager
 from trainer.rollout.batch import RolloutBatch, to_batch
@@ -113,7 +114,7 @@ def test_megatron_resume_after_sigkill_same_steps_no_repeated_prompts_same_next_
     cfg = load_config(CONFIG, args)
     losses = []
     for _ in range(2):
-        with make_learner(cfg, out / "init_model") as lrn:
+        with make_learner(learner_spec(cfg), out / "init_model") as lrn:
             restore_learner(lrn, ckpts.load())
             assert lrn.policy_version == killed_at
             losses.append(lrn.step(small_batch())["actor/pg_loss"])

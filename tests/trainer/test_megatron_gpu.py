@@ -15,6 +15,7 @@ import pytest
 from test_megatron_learner import assert_same_metrics, max_diff, multiturn_batch, overrides
 
 from trainer.config import load_config
+from trainer.config.specs import learner_spec
 from trainer.learner import make_learner
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 
@@ -26,13 +27,13 @@ def test_megatron_on_gpu_steps_like_the_torch_backend(tmp_path):
                                                                       num_layers=2)))
     batch = multiturn_batch()
     common = overrides("copc", "sgd", **{"train.weight_decay": "0.1"})
-    ref = make_learner(load_config(None, common), tiny)  # the torch backend, on the CPU
+    ref = make_learner(learner_spec(load_config(None, common)), tiny)  # the torch backend, on the CPU
     m_ref = ref.step(batch)
     cfg = load_config(None, [*common, "learner.backend_settings.gradient_checkpointing=true",
                              "learner.backend=megatron", "learner.backend_settings.world_size=1",
                              "learner.backend_settings.dist_backend=nccl",
                              "learner.backend_settings.timeout_s=300"])
-    with make_learner(cfg, tiny) as lrn:
+    with make_learner(learner_spec(cfg), tiny) as lrn:
         m = lrn.step(batch)
         weights = dict(lrn.export_policy_weights())
     assert m_ref["actor/updated"] == 1.0 and m_ref["actor/grad_norm"] > 0.5

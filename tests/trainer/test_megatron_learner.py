@@ -15,6 +15,7 @@ import torch
 from test_megatron_group import RankPool
 
 from trainer.config import load_config
+from trainer.config.specs import learner_spec
 from trainer.learner import make_learner
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.rollout.batch import RolloutBatch, to_batch
@@ -100,7 +101,7 @@ def _r_build(state: dict, key: str, exp_cfg, path: str, tp: int) -> int:
     r, w = state["rank"], state["world_size"]
     ctx = RankContext(rank=r, world_size=w, tp_size=tp, cpu_group=dist.group.WORLD,
                       **RankContext.layout(r, w, tp))
-    state[key] = build_rank_learner(exp_cfg, path, ctx)
+    state[key] = build_rank_learner(learner_spec(exp_cfg), path, ctx)
     return state[key].policy_version
 
 
@@ -116,7 +117,7 @@ def _r_build_error(state: dict, exp_cfg, path: str, tp: int, pp: int) -> str:
     ctx = RankContext(rank=r, world_size=w, tp_size=tp, pp_size=pp, cpu_group=dist.group.WORLD,
                       **RankContext.layout(r, w, tp, pp))
     try:
-        build_rank_learner(exp_cfg, path, ctx)
+        build_rank_learner(learner_spec(exp_cfg), path, ctx)
     except ConfigError as e:
         return str(e)
     return "built"
@@ -173,7 +174,7 @@ def test_megatron_sgd_step_equals_the_torch_backend(pool, tiny, preset):
     """Losses, metrics, actor/critic gradients (HF / ValueModel names) and SGD-updated weights of one
     step equal the torch backend's within 1e-5, at TP = 2 and at DP = 2."""
     batch, cfg = multiturn_batch(), load_config(None, overrides(preset, "sgd"))
-    ref = make_learner(cfg, tiny)
+    ref = make_learner(learner_spec(cfg), tiny)
     init = {k: v.clone() for k, v in ref.actor.state_dict().items()}
     m_ref = ref.step(batch)
     ref_grads, ref_w = torch_gradients(ref), ref.actor.state_dict()
@@ -205,7 +206,7 @@ def test_megatron_adamw_step_and_dist_checkpoint_resume(pool, tiny, tmp_path):
     TP = 1 × DP = 2 loading the TP = 2 checkpoint (resharded) repeats it within 1e-4 (Adam)."""
     b1, b2 = multiturn_batch(6), multiturn_batch(5)
     cfg = load_config(None, overrides("copc", "adamw", **{"train.warmup_steps": "3"}))
-    ref = make_learner(cfg, tiny)
+    ref = make_learner(learner_spec(cfg), tiny)
     build(pool, "adam", cfg, tiny, 2)
     m_ref, m = ref.step(b1), call(pool, "adam", "step", b1)
     assert_same_metrics(m_ref, m)

@@ -21,6 +21,7 @@ import copc
 import environments
 from seams.registry import Registry, RegistryError
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_spec
 from trainer.plugins import plugin_metadata, plugin_settings
 
 
@@ -198,15 +199,14 @@ def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities
     path = plugin(tmp_path, "seam_backend", """
         from dataclasses import dataclass
         from trainer.learner import register_learner
-        from trainer.plugins import plugin_settings
 
         @dataclass
         class LoraSettings:
             rank: int = 8
             alpha: float = 16.0
 
-        def lora_factory(exp_cfg, model_dir):
-            return ("lora learner", plugin_settings(exp_cfg, "learner.backend"), model_dir)
+        def lora_factory(spec, model_dir):
+            return ("lora learner", spec.settings, model_dir)
 
         register_learner("lora", lora_factory, settings=LoraSettings)
     """)
@@ -214,7 +214,7 @@ def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities
     cleanup.modules.append("seam_backend")
     base = [f"plugins=[{path}]", "learner.backend=lora"]
     cfg = load_config(None, [*base, "learner.backend_settings={rank: 4}"])
-    built = make_learner(cfg, tmp_path)
+    built = make_learner(learner_spec(cfg), tmp_path)
     assert built[1].rank == 4 and built[1].alpha == 16.0 and built[2] == tmp_path
     assert dict(plugin_metadata(cfg, "learner.backend")) == {"distributed": False, "tensor_parallel": False,
                                                               "pipeline_parallel": False, "lora": False}

@@ -156,7 +156,7 @@ def test_copc_train_with_ray_launcher_end_to_end(ray_cluster, tmp_path):
     out = tmp_path / "ray_run"
     plugin = tmp_path / "ray_plugin.py"  # registers a learner backend: the Ray actors must import it too
     plugin.write_text("from trainer.learner import TorchLearner, register_learner\n"
-                      "register_learner('torch_from_plugin', TorchLearner.from_config, overwrite=True)\n")
+                      "register_learner('torch_from_plugin', TorchLearner.from_spec, overwrite=True)\n")
     ov = {
         "plugins": f"[{plugin}]", "learner.backend": "torch_from_plugin",
         "preset": "copc", "output_dir": str(out), "launcher.kind": "ray",

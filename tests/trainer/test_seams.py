@@ -11,6 +11,7 @@ import torch
 
 import copc
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import learner_spec
 from trainer.engines import ENGINES, EngineHandle, register_engine
 from trainer.engines.builtin import embedded_engine
 from trainer.learner import (
@@ -97,7 +98,7 @@ def test_metric_accumulator_rules():
 
 def test_torch_learner_is_a_learner_and_exports_hf_weights(tiny, tmp_path):
     cfg = load_config(None, [f"model.path={tiny}"])
-    learner = make_learner(cfg, tiny)
+    learner = make_learner(learner_spec(cfg), tiny)
     assert isinstance(learner, Learner) and isinstance(learner, TorchLearner) and learner.policy_version == 0
     out = save_hf_weights(learner.export_policy_weights(), tiny, tmp_path / "export")
     reloaded, _ = load_model_and_tokenizer(out)
@@ -125,8 +126,8 @@ class CountingLearner(TorchLearner):
 def test_a_registered_learner_backend_trains_through_copc_train(tmp_path):
     from trainer.app.run import run_experiment
 
-    def factory(exp, model_dir):
-        base = TorchLearner.from_config(exp, model_dir)
+    def factory(spec, model_dir):
+        base = TorchLearner.from_spec(spec, model_dir)
         return CountingLearner(base.actor, base.algo, base.cfg)
 
     register_learner("counting", factory)

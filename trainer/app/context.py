@@ -27,7 +27,7 @@ import torch
 from environments.errors import InfrastructureError
 
 from ..config import ExperimentConfig
-from ..config.specs import agent_loop_config
+from ..config.specs import agent_loop_config, learner_spec
 from ..errors import ConfigError, TrainingError
 from ..learner import Learner, make_learner, restore_learner
 from ..learner.allocator import set_malloc_mmap_threshold
@@ -270,7 +270,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
              else (model_dir, None))
         if sft is not None:
             summary["warm_start"] = sft
-        learner = make_learner(cfg, model_dir)
+        learner = make_learner(learner_spec(cfg), model_dir)
         logger = MetricsLogger(out, tensorboard=cfg.logging.tensorboard, resume=state is not None)
         ctx = RunContext(cfg=cfg, out=out, task=task, model_dir=model_dir,
                          tokenizer=load_tokenizer(model_dir), learner=learner, logger=logger,

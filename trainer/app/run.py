@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, ExperimentConfig
-from ..config.specs import engine_spec, preflight_engine
+from ..config.specs import engine_spec, learner_spec, preflight_engine
 from ..engines import EngineHandle, make_engine
 from ..engines.base import SamplingParams
 from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
@@ -110,7 +110,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
     if torchrun_rank and int(os.environ.get("RANK", "0")) > 0:
         from ..learner.distributed.worker import serve_torchrun_worker
 
-        serve_torchrun_worker(cfg)  # a learner rank serving rank 0 (the driver) until it is done
+        serve_torchrun_worker(learner_spec(cfg))  # a learner rank serving rank 0 (the driver) until done
         return {}
     preflight_engine(cfg)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)

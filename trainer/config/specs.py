@@ -1,4 +1,6 @@
-"""Typed specs built from the experiment config where a run is assembled.
+"""Typed specs built from the experiment config where a run is assembled: an engine's
+(:func:`engine_spec`), the agent loop's (:func:`agent_loop_config`) and a learner backend's
+(:func:`learner_spec`, with :func:`learner_config` / :func:`optimizer_settings`).
 
 A component below the config layer (an engine, a learner backend) never reads the experiment
 config: its factory gets a typed spec holding what it needs, built here, once, from the config's
@@ -12,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.registry import ENGINES, EngineSpec, Weights
 from ..errors import ConfigError
-from ..plugins import plugin_settings
+from ..learner.settings import LearnerConfig, OptimizerSettings, step_fields
+from ..learner.spec import LearnerSpec
+from ..plugins import absolute_plugins, plugin_settings
 from ..rollout.agent_loop import AgentLoopConfig
 
 if TYPE_CHECKING:  # typing only: the config package imports this module
@@ -63,3 +67,56 @@ def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:
                            max_observation_tokens=r.max_observation_tokens,
                            use_chat_template=r.use_chat_template, system_prompt=r.system_prompt,
                            observation_role=r.observation_role, stop=tuple(r.stop))
+
+
+def optimizer_settings(cfg: ExperimentConfig) -> OptimizerSettings:
+    """The :class:`~trainer.learner.settings.OptimizerSettings` of ``cfg`` (``learner.optimizer``,
+    ``train.actor_lr`` / ``critic_lr`` / ``weight_decay`` / ``grad_clip`` / ``warmup_steps``)."""
+    t = cfg.train
+    return OptimizerSettings(name=cfg.learner.optimizer, actor_lr=t.actor_lr, critic_lr=t.critic_lr,
+                             weight_decay=t.weight_decay, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
+
+
+def learner_config(cfg: ExperimentConfig, backend: Any = None) -> LearnerConfig:
+    """The step settings (:class:`~trainer.learner.settings.LearnerConfig`) of ``cfg``: ``train``,
+    ``learner.optimizer``, ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature``,
+    with the step fields of the backend's own settings.
+
+    Args:
+        cfg: the validated experiment config.
+        backend: the backend's settings (``learner.backend_settings`` as its dataclass, e.g.
+            :class:`~trainer.learner.backend_settings.TorchSettings`); None: those of
+            ``learner.backend`` (:func:`trainer.plugins.plugin_settings`). Its fields named in
+            :data:`~trainer.learner.settings.STEP_FIELDS` are carried over; the others keep their
+            defaults.
+
+    Raises:
+        ConfigError: as :func:`trainer.plugins.plugin_settings` (bad backend settings).
+    """
+    own = plugin_settings(cfg, "learner.backend") if backend is None else backend
+    t = cfg.train
+    lora, critic_lora = cfg.learner.lora_settings()
+    return LearnerConfig(optim=optimizer_settings(cfg), critic_warmup_steps=t.critic_warmup_steps,
+                         num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
+                         temperature=cfg.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
+                         critic_updates_per_step=t.critic_updates_per_step, **step_fields(own))
+
+
+def learner_spec(cfg: ExperimentConfig) -> LearnerSpec:
+    """The :class:`~trainer.learner.spec.LearnerSpec` of ``cfg.learner.backend``: what a learner
+    backend's factory gets instead of the config (``learner``, ``train``, ``model``, ``rollout``,
+    ``logging.samples_per_step``, ``plugins`` and the algorithm are read here, once).
+
+    Raises:
+        ConfigError: an unregistered ``learner.backend`` or bad ``learner.backend_settings`` (one
+            line naming the key); a bad algorithm (:meth:`~trainer.config.ExperimentConfig.algorithm_config`).
+    """
+    own = plugin_settings(cfg, "learner.backend")
+    return LearnerSpec(backend=cfg.learner.backend, algorithm=cfg.algorithm_config(),
+                       step=learner_config(cfg, own), settings=own,
+                       raw_settings=dict(cfg.learner.backend_settings or {}), dtype=cfg.model.dtype,
+                       attn_implementation=cfg.model.attn_implementation,
+                       plugins=tuple(absolute_plugins(cfg.plugins)), torch_threads=cfg.train.torch_threads,
+                       malloc_mmap_threshold=cfg.learner.malloc_mmap_threshold,
+                       malloc_trim=bool(cfg.learner.malloc_trim),
+                       keep_step_inputs=bool(cfg.logging.samples_per_step))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config.specs import learner_spec
 from ..errors import ConfigError
 from ..learner import make_learner, restore_learner
 from ..outputs.checkpoint import CheckpointManager
@@ -34,7 +35,7 @@ def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
     if state is None:
         raise ConfigError(f"--checkpoint={str(checkpoint)!r}: neither a model directory (config.json) nor "
                           f"a complete training checkpoint{why}")
-    learner = make_learner(cfg, model_dir)
+    learner = make_learner(learner_spec(cfg), model_dir)
     try:
         restore_learner(learner, state)
         return dict(learner.export_policy_weights())

@@ -12,15 +12,15 @@ regime, registered with the backend (:func:`~trainer.learner.base.register_learn
 A setting a backend does not have is refused at load naming it (``learner.backend_settings.
 world_size=2: unknown setting of TorchSettings; known: [...]``): its presence in the backend's
 dataclass is the capability. What crosses components (LoRA, the optimiser, the allocator) stays in
-the central ``learner`` section. A backend reads its settings through :func:`backend_settings`.
+the central ``learner`` section. A backend reads its settings from its
+:class:`~trainer.learner.spec.LearnerSpec`: ``spec.settings``, or ``spec.settings_as(cls)`` typed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from ..errors import ConfigError
 from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from .settings import AUTOCAST_DTYPES
 
@@ -28,8 +28,6 @@ from .settings import AUTOCAST_DTYPES
 RANK_LAUNCHES = ("spawn", "ray", "torchrun")
 #: ``dist_backend`` values of :class:`DistributedSettings`.
 DIST_BACKENDS = ("auto", "gloo", "nccl")
-
-S = TypeVar("S")
 
 
 def _positive_int(name: str, v: Any, floor: int = 1) -> None:
@@ -150,40 +148,3 @@ class DistributedSettings:
         """``world_size // (tensor_parallel_size × pipeline_parallel_size)`` (exact: checked on
         construction)."""
         return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
-
-
-def backend_settings(exp: Any, cls: type[S]) -> S:
-    """The validated ``learner.backend_settings`` of ``exp`` as a ``cls`` instance.
-
-    Args:
-        exp: the :class:`~trainer.config.ExperimentConfig`.
-        cls: the settings type the caller reads (:class:`TorchSettings`, :class:`DistributedSettings`).
-
-    Returns:
-        The settings of ``exp``'s backend (:func:`trainer.plugins.plugin_settings`) when they are a
-        ``cls``; otherwise (a backend registered without settings or with another type, e.g. a rank
-        learner's factory called directly with a ``torch`` config) ``learner.backend_settings`` built
-        as a ``cls`` by the learner registry, as for the backend registered with ``cls`` (empty: its
-        defaults).
-
-    Raises:
-        ConfigError: as :func:`trainer.plugins.plugin_settings` (an unknown setting, a wrong type or
-            value of the backend's own dataclass), no backend registered with ``cls``, or a setting
-            ``cls`` does not have (one line naming ``learner.backend_settings.<key>``).
-    """
-    from ..plugins import plugin_settings
-    from .base import LEARNERS
-
-    settings = plugin_settings(exp, "learner.backend")
-    if isinstance(settings, cls):
-        return settings
-    # read the section as the backend registered with ``cls`` would (same checks, same messages)
-    owner = next((n for n in LEARNERS.names() if LEARNERS.settings_type(n) is cls), None)
-    if owner is None:
-        raise ConfigError(f"learner.backend={exp.learner.backend!r}: its settings are not a {cls.__name__} "
-                          f"and no learner backend is registered with {cls.__name__}")
-    try:
-        raw = dict(exp.learner.backend_settings or {})
-        return LEARNERS.build_settings(owner, raw, "learner.backend_settings")
-    except ValueError as e:  # the registry's one-line error (RegistryError is a ValueError)
-        raise ConfigError(str(e)) from None

@@ -2,7 +2,8 @@
 
 A backend (plain torch today; FSDP2 and Megatron-core next) implements :class:`Learner` and
 registers a factory under a name; ``learner.backend`` in the config picks it and
-:func:`make_learner` builds it. The loop (:mod:`trainer.orchestration.loop`), the Ray launcher
+:func:`make_learner` builds it from a :class:`~trainer.learner.spec.LearnerSpec` (never the
+experiment config). The loop (:mod:`trainer.orchestration.loop`), the Ray launcher
 and ``run.py`` use only this protocol. The RL maths a backend reuses lives in
 :mod:`trainer.learner.algorithm` (which calls :mod:`copc`).
 
@@ -27,6 +28,7 @@ from seams.registry import Registry
 from ..errors import ConfigError
 from ..outputs.checkpoint import DirectoryState
 from ..rollout.batch import RolloutBatch
+from .spec import LearnerSpec
 
 #: Checkpoint key of a :class:`ShardedCheckpoint` learner's directory (next to ``learner``).
 SHARDED_STATE_KEY = "learner_shards"
@@ -65,10 +67,11 @@ class Learner(Protocol):
         """Restore :meth:`state_dict` output."""
 
 
-#: ``factory(exp_cfg, model_dir) -> Learner``: ``exp_cfg`` is the
-#: :class:`~trainer.config.ExperimentConfig`, ``model_dir`` a ``save_pretrained`` directory with
-#: the actor's architecture and initial weights.
-LearnerFactory = Callable[[Any, Path], Learner]
+#: ``factory(spec, model_dir) -> Learner``: ``spec`` is the :class:`~trainer.learner.spec.LearnerSpec`
+#: built from the experiment config where the run is assembled (the backend's own settings are
+#: ``spec.settings``), ``model_dir`` a ``save_pretrained`` directory with the actor's architecture
+#: and initial weights.
+LearnerFactory = Callable[[LearnerSpec, Path], Learner]
 
 
 #: Capability metadata of a learner backend (checked against the config's ``learner`` section by
@@ -94,7 +97,7 @@ def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False
 
     Args:
         name: the value of ``learner.backend``.
-        factory: ``factory(exp_cfg, model_dir) -> Learner``.
+        factory: ``factory(spec, model_dir) -> Learner`` (:data:`LearnerFactory`).
         overwrite: replace an existing registration.
         settings: the backend's settings dataclass (``learner.backend_settings``), or None.
         **metadata: capability metadata of :data:`LEARNER_METADATA`.
@@ -109,13 +112,14 @@ def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False
     return LEARNERS.register(name, factory, overwrite=overwrite, settings=settings, **metadata)
 
 
-def make_learner(exp_cfg: Any, model_dir: str | Path) -> Learner:
-    """The learner of ``exp_cfg.learner.backend``, initialised from ``model_dir``.
+def make_learner(spec: LearnerSpec, model_dir: str | Path) -> Learner:
+    """The learner of ``spec.backend``, initialised from ``model_dir``
+    (``spec``: :func:`trainer.config.specs.learner_spec`).
 
     Raises:
         seams.registry.RegistryError: (a ``KeyError``) unknown backend.
     """
-    return LEARNERS.get(exp_cfg.learner.backend)(exp_cfg, Path(model_dir))
+    return LEARNERS.get(spec.backend)(spec, Path(model_dir))
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""The learner's settings, built once from the config and passed to every backend.
+"""The learner's settings, built once from the config (:func:`trainer.config.specs.learner_config`,
+part of the :class:`~trainer.learner.spec.LearnerSpec`) and passed to every backend.
 
 * :class:`OptimizerSettings` — the optimiser of the actor and of the critic: algorithm
   (``learner.optimizer``), learning rates, Adam betas / eps, weight decay, gradient clipping and
@@ -13,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
@@ -26,7 +27,7 @@ OPTIMIZERS = ("adamw", "sgd")
 AUTOCAST_DTYPES = (None, "bfloat16")
 #: Fields of a backend's own settings (``learner.backend_settings``) that :class:`LearnerConfig`
 #: carries to the shared step code when the backend's settings dataclass has them
-#: (:meth:`LearnerConfig.from_config`); a backend without one keeps :class:`LearnerConfig`'s default.
+#: (:func:`step_fields`); a backend without one keeps :class:`LearnerConfig`'s default.
 STEP_FIELDS = ("logprob_chunk_tokens", "critic_freeze_attention", "autocast_dtype", "shared_prefix_tokens")
 
 
@@ -71,13 +72,6 @@ class OptimizerSettings:
             raise ValueError(f"optimizer betas={self.betas!r}: must be two numbers in [0, 1)")
         if not self.eps > 0:
             raise ValueError(f"optimizer eps={self.eps!r}: must be > 0")
-
-    @classmethod
-    def from_config(cls, exp: Any) -> OptimizerSettings:
-        """From an :class:`~trainer.config.ExperimentConfig` (``train.*`` and ``learner.optimizer``)."""
-        t = exp.train
-        return cls(name=exp.learner.optimizer, actor_lr=t.actor_lr, critic_lr=t.critic_lr,
-                   weight_decay=t.weight_decay, grad_clip=t.grad_clip, warmup_steps=t.warmup_steps)
 
     def lr(self, role: str) -> float:
         """The peak learning rate of ``role`` (``"actor"`` | ``"critic"``).
@@ -148,29 +142,15 @@ class LearnerConfig:
             raise ValueError(f"learner.backend_settings.autocast_dtype={self.autocast_dtype!r}: must be None "
                              "(float32) or 'bfloat16'")
 
-    @classmethod
-    def from_config(cls, exp: Any, backend: Any = None) -> LearnerConfig:
-        """From an :class:`~trainer.config.ExperimentConfig` (``train``, ``learner.optimizer``,
-        ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature``) and the backend's own
-        settings.
+    def with_backend(self, backend: Any) -> LearnerConfig:
+        """This config with the :data:`STEP_FIELDS` of another backend's settings ``backend``
+        (:func:`step_fields`; the fields it lacks get :class:`LearnerConfig`'s defaults)."""
+        defaults = {f.name: f.default for f in fields(LearnerConfig) if f.name in STEP_FIELDS}
+        return replace(self, **{**defaults, **step_fields(backend)})
 
-        Args:
-            exp: the experiment config.
-            backend: the backend's settings (``learner.backend_settings`` as its dataclass, e.g.
-                :class:`~trainer.learner.backend_settings.TorchSettings`); None: those of
-                ``learner.backend`` (:func:`trainer.plugins.plugin_settings`). Its fields named in
-                :data:`STEP_FIELDS` are carried over; the others keep their defaults.
 
-        Raises:
-            ConfigError: as :func:`trainer.plugins.plugin_settings` (bad backend settings).
-        """
-        from ..plugins import plugin_settings
-
-        own = plugin_settings(exp, "learner.backend") if backend is None else backend
-        step = {k: getattr(own, k) for k in STEP_FIELDS if hasattr(own, k)}
-        t = exp.train
-        lora, critic_lora = exp.learner.lora_settings()
-        return cls(optim=OptimizerSettings.from_config(exp), critic_warmup_steps=t.critic_warmup_steps,
-                   num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
-                   temperature=exp.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
-                   critic_updates_per_step=t.critic_updates_per_step, **step)
+def step_fields(backend: Any) -> dict[str, Any]:
+    """The fields of a backend's settings (``learner.backend_settings`` as its dataclass, or None)
+    that :class:`LearnerConfig` carries to the shared step code: those named in :data:`STEP_FIELDS`
+    that it has."""
+    return {k: getattr(backend, k) for k in STEP_FIELDS if hasattr(backend, k)}

@@ -13,7 +13,8 @@ only the objects it is given differ:
   driver); a kept fixed-lag snapshot is put there by the driver;
 * :class:`RayLearner` (a :class:`~trainer.learner.base.Learner`) — a proxy whose methods call one
   :class:`LearnerActor`, which hosts any learner backend (``learner.backend``, built by
-  :func:`~trainer.learner.base.make_learner`). Checkpoints read its state from the actor.
+  :func:`~trainer.learner.base.make_learner` from the :class:`~trainer.learner.spec.LearnerSpec` the
+  driver builds and Ray pickles to it). Checkpoints read its state from the actor.
 
 :func:`launch_ray` (registered as launcher ``ray`` in :mod:`trainer.orchestration.launchers`)
 starts them for ``copc train`` and, after a successful run, copies the learner actor's final
@@ -48,6 +49,7 @@ import torch
 
 from ..engines.base import SamplingParams
 from ..learner.allocator import release_free_heap
+from ..learner.spec import LearnerSpec
 from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
@@ -141,19 +143,21 @@ class LearnerActor:
     """The learner as a Ray actor: any backend of ``learner.backend``, started from a state.
 
     Args:
-        exp_cfg: the :class:`~trainer.config.ExperimentConfig`.
+        spec: the backend's :class:`~trainer.learner.spec.LearnerSpec`
+            (:func:`trainer.config.specs.learner_spec`; its plug-ins are imported in this process
+            when Ray unpickles it).
         model_dir: ``save_pretrained`` directory of the actor (architecture, initial weights).
         state: :meth:`Learner.state_dict` output to start from (models, optimizers, counters).
     """
 
-    def __init__(self, exp_cfg: Any, model_dir: str, state: dict) -> None:
+    def __init__(self, spec: LearnerSpec, model_dir: str, state: dict) -> None:
         from ..learner import make_learner
         from ..plugins import import_plugins
 
-        import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
-        self.learner = make_learner(exp_cfg, model_dir)
+        import_plugins(spec.plugins)  # the user's registrations, in this process too
+        self.learner = make_learner(spec, model_dir)
         self.learner.load_state_dict(state)
-        self.malloc_trim = bool(exp_cfg.learner.malloc_trim)
+        self.malloc_trim = spec.malloc_trim
 
     def step(self, batch: Any, with_inputs: bool = False) -> tuple[dict, Any]:
         """:meth:`Learner.step`: ``(metrics, step inputs)`` in one reply, the step inputs the
@@ -211,20 +215,20 @@ class RayLearner:
     @classmethod
     def start(cls, exp_cfg: Any, model_dir: str | Path, state: dict,
               options: dict | None = None) -> RayLearner:
-        """Start a :class:`LearnerActor` of ``exp_cfg``'s backend from ``state`` (``Learner.state_dict``
+        """Start a :class:`LearnerActor` of ``exp_cfg``'s backend (its
+        :class:`~trainer.learner.spec.LearnerSpec` built here) from ``state`` (``Learner.state_dict``
         output); ``options``: Ray actor options (``num_gpus``, ...). Ray must be initialised.
         With ``logging.samples_per_step > 0`` each step also fetches the actor's step inputs, so
         the run writes its training samples as the local launcher does."""
         import ray
 
+        from ..config.specs import learner_spec
         from ..learner.algorithm import ActorCriticAlgorithm
-        from ..learner.settings import LearnerConfig
 
         actor_cls = ray.remote(LearnerActor).options(**dict(options or {}))
-        algorithm = ActorCriticAlgorithm.from_config(exp_cfg.algorithm_config(),
-                                                     LearnerConfig.from_config(exp_cfg))
-        return cls(actor_cls.remote(exp_cfg, str(model_dir), state), algorithm,
-                   bool(exp_cfg.logging.samples_per_step))
+        spec = learner_spec(exp_cfg)
+        algorithm = ActorCriticAlgorithm.from_config(spec.algorithm, spec.step)
+        return cls(actor_cls.remote(spec, str(model_dir), state), algorithm, spec.keep_step_inputs)
 
     @property
     def policy_version(self) -> int:

@@ -60,13 +60,14 @@ import copc
 from ...models.lm_head import check_output_head, token_scores
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
-from ..backend_settings import DistributedSettings, backend_settings
+from ..backend_settings import DistributedSettings
 from ..critic import ValueModel
 from ..distributed.base import RankContext
 from ..distributed.collectives import all_gather_objects
 from ..distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
+from ..spec import LearnerSpec
 from ..template import TemplateLearner
 from .torch import TransformersForward, enable_activation_checkpointing
 
@@ -287,27 +288,27 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
         return [item for rank_items in all_gather_objects(local, self.ctx.cpu_group) for item in rank_items]
 
 
-def build_fsdp_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> FSDPRankLearner:
+def build_fsdp_rank_learner(spec: LearnerSpec, model_dir: Path, ctx: RankContext) -> FSDPRankLearner:
     """The ``fsdp`` rank-learner factory (see
     :func:`~trainer.learner.distributed.registry.register_rank_learner`).
 
     Loads the actor from ``model_dir`` (float32 master weights; ``model.dtype`` bfloat16/float16
     becomes the compute dtype through FSDP mixed precision), the critic from the actor (as the
     torch backend). Its settings are the backend's
-    :class:`~trainer.learner.backend_settings.DistributedSettings` (``learner.backend_settings``):
+    :class:`~trainer.learner.backend_settings.DistributedSettings` (``spec.settings_as``):
     ``gradient_checkpointing`` checkpoints both models' decoder layers (before sharding),
     ``cpu_offload`` keeps the sharded state in CPU memory, ``logprob_chunk_tokens`` as the torch backend.
     """
     from ...models.loading import load_model_and_tokenizer
 
-    own = backend_settings(exp_cfg, DistributedSettings)
-    dtype = getattr(torch, exp_cfg.model.dtype)
+    own = spec.settings_as(DistributedSettings)
+    dtype = getattr(torch, spec.dtype)
     actor, _ = load_model_and_tokenizer(model_dir, dtype=torch.float32,
-                                        attn_implementation=exp_cfg.model.attn_implementation)
-    algo = exp_cfg.algorithm_config()
+                                        attn_implementation=spec.attn_implementation)
+    algo = spec.algorithm
     critic = ValueModel.from_causal_lm(actor) if algo.use_critic else None
     if own.gradient_checkpointing:
         enable_activation_checkpointing(actor, critic)
-    return FSDPRankLearner(actor, algo, LearnerConfig.from_config(exp_cfg, own), ctx, critic,
+    return FSDPRankLearner(actor, algo, spec.step_with(own), ctx, critic,
                            cpu_offload=own.cpu_offload,
                            param_dtype=None if dtype == torch.float32 else dtype)

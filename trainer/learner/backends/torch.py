@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -37,11 +36,12 @@ from ...models.lm_head import check_output_head, token_scores
 from ...models.lora import AdapterWeights, merged_state_dict
 from ...rollout.batch import RolloutBatch, pad_response
 from ..algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
-from ..backend_settings import TorchSettings, backend_settings
+from ..backend_settings import TorchSettings
 from ..critic import ValueModel, freeze_attention
 from ..lora import check_trainable_dtype, load_role_state, prepare_models, role_state, trainable_parameters
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
+from ..spec import LearnerSpec
 from ..template import TemplateLearner
 
 Tensor = torch.Tensor
@@ -210,20 +210,20 @@ class TorchLearner(TransformersForward, TemplateLearner):
         self.steps_done = 0
 
     @classmethod
-    def from_config(cls, exp: Any, model_dir: str | Path) -> TorchLearner:
-        """The torch backend of an :class:`~trainer.config.ExperimentConfig`, actor from ``model_dir``;
+    def from_spec(cls, spec: LearnerSpec, model_dir: str | Path) -> TorchLearner:
+        """The torch backend of a :class:`~trainer.learner.spec.LearnerSpec`, actor from ``model_dir``;
         its own settings are the backend's :class:`~trainer.learner.backend_settings.TorchSettings`
-        (``learner.backend_settings``; defaults for a backend registered without settings).
+        (``spec.settings_as``: defaults for a backend registered without settings).
 
         Raises:
             ConfigError: the backend's settings are not a ``TorchSettings``; as :meth:`__init__`.
         """
         from ...models.loading import load_model_and_tokenizer
 
-        own = backend_settings(exp, TorchSettings)
-        actor, _ = load_model_and_tokenizer(model_dir, dtype=getattr(torch, exp.model.dtype),
-                                            attn_implementation=exp.model.attn_implementation)
-        learner = cls(actor, exp.algorithm_config(), LearnerConfig.from_config(exp, own))
+        own = spec.settings_as(TorchSettings)
+        actor, _ = load_model_and_tokenizer(model_dir, dtype=getattr(torch, spec.dtype),
+                                            attn_implementation=spec.attn_implementation)
+        learner = cls(actor, spec.algorithm, spec.step_with(own))
         if own.gradient_checkpointing:
             enable_activation_checkpointing(learner.actor, learner.critic)
         return learner

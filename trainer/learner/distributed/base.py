@@ -5,7 +5,7 @@ A distributed backend runs one process per rank. Inside each rank process, after
 :class:`RankLearner` through a factory registered with
 :func:`~trainer.learner.distributed.registry.register_rank_learner`::
 
-    factory(exp_cfg, model_dir, ctx: RankContext) -> RankLearner
+    factory(spec: LearnerSpec, model_dir, ctx: RankContext) -> RankLearner
 
 and then calls the SAME method on EVERY rank, in the same order (each call is collective):
 
@@ -41,6 +41,7 @@ import torch
 from seams.registry import Registry
 
 from ...rollout.batch import RolloutBatch
+from ..spec import LearnerSpec
 
 
 @dataclass(frozen=True)
@@ -150,9 +151,10 @@ class MemoryProbe(Protocol):
         :func:`trainer.learner.distributed.shard.training_state_bytes`."""
 
 
-#: ``factory(exp_cfg, model_dir, ctx) -> RankLearner``, called inside a rank process after
-#: ``torch.distributed`` is initialised.
-RankLearnerFactory = Callable[[Any, Path, RankContext], RankLearner]
+#: ``factory(spec, model_dir, ctx) -> RankLearner``, called inside a rank process after
+#: ``torch.distributed`` is initialised (``spec``: the :class:`~trainer.learner.spec.LearnerSpec` the
+#: driver pickled to the rank; the backend's own settings are ``spec.settings``).
+RankLearnerFactory = Callable[[LearnerSpec, Path, RankContext], RankLearner]
 
 #: The rank-learner registry, ``learner.backend`` → per-rank factory (``fsdp`` registered by
 #: :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`, both through

@@ -36,7 +36,8 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from ..backend_settings import DistributedSettings, backend_settings
+from ..backend_settings import DistributedSettings
+from ..spec import LearnerSpec
 from .worker import (
     CONFIG_ERROR,
     RankServer,
@@ -106,17 +107,18 @@ class SpawnGroup:
     travel through shared memory (the ranks share the driver's multiprocessing authkey).
 
     Args:
-        exp_cfg: the :class:`~trainer.config.ExperimentConfig`. model_dir: the actor's directory.
+        spec: the :class:`~trainer.learner.spec.LearnerSpec` (sent pickled to every rank).
+        model_dir: the actor's directory.
 
     Raises:
         RankError: a rank failed to start (its traceback in the message).
         ConfigError: a rank refused a setting while building its learner.
     """
 
-    def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
+    def __init__(self, spec: LearnerSpec, model_dir: str | Path) -> None:
         import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
 
-        sec = backend_settings(exp_cfg, DistributedSettings)
+        sec = spec.settings_as(DistributedSettings)
         self.world_size, self.timeout_s = sec.world_size, sec.timeout_s
         init = f"tcp://127.0.0.1:{free_port()}"
         env = spawn_env(dict(os.environ), multiprocessing.current_process().authkey.hex())
@@ -131,7 +133,7 @@ class SpawnGroup:
                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL))
                 theirs.close()
                 self.conns.append(Connection(mine.detach()))
-                self.conns[-1].send((RankSpec.from_settings(sec, rank, init), exp_cfg, str(model_dir)))
+                self.conns[-1].send((RankSpec.from_settings(sec, rank, init), spec, str(model_dir)))
         except BaseException:
             self.close(graceful=False)
             raise
@@ -229,10 +231,10 @@ class RankActor:
         ip = ray.util.get_node_ip_address()
         return ip, free_port("0.0.0.0")
 
-    def setup(self, spec: RankSpec, exp_cfg: Any, model_dir: str) -> int:
+    def setup(self, rank_spec: RankSpec, spec: LearnerSpec, model_dir: str) -> int:
         """Join the group and build the rank learner; returns its policy version."""
-        ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
-        self.server = RankServer.build(exp_cfg, model_dir, ctx)
+        ctx = init_rank(rank_spec, spec.torch_threads, spec.malloc_mmap_threshold)
+        self.server = RankServer.build(spec, model_dir, ctx)
         return self.server.learner.policy_version
 
     def call(self, cmd: str, args: tuple) -> Any:
@@ -252,7 +254,7 @@ class RayGroup:
         RankError: a rank failed to start or the placement group could not be placed in time.
     """
 
-    def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
+    def __init__(self, spec: LearnerSpec, model_dir: str | Path) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -260,7 +262,7 @@ class RayGroup:
         from ...ray_util import connect_ray
         from .worker import resolve_dist_backend
 
-        sec = backend_settings(exp_cfg, DistributedSettings)
+        sec = spec.settings_as(DistributedSettings)
         self.world_size, self.timeout_s = sec.world_size, sec.timeout_s
         self._owns_ray = connect_ray(sec.ray_address, sec.ray_num_cpus)
         gpu = resolve_dist_backend(sec.dist_backend) == "nccl"
@@ -280,7 +282,7 @@ class RayGroup:
         ip, port = self._get([self.actors[0].address.remote()], "address")[0]
         init = f"tcp://{ip}:{port}"
         # local ranks on one node: Ray's PACK places bundles together; LOCAL_RANK = rank
-        self.ready = self._get([a.setup.remote(RankSpec.from_settings(sec, r, init), exp_cfg, str(model_dir))
+        self.ready = self._get([a.setup.remote(RankSpec.from_settings(sec, r, init), spec, str(model_dir))
                                 for r, a in enumerate(self.actors)], "start")
 
     def _get(self, refs: list[Any], cmd: str) -> list[Any]:
@@ -343,17 +345,17 @@ class TorchrunGroup:
         RankError: the build failed on some rank.
     """
 
-    def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
-        spec = torchrun_spec(backend_settings(exp_cfg, DistributedSettings))
-        if spec.rank != 0:
+    def __init__(self, spec: LearnerSpec, model_dir: str | Path) -> None:
+        rank_spec = torchrun_spec(spec.settings_as(DistributedSettings))
+        if rank_spec.rank != 0:
             raise ValueError(f"learner.backend_settings.launch='torchrun': the driver must be RANK 0, this "
-                             f"is RANK {spec.rank}")
-        self.world_size = spec.world_size
-        self.ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
+                             f"is RANK {rank_spec.rank}")
+        self.world_size = rank_spec.world_size
+        self.ctx = init_rank(rank_spec, spec.torch_threads, spec.malloc_mmap_threshold)
         self._closed = False
         self.server: RankServer | None = None
-        self.server = self._run("build", (exp_cfg, str(model_dir)), build=lambda: RankServer.build(
-            exp_cfg, model_dir, self.ctx))
+        self.server = self._run("build", (spec, str(model_dir)), build=lambda: RankServer.build(
+            spec, model_dir, self.ctx))
         self.ready = [self.server.learner.policy_version]
 
     def _run(self, cmd: str, args: tuple, build: Any = None) -> Any:
@@ -387,12 +389,12 @@ class TorchrunGroup:
 LAUNCHERS = {"spawn": SpawnGroup, "ray": RayGroup, "torchrun": TorchrunGroup}
 
 
-def start_ranks(exp_cfg: Any, model_dir: str | Path) -> RankGroup:
-    """Start the ranks of ``learner.backend_settings.launch`` and build their learners (blocks until
-    all are ready).
+def start_ranks(spec: LearnerSpec, model_dir: str | Path) -> RankGroup:
+    """Start the ranks of ``learner.backend_settings.launch`` (``spec.settings_as(DistributedSettings)``)
+    and build their learners from ``spec`` (blocks until all are ready).
 
     Raises:
         RankError: a rank failed to start. ConfigError: a rank refused a setting; torchrun
             environment missing or of another size.
     """
-    return LAUNCHERS[backend_settings(exp_cfg, DistributedSettings).launch](exp_cfg, model_dir)
+    return LAUNCHERS[spec.settings_as(DistributedSettings).launch](spec, model_dir)

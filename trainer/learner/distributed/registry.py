@@ -47,6 +47,6 @@ def register_rank_learner(name: str, factory: RankLearnerFactory, overwrite: boo
     if not (isinstance(settings, type) and issubclass(settings, DistributedSettings)):
         raise RegistryError(f"learner backend {name!r}: settings={settings!r} must be DistributedSettings or "
                             "a subclass of it (trainer.learner.backend_settings)")
-    register_learner(name, DistributedLearner.from_config, overwrite=overwrite, settings=settings,
+    register_learner(name, DistributedLearner.from_spec, overwrite=overwrite, settings=settings,
                      distributed=True, **metadata)
     RANK_LEARNERS.register(name, factory, overwrite=True)

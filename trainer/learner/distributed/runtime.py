@@ -31,8 +31,8 @@ import torch
 from ...errors import ConfigError
 from ...rollout.batch import RolloutBatch
 from ..algorithm import ActorCriticAlgorithm, StepInputs
-from ..backend_settings import DistributedSettings, backend_settings
-from ..settings import LearnerConfig
+from ..backend_settings import DistributedSettings
+from ..spec import LearnerSpec
 from .launch import RankGroup, start_ranks
 
 
@@ -91,8 +91,8 @@ class DistributedLearner:
     ranks.
 
     Args:
-        exp_cfg: the :class:`~trainer.config.ExperimentConfig` (``learner.backend`` names a rank
-            learner registered with :func:`~.registry.register_rank_learner`).
+        spec: the :class:`~trainer.learner.spec.LearnerSpec` (``spec.backend`` names a rank learner
+            registered with :func:`~.registry.register_rank_learner`; the ranks get it pickled).
         model_dir: ``save_pretrained`` directory of the actor (every rank reads it; with Ray on
             several nodes it must be visible at the same path everywhere).
 
@@ -104,31 +104,30 @@ class DistributedLearner:
         RankError: a rank failed to start.
     """
 
-    def __init__(self, exp_cfg: Any, model_dir: str | Path) -> None:
+    def __init__(self, spec: LearnerSpec, model_dir: str | Path) -> None:
         from .base import RANK_LEARNERS
 
-        RANK_LEARNERS.get(exp_cfg.learner.backend)  # RegistryError naming learner.backend
+        RANK_LEARNERS.get(spec.backend)  # RegistryError naming learner.backend
         #: the backend's rank layout, launch and timeout
-        self.settings = backend_settings(exp_cfg, DistributedSettings)
+        self.settings = spec.settings_as(DistributedSettings)
         check_launch(self.settings)
         check_model_parallel(self.settings, model_dir)
-        self.exp_cfg, self.model_dir, self.backend = exp_cfg, Path(model_dir), exp_cfg.learner.backend
+        self.spec, self.model_dir, self.backend = spec, Path(model_dir), spec.backend
         #: the channel intervals of the preset, for the run's samples (the ranks hold the algorithm
         #: that trains; this one computes nothing)
-        self.algorithm = ActorCriticAlgorithm.from_config(exp_cfg.algorithm_config(),
-                                                          LearnerConfig.from_config(exp_cfg, self.settings))
+        self.algorithm = ActorCriticAlgorithm.from_config(spec.algorithm, spec.step_with(self.settings))
         #: rank 0's last step inputs (CPU; ``(B, T)`` log-probs and advantages), or None when the
-        #: run keeps no per-step samples (``logging.samples_per_step: 0``)
+        #: run keeps no per-step samples (``logging.samples_per_step: 0``: ``spec.keep_step_inputs``)
         self.last_step_inputs: StepInputs | None = None
-        self._with_inputs = bool(exp_cfg.logging.samples_per_step)
-        self._group: RankGroup = start_ranks(exp_cfg, model_dir)
+        self._with_inputs = spec.keep_step_inputs
+        self._group: RankGroup = start_ranks(spec, model_dir)
         self._finalizer = weakref.finalize(self, self._group.close)
         self._version = int(self._group.ready[0])
 
     @classmethod
-    def from_config(cls, exp: Any, model_dir: str | Path) -> DistributedLearner:
+    def from_spec(cls, spec: LearnerSpec, model_dir: str | Path) -> DistributedLearner:
         """The :data:`~trainer.learner.base.LearnerFactory` of every distributed backend."""
-        return cls(exp, model_dir)
+        return cls(spec, model_dir)
 
     # -- the Learner protocol -------------------------------------------------------------
     @property

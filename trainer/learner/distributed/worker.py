@@ -25,7 +25,8 @@ import torch.distributed as dist
 from ...errors import ConfigError
 from ...parent_watch import exit_with_parent
 from ..allocator import release_free_heap, set_malloc_mmap_threshold
-from ..backend_settings import DistributedSettings, backend_settings
+from ..backend_settings import DistributedSettings
+from ..spec import LearnerSpec
 from .base import GradientProbe, MemoryProbe, RankContext, RankLearner
 from .collectives import all_gather_objects, broadcast_object
 
@@ -125,8 +126,8 @@ def init_rank(spec: RankSpec, threads: int = 0, mmap_threshold: int = 0) -> Rank
                        tp_size=spec.tp_size, pp_size=spec.pp_size, **layout)
 
 
-def build_rank_learner(exp_cfg: Any, model_dir: str | Path, ctx: RankContext) -> RankLearner:
-    """The rank learner of ``learner.backend`` (plug-ins imported first, as in the driver).
+def build_rank_learner(spec: LearnerSpec, model_dir: str | Path, ctx: RankContext) -> RankLearner:
+    """The rank learner of ``spec.backend`` (``spec.plugins`` imported first, as in the driver).
 
     Raises:
         KeyError: no rank learner registered under that name. Whatever the factory raises.
@@ -137,8 +138,8 @@ def build_rank_learner(exp_cfg: Any, model_dir: str | Path, ctx: RankContext) ->
     from .base import RANK_LEARNERS
 
     hf_logging.disable_progress_bar()  # N ranks × "Loading weights" bars say nothing the driver does not
-    import_plugins(exp_cfg.plugins)
-    return RANK_LEARNERS.get(exp_cfg.learner.backend)(exp_cfg, Path(model_dir), ctx)
+    import_plugins(spec.plugins)
+    return RANK_LEARNERS.get(spec.backend)(spec, Path(model_dir), ctx)
 
 
 class RankServer:
@@ -147,16 +148,16 @@ class RankServer:
     Args:
         learner: the :class:`RankLearner`. ctx: its :class:`RankContext`.
         malloc_trim: after every ``step``, return the rank's free C heap to the OS
-            (``learner.malloc_trim``; :func:`~..allocator.release_free_heap`).
+            (``spec.malloc_trim``; :func:`~..allocator.release_free_heap`).
     """
 
     def __init__(self, learner: RankLearner, ctx: RankContext, malloc_trim: bool = False) -> None:
         self.learner, self.ctx, self.malloc_trim = learner, ctx, malloc_trim
 
     @classmethod
-    def build(cls, exp_cfg: Any, model_dir: str, ctx: RankContext) -> RankServer:
-        """The server of a rank learner built from ``exp_cfg`` (:func:`build_rank_learner`)."""
-        return cls(build_rank_learner(exp_cfg, model_dir, ctx), ctx, exp_cfg.learner.malloc_trim)
+    def build(cls, spec: LearnerSpec, model_dir: str, ctx: RankContext) -> RankServer:
+        """The server of a rank learner built from ``spec`` (:func:`build_rank_learner`)."""
+        return cls(build_rank_learner(spec, model_dir, ctx), ctx, spec.malloc_trim)
 
     def handle(self, cmd: str, args: tuple) -> Any:
         """Run one command; returns its picklable result (rank 0's is the one the driver reads).
@@ -218,7 +219,7 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def spawn_main(conn: Any) -> None:
-    """Main of a spawned rank (:class:`~.launch.SpawnGroup`): read ``(RankSpec, exp_cfg, model_dir)``
+    """Main of a spawned rank (:class:`~.launch.SpawnGroup`): read ``(RankSpec, LearnerSpec, model_dir)``
     from the driver's connection, join, build, then serve ``(cmd, args)`` messages until
     ``shutdown`` or EOF; replies ``("ok", result)``, or :func:`failure_reply` (``("error",
     traceback)`` / ``("config_error", message)``). The first reply (after the build) is
@@ -226,9 +227,9 @@ def spawn_main(conn: Any) -> None:
     _exit_with_parent()
     server = None
     try:
-        spec, exp_cfg, model_dir = conn.recv()
-        ctx = init_rank(spec, exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
-        server = RankServer.build(exp_cfg, model_dir, ctx)
+        rank_spec, spec, model_dir = conn.recv()  # unpickling the LearnerSpec imports its plug-ins
+        ctx = init_rank(rank_spec, spec.torch_threads, spec.malloc_mmap_threshold)
+        server = RankServer.build(spec, model_dir, ctx)
         conn.send(("ok", server.learner.policy_version))
         while True:
             try:
@@ -301,15 +302,15 @@ def run_and_report(server: RankServer | None, cmd: str, args: tuple, ctx: RankCo
     return result, errors
 
 
-def serve_torchrun_worker(exp_cfg: Any) -> None:
+def serve_torchrun_worker(spec: LearnerSpec) -> None:
     """Main of ranks > 0 under ``torchrun``: join, then run rank 0's broadcast commands (the first
     is ``build`` with the model directory) until ``shutdown``. Returns when rank 0 shuts down.
 
     Raises:
         ConfigError: as :func:`torchrun_spec`.
     """
-    ctx = init_rank(torchrun_spec(backend_settings(exp_cfg, DistributedSettings)),
-                    exp_cfg.train.torch_threads, exp_cfg.learner.malloc_mmap_threshold)
+    ctx = init_rank(torchrun_spec(spec.settings_as(DistributedSettings)), spec.torch_threads,
+                    spec.malloc_mmap_threshold)
     server: RankServer | None = None
     try:
         while True:

@@ -14,13 +14,14 @@ from typing import Any
 
 from ...backend_settings import DistributedSettings
 from ...distributed.registry import RANK_LEARNERS, register_rank_learner
+from ...spec import LearnerSpec
 
 
-def build_rank_learner(exp_cfg: Any, model_dir: Path, ctx: Any) -> Any:
+def build_rank_learner(spec: LearnerSpec, model_dir: Path, ctx: Any) -> Any:
     """The ``megatron`` rank-learner factory (imports Megatron-core inside the rank process)."""
     from .rank_learner import build_megatron_rank_learner
 
-    return build_megatron_rank_learner(exp_cfg, model_dir, ctx)
+    return build_megatron_rank_learner(spec, model_dir, ctx)
 
 
 if "megatron" not in RANK_LEARNERS:

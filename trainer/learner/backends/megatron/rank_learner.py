@@ -39,12 +39,13 @@ import copc
 from ....errors import ConfigError
 from ....rollout.batch import RolloutBatch
 from ...algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
-from ...backend_settings import DistributedSettings, backend_settings
+from ...backend_settings import DistributedSettings
 from ...distributed.base import RankContext
 from ...distributed.collectives import all_gather_objects
 from ...distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
 from ...optim import ModelOptimizer
 from ...settings import LearnerConfig
+from ...spec import LearnerSpec
 from ...template import TemplateLearner
 from . import shims
 from .bridge import build_actor, build_critic, export_actor, export_critic, make_bridge
@@ -287,23 +288,23 @@ class MegatronRankLearner(TemplateLearner):
         return [item for rank_items in all_gather_objects(local, self.dp_gloo) for item in rank_items]
 
 
-def build_megatron_rank_learner(exp_cfg: Any, model_dir: Path, ctx: RankContext) -> MegatronRankLearner:
+def build_megatron_rank_learner(spec: LearnerSpec, model_dir: Path, ctx: RankContext) -> MegatronRankLearner:
     """The ``megatron`` rank-learner factory
     (:func:`~trainer.learner.distributed.registry.register_rank_learner`).
 
     Its settings are the :class:`~trainer.learner.backend_settings.DistributedSettings` of
-    ``learner.backend_settings``: ``gradient_checkpointing`` turns on Megatron's activation
-    recompute (see :class:`MegatronRankLearner`).
+    ``learner.backend_settings`` (``spec.settings_as``): ``gradient_checkpointing`` turns on Megatron's
+    activation recompute (see :class:`MegatronRankLearner`).
 
     Raises:
         ConfigError: ``cpu_offload`` (an FSDP option, naming ``learner.backend_settings.cpu_offload``),
             and as :class:`MegatronRankLearner`.
     """
-    own = backend_settings(exp_cfg, DistributedSettings)
+    own = spec.settings_as(DistributedSettings)
     if own.cpu_offload:
         raise ConfigError("learner.backend_settings.cpu_offload=true: an fsdp option; "
                           "learner.backend=megatron shards the optimizer state over data parallel on GPU "
                           "instead (set it to false)")
-    return MegatronRankLearner(model_dir, exp_cfg.algorithm_config(), LearnerConfig.from_config(exp_cfg, own),
-                               ctx, dtype=getattr(torch, exp_cfg.model.dtype),
+    return MegatronRankLearner(model_dir, spec.algorithm, spec.step_with(own),
+                               ctx, dtype=getattr(torch, spec.dtype),
                                recompute=bool(own.gradient_checkpointing))
