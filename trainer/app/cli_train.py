@@ -15,8 +15,12 @@ evaluation code (:mod:`trainer.app.run`) is imported only once the config is val
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shlex
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from trainer.config import ConfigError, ExperimentConfig, load_config
 
@@ -27,6 +31,30 @@ EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_ERROR = 1
 #: Exit status after Ctrl-C (128 + SIGINT), the shell convention.
 EXIT_INTERRUPTED = 130
+#: Exit status after SIGTERM (128 + SIGTERM), the shell convention.
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is (so the run stops the same way)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``) in the main
+    thread, so ``kill PID`` stops a run as Ctrl-C does (same clean-up, same ``--resume`` hint).
+    The earlier handler is restored on exit; outside the main thread this does nothing."""
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -81,7 +109,8 @@ def train_command(args: argparse.Namespace) -> int:
 
     Returns:
         0 on success, 2 for a bad config, 1 when the run stopped on a failure
-        (:class:`~trainer.orchestration.loop.TrainingError`), 130 after Ctrl-C.
+        (:class:`~trainer.orchestration.loop.TrainingError`), 130 after Ctrl-C, 143 after SIGTERM
+        (both print the same ``--resume`` hint).
     """
     cfg = _load(args, "train")
     if cfg is None:
@@ -90,17 +119,20 @@ def train_command(args: argparse.Namespace) -> int:
     from trainer.errors import TrainingError
 
     try:
-        run_experiment(cfg, resume=args.resume)
+        with sigterm_as_interrupt():
+            run_experiment(cfg, resume=args.resume)
     except ConfigError as e:  # raised by the run for settings only checkable at start-up
         print(f"copc train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except TrainingError as e:  # the traceback of the cause is in the log above
         print(f"copc train: stopped: {e}", file=sys.stderr)
         return EXIT_TRAINING_ERROR
-    except KeyboardInterrupt:
-        print(f"copc train: interrupted; continue with: copc train --config {args.config} "
-              f"{' '.join(args.overrides)} --resume".replace("  ", " "), file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        again = ["copc", "train", *(["--config", args.config] if args.config else []), *args.overrides,
+                 "--resume"]
+        print(f"copc train: {what}; continue with: {shlex.join(again)}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     _report(cfg)
     return 0
 
