@@ -15,12 +15,12 @@ validated by the settings dataclass registered with the name (:func:`plugin_sett
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from seams.registry import Registry, RegistryError
+from seams.registry import Registry
 
 from .errors import ConfigError
 
@@ -82,7 +82,8 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 
-def _load(ref: str) -> Any:
+def load_ref(ref: str) -> Any:
+    """The object a ``"package.module:ATTRIBUTE"`` reference names (its module imported)."""
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -102,86 +103,4 @@ def seam(key: str) -> Seam:
 def registry(key: str) -> Registry:
     """The :class:`seams.registry.Registry` of the seam at config key ``key`` (its module imported, so the
     built-ins are registered)."""
-    return _load(seam(key).registry)
-
-
-def _value(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def plugin_name(cfg: Any, key: str) -> str | None:
-    """The registry name the config names at ``key`` (``task.env`` resolved to an environment
-    id), or None when it is not registered and the seam is optional.
-
-    Raises:
-        ConfigError: an unregistered name of a mandatory seam, listing the registered ones.
-    """
-    s, reg = seam(key), registry(key)
-    name = _value(cfg, key)
-    if s.resolve:
-        try:
-            name = _load(s.resolve)(name)
-        except Exception:  # an unresolvable reference is reported where it is used (build_task)
-            return None
-    if name in reg:
-        return name
-    if s.optional:
-        return None
-    raise ConfigError(f"{key}={name!r}: not a registered {s.kind}; known: {reg.names()} (register it in a "
-                      "module listed under plugins:)")
-
-
-def plugin_settings(cfg: Any, key: str) -> Any:
-    """The validated settings of the plug-in the config names at ``key``: an instance of the
-    settings dataclass it was registered with (built from the config's settings section), or
-    None when it takes none. A plug-in registered with metadata ``delegated_settings=True`` (the
-    ``remote`` task: its settings are the served environment's task's) gets its section back as a
-    plain dict, checked later by the plug-in it delegates to.
-
-    Raises:
-        ConfigError: an unregistered name; settings given to a plug-in that takes none; an
-            unknown setting or a wrong type (one line naming ``<settings_key>.<field>`` and the
-            value).
-    """
-    s = seam(key)
-    name, raw = plugin_name(cfg, key), _value(cfg, s.settings_key)
-    if name is None:
-        if raw:
-            raise ConfigError(f"{s.settings_key}={dict(raw)!r}: {key}={_value(cfg, key)!r} has no registered "
-                              f"{s.kind} with settings")
-        return None
-    if registry(key).metadata(name).get("delegated_settings", False):  # another plug-in's, checked later
-        return dict(raw or {})
-    try:
-        return registry(key).build_settings(name, raw, s.settings_key)
-    except RegistryError as e:
-        raise ConfigError(str(e)) from None
-
-
-def plugin_metadata(cfg: Any, key: str) -> Mapping[str, Any]:
-    """Capability metadata of the plug-in the config names at ``key`` (empty when an optional
-    seam's name is not registered).
-
-    Raises:
-        ConfigError: an unregistered name of a mandatory seam.
-    """
-    name = plugin_name(cfg, key)
-    return {} if name is None else registry(key).metadata(name)
-
-
-def check_plugins(cfg: Any) -> None:
-    """Validate every seam of ``cfg``: its name is registered and its settings section passes
-    the plug-in's settings dataclass; then each section's ``check_plugin(metadata, registry)``
-    (when it has one) checks the section against the plug-in's capability metadata.
-
-    Raises:
-        ConfigError: naming the first bad key.
-    """
-    for s in SEAMS:
-        plugin_settings(cfg, s.key)
-        section = getattr(cfg, s.key.split(".")[0])
-        check = getattr(section, "check_plugin", None)
-        if check is not None:
-            check(plugin_metadata(cfg, s.key), registry(s.key))
+    return load_ref(seam(key).registry)

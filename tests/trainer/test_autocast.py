@@ -10,13 +10,12 @@ import torch
 from test_loop_learner import _batch  # six two-turn episodes, rewards 0/1
 
 import copc
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, plugin_settings
 from trainer.learner.backends.torch import TorchLearner
 from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.attestation import PROBE_PROMPTS
-from trainer.plugins import plugin_settings
 
 OPT = OptimizerSettings(actor_lr=1e-3, critic_lr=1e-3, grad_clip=0.0)
 

@@ -20,13 +20,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, plugin_settings
 from trainer.config.sections import MOVED_KEYS
 from trainer.config.specs import learner_config, learner_spec
 from trainer.learner import DistributedSettings, TorchSettings
 from trainer.learner.settings import STEP_FIELDS
 from trainer.orchestration.launchers import LAUNCHERS, RayLauncherSettings
-from trainer.plugins import plugin_settings
 from trainer.ray_util import RayClusterSettings
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import copc
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, plugin_settings
 from trainer.config.specs import learner_spec
 from trainer.learner import make_learner
 from trainer.learner.backends.torch import TorchLearner, response_scores
@@ -27,7 +27,6 @@ from trainer.models.chunked_logprobs import chunked_token_scores
 from trainer.models.lm_head import check_output_head, output_head, token_scores
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, build_tiny_model, save_tiny_checkpoint
-from trainer.plugins import plugin_settings
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 

@@ -18,10 +18,9 @@ from environments.search.env import SearchConfig, load_qa
 from trainer.app.cli_train import eval_command, train_command
 from trainer.cli import build_parser
 from trainer.cli import main as cli_main
-from trainer.config import ConfigError, ExperimentConfig, load_config, to_yaml
+from trainer.config import ConfigError, ExperimentConfig, load_config, plugin_settings, to_yaml
 from trainer.config.train_section import PRESET_STALENESS
 from trainer.engines import SGLangSettings
-from trainer.plugins import plugin_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

@@ -18,14 +18,13 @@ import psutil
 import pytest
 import torch
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, plugin_settings
 from trainer.config.specs import learner_spec
 from trainer.learner import make_learner, restore_learner
 from trainer.learner.distributed.launch import RankError
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.outputs.checkpoint import CheckpointManager, DirectoryState
 from trainer.outputs.viewer.samples import read_samples
-from trainer.plugins import plugin_settings
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 

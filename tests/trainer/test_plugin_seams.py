@@ -20,9 +20,8 @@ import torch
 import copc
 import environments
 from seams.registry import Registry, RegistryError
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, plugin_metadata, plugin_settings
 from trainer.config.specs import learner_spec
-from trainer.plugins import plugin_metadata, plugin_settings
 
 
 def plugin(tmp_path: Path, name: str, code: str) -> Path:

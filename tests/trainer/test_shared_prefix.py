@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, plugin_settings
 from trainer.learner.settings import OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.shared_prefix import common_prefix_len, decoder_hidden_states
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
-from trainer.plugins import plugin_settings
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 

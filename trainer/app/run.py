@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig, plugin_settings
 from ..config.specs import engine_spec, learner_spec, preflight_engine
 from ..engines import EngineHandle, make_engine
 from ..engines.base import SamplingParams
@@ -42,7 +42,6 @@ from ..outputs.metrics_log import last_steps_mean, write_summary
 from ..outputs.progress import TrainProgress
 from ..outputs.report import print_report
 from ..outputs.viewer.samples import write_step_samples
-from ..plugins import plugin_settings
 from .context import RunContext, build_context, initial_model_dir
 
 log = logging.getLogger(__name__)

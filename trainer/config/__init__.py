@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 import copc
 from copc.presets import moved_field_hint
+from seams.registry import RegistryError
 
 from ..errors import ConfigError
-from ..plugins import check_plugins, import_plugins, plugin_metadata
+from ..plugins import SEAMS, import_plugins, load_ref, registry, seam
 from .learner_section import LearnerSection
 from .sections import (  # noqa: F401 - re-exported: import sections from here
     CheckpointConfig,
@@ -269,3 +271,89 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def to_yaml(cfg: ExperimentConfig) -> str:
     """The fully-resolved config as YAML (saved next to every run)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# -- the plug-ins a config names (read here, in the config layer; components below it get typed
+# specs built from these: trainer/config/specs.py) -------------------------------------------
+
+def _value(cfg: ExperimentConfig, dotted: str) -> Any:
+    """The config value at the dotted key ``dotted`` (``"rollout.engine"``)."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def plugin_name(cfg: ExperimentConfig, key: str) -> str | None:
+    """The registry name the config names at ``key`` (``task.env`` resolved to an environment
+    id), or None when it is not registered and the seam is optional.
+
+    Raises:
+        ConfigError: an unregistered name of a mandatory seam, listing the registered ones.
+    """
+    s, reg = seam(key), registry(key)
+    name = _value(cfg, key)
+    if s.resolve:
+        try:
+            name = load_ref(s.resolve)(name)
+        except Exception:  # an unresolvable reference is reported where it is used (build_task)
+            return None
+    if name in reg:
+        return name
+    if s.optional:
+        return None
+    raise ConfigError(f"{key}={name!r}: not a registered {s.kind}; known: {reg.names()} (register it in a "
+                      "module listed under plugins:)")
+
+
+def plugin_settings(cfg: ExperimentConfig, key: str) -> Any:
+    """The validated settings of the plug-in the config names at ``key``: an instance of the
+    settings dataclass it was registered with (built from the config's settings section), or
+    None when it takes none. A plug-in registered with metadata ``delegated_settings=True`` (the
+    ``remote`` task: its settings are the served environment's task's) gets its section back as a
+    plain dict, checked later by the plug-in it delegates to.
+
+    Raises:
+        ConfigError: an unregistered name; settings given to a plug-in that takes none; an
+            unknown setting or a wrong type (one line naming ``<settings_key>.<field>`` and the
+            value).
+    """
+    s = seam(key)
+    name, raw = plugin_name(cfg, key), _value(cfg, s.settings_key)
+    if name is None:
+        if raw:
+            raise ConfigError(f"{s.settings_key}={dict(raw)!r}: {key}={_value(cfg, key)!r} has no registered "
+                              f"{s.kind} with settings")
+        return None
+    if registry(key).metadata(name).get("delegated_settings", False):  # another plug-in's, checked later
+        return dict(raw or {})
+    try:
+        return registry(key).build_settings(name, raw, s.settings_key)
+    except RegistryError as e:
+        raise ConfigError(str(e)) from None
+
+
+def plugin_metadata(cfg: ExperimentConfig, key: str) -> Mapping[str, Any]:
+    """Capability metadata of the plug-in the config names at ``key`` (empty when an optional
+    seam's name is not registered).
+
+    Raises:
+        ConfigError: an unregistered name of a mandatory seam.
+    """
+    name = plugin_name(cfg, key)
+    return {} if name is None else registry(key).metadata(name)
+
+
+def check_plugins(cfg: ExperimentConfig) -> None:
+    """Validate every seam of ``cfg``: its name is registered and its settings section passes
+    the plug-in's settings dataclass; then each section's ``check_plugin(metadata, registry)``
+    (when it has one) checks the section against the plug-in's capability metadata.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    for s in SEAMS:
+        plugin_settings(cfg, s.key)
+        section = getattr(cfg, s.key.split(".")[0])
+        check = getattr(section, "check_plugin", None)
+        if check is not None:
+            check(plugin_metadata(cfg, s.key), registry(s.key))

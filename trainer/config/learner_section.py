@@ -78,7 +78,7 @@ class LearnerSection:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value (``backend_settings`` is checked
-        by the backend's settings dataclass, in :func:`trainer.plugins.check_plugins`)."""
+        by the backend's settings dataclass, in :func:`trainer.config.check_plugins`)."""
         require(self.optimizer in ("adamw", "sgd"), "learner.optimizer", self.optimizer,
                  "must be 'adamw' or 'sgd'")
         self.lora_settings()
@@ -89,7 +89,7 @@ class LearnerSection:
 
     def check_plugin(self, meta: Mapping[str, Any], registry: Any) -> None:
         """Check the LoRA adapters and the model-parallel sizes against the backend's capability
-        metadata (called by :func:`trainer.plugins.check_plugins` once ``backend`` is registered and
+        metadata (called by :func:`trainer.config.check_plugins` once ``backend`` is registered and
         ``backend_settings`` passed its dataclass).
 
         Args:

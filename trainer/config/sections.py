@@ -366,7 +366,7 @@ class LauncherConfig:
     Attributes:
         kind: ``local`` (one process, threads/asyncio) | ``ray`` (rollout workers + learner as Ray
             actors) | a user's (registered in ``LAUNCHERS`` by a plugin); checked, with
-            ``settings``, at load by :func:`trainer.plugins.check_plugins` (a seam).
+            ``settings``, at load by :func:`trainer.config.check_plugins` (a seam).
         settings: the launcher's own settings (its registered dataclass's fields; ``local`` takes
             none, ``ray``: :class:`~trainer.orchestration.launchers.RayLauncherSettings`,
             ``{address, num_cpus, num_rollout_workers}``).

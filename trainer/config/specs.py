@@ -4,7 +4,7 @@
 
 A component below the config layer (an engine, a learner backend) never reads the experiment
 config: its factory gets a typed spec holding what it needs, built here, once, from the config's
-sections and the component's own registered settings (:func:`trainer.plugins.plugin_settings`).
+sections and the component's own registered settings (:func:`trainer.config.plugin_settings`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from ..engines.registry import ENGINES, EngineSpec, Weights
 from ..errors import ConfigError
 from ..learner.settings import LearnerConfig, OptimizerSettings, step_fields
 from ..learner.spec import LearnerSpec
-from ..plugins import absolute_plugins, plugin_settings
+from ..plugins import absolute_plugins
 from ..rollout.agent_loop import AgentLoopConfig
+from . import plugin_settings
 
 if TYPE_CHECKING:  # typing only: the config package imports this module
     from . import ExperimentConfig
@@ -86,12 +87,12 @@ def learner_config(cfg: ExperimentConfig, backend: Any = None) -> LearnerConfig:
         cfg: the validated experiment config.
         backend: the backend's settings (``learner.backend_settings`` as its dataclass, e.g.
             :class:`~trainer.learner.backend_settings.TorchSettings`); None: those of
-            ``learner.backend`` (:func:`trainer.plugins.plugin_settings`). Its fields named in
+            ``learner.backend`` (:func:`trainer.config.plugin_settings`). Its fields named in
             :data:`~trainer.learner.settings.STEP_FIELDS` are carried over; the others keep their
             defaults.
 
     Raises:
-        ConfigError: as :func:`trainer.plugins.plugin_settings` (bad backend settings).
+        ConfigError: as :func:`trainer.config.plugin_settings` (bad backend settings).
     """
     own = plugin_settings(cfg, "learner.backend") if backend is None else backend
     t = cfg.train

@@ -1,6 +1,6 @@
 """The built-in learner backends' own settings (``learner.backend_settings``), one dataclass per
 regime, registered with the backend (:func:`~trainer.learner.base.register_learner`'s
-``settings=``) and validated at load by :func:`trainer.plugins.check_plugins`:
+``settings=``) and validated at load by :func:`trainer.config.check_plugins`:
 
 * :class:`TorchSettings` — ``learner.backend: torch`` (one process): precision, the shared-prefix
   forward, the critic's frozen attention, activation checkpointing, the log-prob chunk size.

@@ -132,9 +132,9 @@ def launch(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]:
 
     Raises:
         ConfigError: an unregistered launcher or bad ``launcher.settings``
-            (:func:`trainer.plugins.plugin_settings`).
+            (:func:`trainer.config.plugin_settings`).
     """
-    from ..plugins import plugin_settings
+    from ..config import plugin_settings
 
     spec = dataclasses.replace(spec, settings=plugin_settings(spec.cfg, "launcher.kind"))
     return LAUNCHERS.get(spec.cfg.launcher.kind)(spec)

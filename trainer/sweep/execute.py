@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from trainer.config import plugin_metadata, plugin_settings
 from trainer.errors import ConfigError
-from trainer.plugins import plugin_metadata, plugin_settings
 from trainer.ray_util import RayClusterSettings
 
 from .collect import CellAgg, RunRow, aggregate, collect, write_csv

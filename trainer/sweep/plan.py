@@ -23,11 +23,10 @@ from pathlib import Path
 
 import yaml
 
-from trainer.config import ExperimentConfig, load_config, to_yaml
+from trainer.config import ExperimentConfig, load_config, plugin_metadata, to_yaml
 from trainer.errors import ConfigError
 from trainer.outputs.checkpoint import CheckpointManager
 from trainer.outputs.metrics_log import SUMMARY_FILE
-from trainer.plugins import plugin_metadata
 
 from .grid import Cell, SweepSpec, check_key, format_value
 

@@ -386,7 +386,10 @@ class TorchrunGroup:
         dist.destroy_process_group()
 
 
-LAUNCHERS = {"spawn": SpawnGroup, "ray": RayGroup, "torchrun": TorchrunGroup}
+#: How the rank processes of a distributed learner start (``learner.backend_settings.launch``) →
+#: the :class:`RankGroup` that starts them. Not to be confused with the run launchers of
+#: :data:`trainer.orchestration.launchers.LAUNCHERS` (where rollouts and the learner run).
+RANK_GROUPS = {"spawn": SpawnGroup, "ray": RayGroup, "torchrun": TorchrunGroup}
 
 
 def start_ranks(spec: LearnerSpec, model_dir: str | Path) -> RankGroup:
@@ -397,4 +400,4 @@ def start_ranks(spec: LearnerSpec, model_dir: str | Path) -> RankGroup:
         RankError: a rank failed to start. ConfigError: a rank refused a setting; torchrun
             environment missing or of another size.
     """
-    return LAUNCHERS[spec.settings_as(DistributedSettings).launch](spec, model_dir)
+    return RANK_GROUPS[spec.settings_as(DistributedSettings).launch](spec, model_dir)
