@@ -13,9 +13,12 @@ registers ``<id>``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import inspect
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,34 @@ class EnvSpec:
             raise ValueError(f"entry_point={self.entry_point!r} for env {self.id!r}: "
                              "expected 'package.module:ClassName'")
         return getattr(importlib.import_module(mod), attr)
+
+    def parameters(self) -> list[str] | None:
+        """The settings the entry point declares, sorted: its named parameters and, when it takes
+        ``**overrides`` beside a dataclass ``config`` parameter (the built-in environments), that
+        dataclass's fields. None when it takes any ``**kwargs`` otherwise, or its signature cannot
+        be read (nothing to check a setting's name against).
+
+        Raises:
+            ValueError, ImportError, AttributeError: see :meth:`load`.
+        """
+        fn = self.load()
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return None
+        named = {n for n, p in params.items()
+                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+        if all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return sorted(named)
+        try:
+            hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+        except Exception:  # an annotation that does not resolve: no declared settings to offer
+            return None
+        config = hints.get("config")
+        for t in (*typing.get_args(config), config):
+            if isinstance(t, type) and dataclasses.is_dataclass(t):
+                return sorted((named - {"config"}) | {f.name for f in dataclasses.fields(t)})
+        return None
 
 
 class Registry:

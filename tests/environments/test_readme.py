@@ -83,3 +83,34 @@ def test_readme_mcp_example_runs_as_written(tmp_path, monkeypatch):
     exec(compile(code.replace('"python"', repr(sys.executable)), "README.md", "exec"), scope)
     assert scope["reward"] == 1.0 and scope["done"] is True
     assert "add" in json.dumps(scope["info"]["tools"])  # the server's tools, with their schemas
+
+
+def test_readme_env_refuses_a_misspelt_setting_naming_the_nearest(tmp_path, monkeypatch):
+    """The README's environment declares its settings as parameters, so ``copc train`` refuses a
+    misspelt ``task.env_kwargs`` key at load, naming the nearest valid one (issue 42 item 5c)."""
+    (_, env_code), _, _ = _blocks()
+    (tmp_path / "calc_env.py").write_text(env_code)
+    data = tmp_path / "calc_data"
+    data.mkdir()
+    rows = [{"question": f"{a} + 1", "answer": str(a + 1)} for a in range(10)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    res = subprocess.run([*_copc(), "train", "--config", "configs/examples/calc_tiny.yaml",
+                          "task.eval_data=[]", "task.env_kwargs={promt_template: 'Q: {question}'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "copc train: config error: task.env_kwargs.promt_template: not a setting of env "
+        "'calc'; did you mean prompt_template? (its settings: prompt_template)")
+    assert not list((tmp_path / "runs" / "calc_tiny").glob("checkpoints/step_*"))
+    # the setting spelt right reaches the environment
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        environments.resolve("calc_env.py:calc")
+        env = environments.make("calc", prompt_template="Q: {question}")
+        obs, _ = env.reset(options={"sample": {"question": "6 * 7", "answer": "42"}})
+        assert obs == "Q: 6 * 7"
+    finally:
+        environments.unregister("calc")
+        sys.modules.pop("calc_env", None)

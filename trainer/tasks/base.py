@@ -28,6 +28,7 @@ without its training data.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -394,6 +395,19 @@ def _find_key(tree: Any, key: str, value: Any = None, path: str = "") -> str | N
     return None
 
 
+def _nearest(name: str, env_id: str) -> str:
+    """``"; did you mean prompt_template? (its settings: ...)"`` for a misspelt setting ``name`` of
+    ``env_id`` (from the parameters its entry point declares), or ``""`` when none is known."""
+    try:
+        params = environments.DEFAULT_REGISTRY.spec(environments.resolve(env_id)).parameters()
+    except Exception:  # an env id the registry cannot describe: the error alone then
+        return ""
+    if not params:
+        return ""
+    close = difflib.get_close_matches(name, params, n=1)
+    return (f"; did you mean {close[0]}?" if close else "") + f" (its settings: {', '.join(params)})"
+
+
 def check_env_settings(make_env: Callable[[], Any], env_id: str, env_kwargs: dict[str, Any]) -> None:
     """Build (and close) one environment so bad ``task.env_kwargs`` fail at load, not in rollouts.
 
@@ -417,7 +431,8 @@ def check_env_settings(make_env: Callable[[], Any], env_id: str, env_kwargs: dic
         if m is None:
             raise ConfigError(f"task.env_kwargs: env {env_id!r} rejected its settings: {e}") from e
         path = _find_key(env_kwargs, m.group(1)) or m.group(1)
-        raise ConfigError(f"task.env_kwargs.{path}: not a setting of env {env_id!r} ({e})") from e
+        hint = ("" if "." in path else _nearest(m.group(1), env_id)) or f" ({e})"
+        raise ConfigError(f"task.env_kwargs.{path}: not a setting of env {env_id!r}{hint}") from e
     except OSError as e:  # e.g. task.env_kwargs.dataset naming a file that does not exist
         where = "task.env_kwargs.dataset" if "dataset" in env_kwargs else "task.env_kwargs"
         raise ConfigError(f"{where}: env {env_id!r} could not load its data: {type(e).__name__}: {e}") from e
