@@ -32,6 +32,8 @@ def test_wilson_3_of_10_by_hand():
     assert (low, high) == pytest.approx((0.1077913, 0.6032219), abs=1e-7)  # the textbook [0.108, 0.603]
     # 0 of 40: [0, z²/(n + z²)] = [0, 3.8414588 / 43.8414588]
     assert wilson_interval(0.0, 40) == pytest.approx((0.0, 0.0876216), abs=1e-7)
+    # the bound at 0 / n and n / n is exactly 0 / 1, not a rounding residue (was 3.5e-18 at 0 of 256)
+    assert wilson_interval(0.0, 256)[0] == 0.0 and wilson_interval(1.0, 256)[1] == 1.0
 
 
 def test_held_out_interval_is_wilson_for_k1_and_effective_size_wilson_for_k2():

@@ -70,7 +70,9 @@ def wilson_interval(p_hat: float, n: float, z: float = Z95) -> tuple[float, floa
     denom = 1.0 + z2 / n
     center = (p_hat + z2 / (2 * n)) / denom
     half = z / denom * math.sqrt(p_hat * (1.0 - p_hat) / n + z2 / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)
+    # the bound at 0 / n is exactly 0 / 1 (center - half cancels only up to rounding: ~3e-18)
+    low = 0.0 if p_hat == 0.0 else max(0.0, center - half)
+    return low, 1.0 if p_hat == 1.0 else min(1.0, center + half)
 
 
 def normal_mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float]:
