@@ -114,7 +114,8 @@ def test_episode_records_fields_order_and_atomic_round_trip(tmp_path):
     assert [(r["sample_id"], r["sample_index"], r["episode"]) for r in recs] == \
         [("q0", 0, 0), ("q0", 0, 1), ("q1", 1, 0), ("q1", 1, 1)]
     assert recs[0] == {"benchmark": None, "sample_id": "q0", "sample_index": 0, "episode": 0, "seed": None,
-                       "prompt": None, "response": None, "turns_text": None, "answer": "Paris", "reward": 1.0,
+                       "prompt": None, "response": None, "turns_text": None, "answer": "Paris", "gold": None,
+                       "reward": 1.0,
                        "score_components": {"em": 1.0}, "correct": True, "response_tokens": 0, "turns": 2,
                        "tool_calls": 2, "invalid_actions": 1, "finish_reason": "terminated", "failed": False,
                        "attempts": 1, "llm_s": None, "env_s": None, "other_s": None}  # no clock on these

@@ -358,8 +358,9 @@ async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, setti
         await asyncio.to_thread(services.close)
         await close()
     header = {**what, "benchmarks": [s.name for s in specs],
-              "k": args.k if args.k is not None else "per benchmark",
-              "temperature": args.temperature if args.temperature is not None else "per benchmark",
+              "k": args.k if args.k is not None else _each(per_benchmark, "k"),
+              "temperature": args.temperature if args.temperature is not None else _each(per_benchmark,
+                                                                                          "temperature"),
               "max_samples": args.max_samples, "seed": args.seed,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     from .report import write_report
@@ -368,10 +369,19 @@ async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, setti
     return {"header": header, "benchmarks": per_benchmark}
 
 
+def _each(per_benchmark: dict[str, dict], key: str) -> Any:
+    """The benchmarks' common value of ``key``, or ``"nq 1, math500 4"`` when they differ."""
+    values = [s.get(key) for s in per_benchmark.values()]
+    if len(set(map(str, values))) == 1:
+        return values[0]
+    return ", ".join(f"{name} {s.get(key)}" for name, s in per_benchmark.items())
+
+
 async def _play_all(engine: Any, tok: Any, cfg: ExperimentConfig, settings: Any,
                     benchmarks: list[tuple[Any, Any, list[dict]]], services: Any, writer: Any,
                     done: dict) -> dict[str, dict]:
-    """Play each benchmark through the evaluation core; its metrics (with ``k`` and ``temperature``)."""
+    """Play each benchmark through the evaluation core; its metrics, with what produced them: ``k``,
+    ``temperature``, ``seed`` and ``config`` (the benchmark's env, data, kind and their settings)."""
     from .metrics import summarize_benchmark
     from .runner import BenchmarkJob, run_benchmark_with_bar
 
@@ -382,7 +392,10 @@ async def _play_all(engine: Any, tok: Any, cfg: ExperimentConfig, settings: Any,
         job = BenchmarkJob(spec.name, kind, rows, services.env_factory(spec), n, temp, services.episode(spec))
         recs = await run_benchmark_with_bar(engine, tok, job, settings, show=cfg.logging.progress,
                                             writer=writer, done=done)
-        per_benchmark[spec.name] = {**summarize_benchmark(recs, kind), "k": n, "temperature": temp}
+        config = {"env": spec.env, "data": spec.data, "kind": spec.kind, "env_kwargs": spec.env_kwargs,
+                  "kind_settings": spec.kind_settings}
+        per_benchmark[spec.name] = {**summarize_benchmark(recs, kind), "k": n, "temperature": temp,
+                                    "seed": settings.seed, "config": config}
     return per_benchmark
 
 

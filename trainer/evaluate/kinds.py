@@ -86,6 +86,11 @@ class BenchmarkKind:
         path = resolve_data_path(data if data.endswith(".jsonl") else f"{data}.jsonl", data_dir)
         return [dict(row, id=row.get("id", no)) for no, row in iter_jsonl(path, self.row_fields, limit)]
 
+    def gold(self, row: Mapping[str, Any]) -> Any:
+        """The row's reference answer, recorded beside the model's (``EpisodeRecord.gold``): the
+        base class reads ``answer``, else ``golden_answers`` (None when neither is there)."""
+        return row.get("answer", row.get("golden_answers"))
+
     def score(self, tr: Trajectory) -> tuple[bool, dict[str, Any]]:
         """``(correct, score_components)`` of an episode: reward > 0.5 and the environment's
         ``reward_components``."""

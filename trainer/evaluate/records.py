@@ -44,6 +44,8 @@ class EpisodeRecord:
         prompt / response: decoded prompt and response (None when built without a tokenizer).
         turns_text: the response as ``[{"action", "observation"}, ...]`` (None likewise).
         answer: the environment's extracted final answer (None when none was extracted).
+        gold: the row's reference answer (:meth:`~trainer.evaluate.kinds.BenchmarkKind.gold`:
+            math ``answer``, QA ``golden_answers``; None when not known).
         reward: the environment's reward.
         score_components: the kind's score components (QA: ``em``, ``substring_em``, ``f1``, ...).
         correct: the kind's correctness (math: reward > 0.5; QA: EM = 1); False when failed.
@@ -66,6 +68,7 @@ class EpisodeRecord:
     response: str | None = None
     turns_text: list[dict[str, str]] | None = None
     answer: Any = None
+    gold: Any = None
     reward: float = 0.0
     score_components: dict[str, Any] = field(default_factory=dict)
     correct: bool = False
@@ -105,7 +108,8 @@ def _segments(tr: Trajectory, tokenizer: Any) -> list[dict[str, str]]:
 
 
 def record_of(tr: Trajectory, kind: BenchmarkKind, *, index: int, benchmark: str | None = None,
-              tokenizer: Any = None, seed: int | None = None, attempts: int = 1) -> EpisodeRecord:
+              tokenizer: Any = None, seed: int | None = None, attempts: int = 1,
+              gold: Any = None) -> EpisodeRecord:
     """The record of one played episode.
 
     Args:
@@ -115,6 +119,7 @@ def record_of(tr: Trajectory, kind: BenchmarkKind, *, index: int, benchmark: str
         index: the question's index. benchmark: the benchmark name.
         tokenizer: decodes ``prompt`` / ``response`` / ``turns_text`` (None: they stay None).
         seed: the episode's sampling seed. attempts: plays of the episode.
+        gold: the row's reference answer (``kind.gold(row)``).
     """
     correct, comps = kind.score(tr)
     turns = _segments(tr, tokenizer) if tokenizer is not None else None
@@ -123,7 +128,7 @@ def record_of(tr: Trajectory, kind: BenchmarkKind, *, index: int, benchmark: str
         episode=int(tr.info.get("episode", 0)), seed=seed,
         prompt=None if tokenizer is None else tokenizer.decode(tr.prompt_ids, skip_special_tokens=True),
         response=None if turns is None else "".join(t["action"] + t["observation"] for t in turns),
-        turns_text=turns, answer=tr.info.get("final_answer"), reward=float(tr.reward),
+        turns_text=turns, answer=tr.info.get("final_answer"), gold=gold, reward=float(tr.reward),
         score_components=comps, correct=bool(correct and not tr.infra_failed),
         response_tokens=int(tr.num_model_tokens), turns=int(tr.turns),
         tool_calls=int(tr.info.get("tool_calls", 0)), invalid_actions=int(tr.info.get("invalid_actions", 0)),

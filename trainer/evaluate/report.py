@@ -9,8 +9,9 @@ file         content
 ============ =================================================================================
 report.json  ``{"header": header, "benchmarks": per_benchmark}`` (non-finite floats -> null)
 report.md    the header as a list, then one table: a row per benchmark with its headline
-             metric and 95 % CI (``0.412 [0.35, 0.47]``), secondary metrics, and the
-             questions / episodes scored and the failed (excluded) counts
+             metric and 95 % CI (``0.412 [0.35, 0.47]``), secondary metrics, the
+             questions / episodes scored, the failed (excluded) counts and its k,
+             temperature and seed; then each benchmark's config (env, data, kind, settings)
 report.png   grouped bar chart: per benchmark, its headline metric then its secondary
              metrics with 95 % CI error bars (matplotlib object API, Agg canvas)
 ============ =================================================================================
@@ -114,16 +115,23 @@ def render_markdown(header: Mapping[str, Any], per_benchmark: Mapping[str, Mappi
     keys = [k for k in HEADER_ORDER if k in header] + sorted(k for k in header if k not in HEADER_ORDER)
     lines += [f"- **{k}**: {_fmt_header_value(header[k])}" for k in keys]
     lines += ["", "| benchmark | metric | score [95% CI] | other | questions | episodes | "
-              "failed episodes | failed questions |",
-              "|---|---|---|---|---:|---:|---:|---:|"]
+              "failed episodes | failed questions | k | temperature | seed |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in per_benchmark.items():
         head = headline_metric(s)
         score = format_metric(s.get(head), s.get(f"{head}{CI_SUFFIX}")) if head else "—"
         other = "; ".join(f"{m} {format_metric(s.get(m), s.get(m + CI_SUFFIX))}"
                           for m in secondary_metrics(s))
         cells = [name, head or "—", score, other or "—"] + [
-            str(s.get(k, "—")) for k in ("questions", "episodes", "failed_episodes", "failed_questions")]
+            str(s.get(k, "—")) for k in ("questions", "episodes", "failed_episodes", "failed_questions",
+                                         "k", "temperature", "seed")]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    configs = [(name, s["config"]) for name, s in per_benchmark.items()
+               if isinstance(s.get("config"), Mapping)]
+    if configs:
+        lines += ["", "Benchmark configs:", ""]
+        lines += [f"- **{name}**: " + ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in c.items()
+                                                  if v not in ({}, None, "")) for name, c in configs]
     lines += ["", "Scores are means over questions; the interval is a 95 % percentile bootstrap over "
               "questions. Infrastructure failures are excluded from every metric and counted, never "
               "scored 0 (see docs/evaluation.md).", ""]

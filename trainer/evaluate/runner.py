@@ -190,7 +190,8 @@ async def run_benchmark(engine: InferenceEngine, tokenizer: Any, job: BenchmarkJ
     def record(i: int, sample: Mapping[str, Any], tr: Trajectory, attempts: int) -> None:
         j = int(tr.info["episode"])
         rec: EpisodeRecord = record_of(tr, job.kind, index=i, benchmark=job.name, tokenizer=tokenizer,
-                                       seed=episode_seed(settings.seed, i, j), attempts=attempts)
+                                       seed=episode_seed(settings.seed, i, j), attempts=attempts,
+                                       gold=job.kind.gold(sample))
         if writer is not None:
             writer.write(rec)
         records[(job.name, i, j)] = rec.to_json()

@@ -25,6 +25,7 @@ summary .bench{font-weight:600}
 summary .rw{font-family:ui-monospace,monospace}
 summary .rw.good{color:#1a7f37} summary .rw.bad{color:#cf222e}
 summary .meta{color:#57606a}
+.answer{margin:6px 0;padding:4px 8px;background:#fff8c5;border-left:4px solid #d4a72c}
 .body{padding:4px 10px 10px;border-top:1px solid #eaeef2}
 .prompt{white-space:pre-wrap;background:#f6f8fa;border-left:4px solid #8c959f;padding:6px 8px;margin:6px 0;
  font-size:12px;max-height:160px;overflow:auto}
@@ -76,6 +77,10 @@ function turnsHtml(ep){return ep.turns.map(t => (t.action ? '<div class="turn mo
 function render(det){if(det.dataset.done) return; const ep = EPS[Number(det.dataset.k)];
   let html = '<div class="body"><div class="prompt">' + esc(ep.prompt) + '</div>';
   html += ep.tokens ? tokensHtml(ep) : turnsHtml(ep);
+  if(ep.gold !== undefined && ep.gold !== null) html += '<div class="answer">answer <b>' +
+    esc(ep.answer === null || ep.answer === undefined ? '(none)' : String(ep.answer)) + '</b> · gold <b>' +
+    esc(Array.isArray(ep.gold) ? ep.gold.join(' | ') : String(ep.gold)) + '</b>' +
+    (ep.correct === undefined || ep.correct === null ? '' : (ep.correct ? ' · correct' : ' · wrong')) + '</div>';
   if(ep.cut_tokens) html += '<div class="legend">cut to ' + ep.tokens.length + ' of ' + ep.cut_tokens + ' tokens</div>';
   det.insertAdjacentHTML('beforeend', html + '</div>'); det.dataset.done = '1'; paint(det);}
 function paint(det){const ep = EPS[Number(det.dataset.k)]; if(!ep.tokens || !det.dataset.done) return;

@@ -81,7 +81,8 @@ def record_episode(rec: dict[str, Any], source: str, n: int) -> dict[str, Any]:
     return {"id": f"{source}-{n}", "source": source, "benchmark": rec.get("benchmark") or source,
             "step": None, "sample_id": rec.get("sample_id"), "reward": float(rec.get("reward") or 0.0),
             "finish": _finish(rec.get("finish_reason", "")), "finish_reason": rec.get("finish_reason", ""),
-            "prompt": rec.get("prompt") or "", "answer": rec.get("answer"), "correct": rec.get("correct"),
+            "prompt": rec.get("prompt") or "", "answer": rec.get("answer"), "gold": rec.get("gold"),
+            "correct": rec.get("correct"),
             "meta": {k: rec[k] for k in _META if rec.get(k) is not None}, "turns": list(turns)}
 
 
