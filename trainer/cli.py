@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The subcommand's exit code (0 on success).
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if not sys.stderr.isatty():  # a log file: no carriage-return bars of Hugging Face's loaders
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     stop_when_parent_dies()  # a child of copc sweep stops when the sweep is killed
     parser = build_parser(args_list)
     args = parser.parse_args(args_list)

@@ -140,8 +140,9 @@ def _print_table(grid: CouplingGrid, rev: dict | None) -> None:
             for i in range(len(grid.eta_p))]
     header = ["η_P \\ η_A", *(f"{v:g}" for v in grid.eta_a)]
     try:
-        from rich.console import Console
         from rich.table import Table
+
+        from ..outputs.progress import report_console
     except ImportError:
         print(f"MSE (N = {grid.n})")
         for r in [header, *rows]:
@@ -152,7 +153,7 @@ def _print_table(grid: CouplingGrid, rev: dict | None) -> None:
             table.add_column(h, justify="right")
         for r in rows:
             table.add_row(*r)
-        Console().print(table)
+        report_console().print(table)
     if rev is None:
         print("coordination reversal: not checked (η_P/η_A grid lacks 0.25 and 0.75)")
     else:

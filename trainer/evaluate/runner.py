@@ -215,9 +215,9 @@ async def run_benchmark_with_bar(engine: InferenceEngine, tokenizer: Any, job: B
     Raises:
         RuntimeError: as :func:`run_benchmark`.
     """
-    from tqdm.auto import tqdm
+    from ..outputs.progress import phase_bar
 
-    bar = tqdm(total=len(job.rows) * job.n, desc=desc or job.name, disable=not show)
+    bar = phase_bar(total=len(job.rows) * job.n, desc=desc or job.name, show=show)
     try:
         return await run_benchmark(engine, tokenizer, job, settings, writer, done, progress=bar)
     finally:

@@ -49,12 +49,14 @@ def print_report(summary: dict, console: Any = None) -> None:
             ``steps``, ``episodes``, ``dropped_stale``, ``infra_failed``, ``wall_s`` in seconds,
             ``output_dir``, ``train_tail``: :func:`~trainer.outputs.metrics_log.last_steps_mean`
             output, printed as one line when present).
-        console: a ``rich.console.Console`` to print to (default: a new one on stdout).
+        console: a ``rich.console.Console`` to print to (default:
+            :func:`~trainer.outputs.progress.report_console`, wide when stdout is not a terminal).
     """
-    from rich.console import Console
     from rich.table import Table
 
-    con = console if console is not None else Console()
+    from .progress import report_console
+
+    con = console if console is not None else report_console()
     delta = summary.get("eval_delta") or {}
     table = Table(title=f"{summary.get('name')} — {summary.get('preset')} on {summary.get('task')}")
     columns = ["after warm-start (before RL)" if summary.get("warm_start") else "before RL", "after RL"]

@@ -189,7 +189,7 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
         ValueError: on empty ``traces`` or a bad ``steps`` / ``batch_size`` / ``lr``, or a
             trace longer than the model's context (``max_position_embeddings``).
     """
-    from tqdm.auto import tqdm
+    from ..outputs.progress import phase_bar
 
     _check_sft_args(traces, steps, batch_size, lr, schedule)
     rows = [tokenize_trace(tokenizer, t, agent_cfg) for t in traces]
@@ -206,7 +206,7 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
     losses: list[float] = []
     model.train()
     t0 = time.perf_counter()
-    bar = tqdm(range(steps), desc="sft warm-start", disable=not progress, leave=False)
+    bar = phase_bar(range(steps), desc="sft warm-start", show=progress, leave=False)
     try:
         for step in bar:
             if len(order) < batch_size:

@@ -53,11 +53,11 @@ def play_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[], 
     Raises:
         Whatever ``play`` raises (e.g. :class:`TraceError`).
     """
-    from tqdm.auto import tqdm
+    from ..outputs.progress import phase_bar
 
     env = env_factory()
     try:
-        traces = (play(env, s) for s in tqdm(samples, desc=desc, disable=not progress, leave=False))
+        traces = (play(env, s) for s in phase_bar(samples, desc=desc, show=progress, leave=False))
         return [t for t in traces if t is not None]
     finally:
         close = getattr(env, "close", None)
