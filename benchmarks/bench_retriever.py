@@ -1,6 +1,7 @@
 """Retriever benchmark: latency and throughput of the micro-batching server vs a naive one.
 
-For BM25 (full shared corpus, 17,939 passages) and dense (MiniLM, flat IP, on the first
+For BM25 (bm25s) and Pyserini (Lucene BM25, Java 21) on the full shared corpus (17,939 passages),
+and dense (MiniLM, flat IP, on the first
 ``--dense-passages`` passages: CPU encoding of the whole corpus takes ~20 min on 2 cores),
 it measures, with 1, 8 and 32 concurrent clients each sending one-question requests
 (HotpotQA questions, topk 3, return_scores true):
@@ -9,7 +10,8 @@ it measures, with 1, 8 and 32 concurrent clients each sending one-question reque
 * for this package's server (``retriever.server``: event loop never blocks, concurrent
   requests micro-batched into one search call) and for a naive server in the anchor's style
   (Search-R1 ``retrieval_server.py``: the handler searches inline, one request at a time),
-* build time per 1k passages (s) for both index kinds.
+* build time per 1k passages (s) for each index kind,
+* answer recall@5 on the HotpotQA questions (not yes/no) for the full-corpus kinds (bm25, pyserini).
 
 Ratios are against the naive server measured in the same run. Goals: >= 5x the naive
 throughput at 32 clients; BM25 p50 <= 5 ms per query. Run: ``python benchmarks/bench_retriever.py``.
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "wiki" / "corpus.jsonl"
 QA = REPO / "data" / "qa" / "hotpotqa.jsonl"
 CONCURRENCY = (1, 8, 32)
+KINDS = ("bm25", "pyserini", "dense")
 
 
 def naive_app(index_dir: str):
@@ -191,6 +194,19 @@ def build(kind: str, corpus: Path, out: Path) -> float:
     return meta.build_seconds / meta.num_passages * 1000
 
 
+def recall_at_5(index_dir: Path) -> float:
+    """Answer recall@5 of an index on the HotpotQA questions that are not yes/no (480 of 500):
+    a question is a hit when a top-5 passage contains a gold answer (``retriever.quality``)."""
+    from retriever.index import load_index
+    from retriever.quality import answer_recall, load_qa
+
+    loaded = load_index(index_dir)
+    questions = load_qa(QA)
+    idx, _ = loaded.searcher.search([q["question"] for q in questions], 5)
+    hits = [[{"document": {"contents": loaded.passages[i].contents}} for i in row if i >= 0] for row in idx]
+    return answer_recall(questions, hits)
+
+
 def main() -> int:
     """Build indexes, benchmark both server variants, print the table; 1 if any error."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -199,7 +215,7 @@ def main() -> int:
     ap.add_argument("--dense-passages", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=480, help="BM25 requests per level and round")
     ap.add_argument("--dense-requests", type=int, default=128, help="dense requests per level and round")
-    ap.add_argument("--only", choices=("bm25", "dense"), default=None)
+    ap.add_argument("--only", choices=KINDS, default=None)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per level")
     args = ap.parse_args()
     if args.serve_naive:
@@ -221,8 +237,9 @@ def main() -> int:
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        kinds = [("bm25", CORPUS, args.requests)] if args.only != "dense" else []
-        if args.only != "bm25":
+        wanted = {args.only} if args.only else set(KINDS)
+        kinds = [(k, CORPUS, args.requests) for k in ("bm25", "pyserini") if k in wanted]
+        if "dense" in wanted:
             sub = tmp / "dense_corpus.jsonl"
             with CORPUS.open() as src, sub.open("w") as dst:
                 for _, line in zip(range(args.dense_passages), src, strict=False):
@@ -231,6 +248,8 @@ def main() -> int:
         for kind, corpus, n in kinds:
             per_1k = build(kind, corpus, tmp / kind)
             print(f"[{kind}] build: {per_1k:.2f} s per 1k passages", flush=True)
+            if corpus == CORPUS:
+                print(f"[{kind}] answer recall@5: {recall_at_5(tmp / kind):.3f}", flush=True)
             total = {c: n if c > 1 else max(n // 4, 50) for c in CONCURRENCY}
             res = run_both(tmp / kind, questions, total, args.rounds)
             for c in CONCURRENCY:
