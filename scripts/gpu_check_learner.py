@@ -181,7 +181,7 @@ def skip_reason(backend: str, dtype: str, device: str) -> str | None:
         return "on CPU this is the reference run itself"
     if backend == "torch" and dtype == "bfloat16":
         return ("by design: the torch backend trains float32 weights only (a fully fine-tuned bf16 "
-                "model is a ConfigError, tests/trainer/test_lora.py); bf16 mixed precision is fsdp's")
+                "model is a ConfigError, tests/trainer/learner/test_lora.py); bf16 mixed precision is fsdp's")
     return None
 
 

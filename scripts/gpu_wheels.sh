@@ -25,7 +25,7 @@ mkdir -p "$DEST"
 #  trainer.app.run (console report). httpx + httpcore + h11 + anyio + idna + certifi: trainer.engines
 #  .sglang, and fastapi + starlette + uvicorn + click + pydantic (+ pydantic-core, compiled) +
 #  annotated-types + typing-inspection + annotated-doc + opentelemetry-api + typing-extensions: the SGLang
-#  protocol stand-in that the gpu-marked test module (tests/trainer/test_sglang.py) imports. pytest + pluggy + iniconfig + pytest-timeout
+#  protocol stand-in that the gpu-marked test module (tests/trainer/engines/test_sglang.py) imports. pytest + pluggy + iniconfig + pytest-timeout
 #  (+ exceptiongroup, tomli: Python 3.10 only): the gpu-marked tests. mbridge + einops (+ megatron-core,
 #  psutil): the megatron backend.
 PURE=(

@@ -68,7 +68,7 @@ def test_cpu_mode_runs_every_step_and_writes_the_summary(tmp_path):
 
     pt = s["steps"]["pytest_gpu"]  # no CUDA here: the gpu-marked tests are collected and skipped
     assert pt["tests"] >= 1 and pt["skipped"] == pt["tests"] and pt["failures"] == pt["errors"] == 0
-    assert "tests/trainer/test_sglang.py" in pt["files"]
+    assert "tests/trainer/engines/test_sglang.py" in pt["files"]
 
     runs = s["steps"]["learner_steps"]["runs"]
     assert set(runs) == {f"{b}_{d}" for b in ("torch", "fsdp", "megatron") for d in ("bf16", "fp32")}

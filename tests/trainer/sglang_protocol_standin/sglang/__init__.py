@@ -1,4 +1,4 @@
-"""PROTOCOL STAND-IN for SGLang, used only by tests/trainer/test_sglang.py.
+"""PROTOCOL STAND-IN for SGLang, used only by tests/trainer/engines/test_sglang.py.
 
 Not SGLang and not a mock of our code: a tiny FastAPI server that answers SGLang's native
 HTTP endpoints in the shapes SGLang's docs describe, so that the real launcher and the
