@@ -158,7 +158,9 @@ class TrainConfig:
         sync_check_tolerance: after every weight sync (both staleness modes) the engine samples
             one token after each of 8 probe prompts and its log-probs must equal the learner's
             reference for that version within this many nats, else the run stops naming the
-            version (:mod:`trainer.orchestration.attestation`); null: off.
+            version (:mod:`trainer.orchestration.attestation`); null: off. With ``model.dtype``
+            other than float32 the run's tolerance is the larger of this and twice the
+            engine/learner gap measured at start-up (logged).
         max_infra_failure_fraction: episodes ended by an infrastructure failure (sandbox,
             retriever, reward checker, engine) are never trained on (their group is dropped and
             the prompt re-queued); when more than this fraction of a step's episodes fail that

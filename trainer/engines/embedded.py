@@ -20,9 +20,12 @@ log-probs are the learner's for that adapter version); they drain the batch the 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
+import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,17 @@ from ..models.lora import AdapterWeights, LoraSettings, inject_lora, load_adapte
 from .base import EngineClosedError, EngineError, GenerationResult, SamplingParams
 from .continuous import BatchStats, ContinuousBatcher, Row
 from .stop_strings import STOP_CONTEXT_TOKENS, STOP_MAX_PENDING_TOKENS, StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+#: Seconds :meth:`EmbeddedEngine.close` (and the interpreter's exit) waits for the worker's step in
+#: progress: a prefill of a real model's long prompts can take tens of seconds on a loaded CPU. The
+#: worker is a daemon thread, and one still inside a torch op when the interpreter finalises takes the
+#: process down with SIGABRT ("terminate called without an active exception", exit 134): a run that
+#: stopped on a failure printed its one line, then aborted, when ``close`` gave up after 5 s.
+CLOSE_WAIT_S = 600.0
+#: Engines whose worker may still run; stopped at interpreter exit (:func:`_stop_workers_at_exit`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 #: ``f(prompt_ids, new_ids, logits (V,)) -> logits (V,)`` — sampling-only logits hook.
 LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
@@ -142,6 +156,7 @@ class EmbeddedEngine:
         self._threads: int | None = None  # intra-op threads the worker sets before its next step
         self._worker = threading.Thread(target=self._run, name="copc-embedded-engine", daemon=True)
         self._worker.start()
+        _LIVE.add(self)
 
     @property
     def version(self) -> int:
@@ -282,15 +297,32 @@ class EmbeddedEngine:
             raise EngineError(f"update_adapter: {e}") from e
 
     async def close(self) -> None:
-        """Stop the worker after its current step; queued and running requests fail with
-        :class:`EngineClosedError`."""
+        """Stop the worker after its current step, waiting for that step (at most
+        :data:`CLOSE_WAIT_S` seconds); queued and running requests fail with :class:`EngineClosedError`."""
+        pending = self._mark_closed()
+        for r in pending:
+            r.loop.call_soon_threadsafe(_set_exc, r.future, EngineClosedError("engine closed"))
+        await asyncio.to_thread(self._join_worker)
+
+    def _mark_closed(self) -> list[_Request]:
+        """Admit nothing more and wake the worker; returns the queued requests (not started)."""
         with self._cv:
             self._closed = True
             pending, self._queue = self._queue, []
             self._cv.notify_all()
-        for r in pending:
-            r.loop.call_soon_threadsafe(_set_exc, r.future, EngineClosedError("engine closed"))
-        await asyncio.to_thread(self._worker.join, 5.0)
+        return pending
+
+    def _join_worker(self) -> None:
+        """Wait for the worker to end its step in progress and stop (at most :data:`CLOSE_WAIT_S` s)."""
+        self._worker.join(5.0)
+        if self._worker.is_alive():
+            log.info("embedded engine: waiting for its step in progress to end before closing")
+            self._worker.join(CLOSE_WAIT_S)
+        if self._worker.is_alive():  # kept in _LIVE: the interpreter's exit waits for it once more
+            log.error("embedded engine: its worker is still in a step after %.0f s; the process may abort "
+                      "at exit", CLOSE_WAIT_S + 5.0)
+        else:
+            _LIVE.discard(self)
 
     # -- worker thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -354,6 +386,17 @@ class EmbeddedEngine:
                                    versions=[row.version] * len(row.new_ids), finish_reason=row.finish,
                                    text=self.tokenizer.decode(row.new_ids, skip_special_tokens=False))
             row.handle.loop.call_soon_threadsafe(_set_result, row.handle.future, res)
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """At interpreter exit, stop the workers of engines never closed (or whose close gave up) and wait
+    for their step in progress, so no daemon thread is inside a torch op when the interpreter
+    finalises (SIGABRT, exit 134, instead of the exit status the program chose)."""
+    for engine in list(_LIVE):
+        if engine._worker.is_alive():
+            engine._mark_closed()
+            engine._join_worker()
 
 
 def _fail(requests: list[_Request], err: EngineError) -> None:

@@ -31,6 +31,17 @@ recomputing it would need the learner to load each kept version's weights. Their
 attested, and :meth:`SyncAttestor.unreferenced` says so once at the start of the run, naming the
 versions and the first one that will be checked.
 
+A reduced-precision engine (``model.dtype`` bfloat16 / float16) cannot meet a float32 tolerance:
+its log-prob of a token depends on the batch the prompt was prefilled in (padding and masks change
+the rounding; measured on SmolLM2-135M in bfloat16 at T = 0.6: 1e-5 nats for the probe prefilled
+alone, up to 0.3 beside other requests, which is how it runs during training). So at the start of
+the run, while engine and learner hold the same weights, :meth:`SyncAttestor.calibrate` measures
+that gap: :data:`CALIBRATION_ROUNDS` rounds of the K probes, each prefilled beside partner requests
+of other lengths, against the reference of the version the engine holds. The tolerance of the run
+is then ``max(train.sync_check_tolerance, CALIBRATION_MARGIN × measured gap)``, stated in one log
+line (a weaker check: a sync that moves the probe's log-probs by less is not detected; a sync that
+did not happen is still caught by its version). A float32 engine keeps the configured tolerance.
+
 Off (:attr:`SyncAttestor.enabled` False, logged once) when the rollouts cannot sample one request
 directly (no ``probe``: Ray rollouts) or the learner cannot give its next-token distribution (no
 ``next_token_logprobs``: a distributed or remote learner), or the vocabulary is smaller than the
@@ -55,6 +66,13 @@ log = logging.getLogger(__name__)
 PROBE_PROMPTS = tuple(tuple(range(10 + 3 * i, 18 + 3 * i)) for i in range(8))
 #: Checks outstanding at most; a further sync first awaits the oldest (bounded memory and lag).
 MAX_PENDING = 4
+#: Rounds of the start-up calibration of a reduced-precision engine (K probe tokens each).
+CALIBRATION_ROUNDS = 8
+#: A reduced-precision engine's tolerance: this many times the largest gap measured at start-up.
+CALIBRATION_MARGIN = 2.0
+#: Prompt lengths of the partner requests prefilled beside the probes while calibrating (the probes
+#: then run padded, as beside the episodes of training).
+PARTNER_LENGTHS = (9, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,8 @@ class SyncCheck:
         tolerance: the largest allowed ``|log π_learner − log π_engine|`` over the probe's
             sampled tokens (nats, > 0).
         temperature: the rollout sampling temperature (both sides score ``logits / T``).
+        dtype: the engine's parameter dtype (``model.dtype``): other than ``float32``, the
+            tolerance is calibrated at start-up (:meth:`SyncAttestor.calibrate`).
 
     Raises:
         ValueError: ``tolerance`` not > 0, naming ``train.sync_check_tolerance``.
@@ -72,19 +92,22 @@ class SyncCheck:
 
     tolerance: float
     temperature: float = 1.0
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.tolerance > 0:
             raise ValueError(f"train.sync_check_tolerance={self.tolerance!r}: must be > 0 (or null: off)")
 
 
-def failure(version: int, diff: float, tolerance: float) -> TrainingError:
+def failure(version: int, diff: float, tolerance: float, basis: str = "") -> TrainingError:
     """The one-line error of a failed check of the sync to ``version`` (``diff`` inf: the engine
-    reported an older version)."""
+    reported an older version); ``basis``: how a calibrated tolerance was derived (empty: the
+    configured one, ``tolerance``)."""
     what = "reported another policy version than" if diff == float("inf") else \
         f"log-probs differ by {diff:.3g} nats from the learner's at"
+    limit = f"tolerance {basis}" if basis else f"train.sync_check_tolerance={tolerance:g}"
     return TrainingError(f"weight sync check failed: after the sync the engine {what} policy version "
-                         f"{version} (train.sync_check_tolerance={tolerance:g}); the behaviour "
+                         f"{version} ({limit}); the behaviour "
                          "policy is not the recorded version, so COPC's ratios would be wrong")
 
 
@@ -100,6 +123,9 @@ class SyncAttestor:
     Attributes:
         enabled: whether checks run.
         checked: ``version → max abs log-prob difference`` of every finished check (nats).
+        tolerance: the tolerance checks use (nats): ``check.tolerance``, or the calibrated one of a
+            reduced-precision engine (:meth:`calibrate`).
+        calibrated_gap: the engine/learner gap measured by :meth:`calibrate` (nats), None before.
     """
 
     def __init__(self, check: SyncCheck | None, rollouts: Any, learner: Any, keep: int) -> None:
@@ -113,6 +139,9 @@ class SyncAttestor:
         self._refs: dict[int, torch.Tensor] = {}
         self._pending: list[asyncio.Task] = []
         self.checked: dict[int, float] = {}
+        self.tolerance = check.tolerance if check is not None else float("inf")
+        self.calibrated_gap: float | None = None
+        self._basis = ""  # how a calibrated tolerance was derived (failure messages)
 
     async def reference(self, version: int) -> float:
         """Take the learner's reference for ``version`` (its current weights), in a worker thread;
@@ -141,6 +170,68 @@ class SyncAttestor:
         self._refs[version] = ref.detach().to("cpu", torch.float32)
         for old in [v for v in self._refs if v <= version - self.keep]:
             del self._refs[old]
+        return loop.time() - t0
+
+    async def calibrate(self, version: int) -> float:
+        """Measure a reduced-precision engine's gap to the learner at start-up and derive the run's
+        tolerance from it (module docstring); a float32 engine keeps ``check.tolerance``.
+
+        Call it while the engine holds ``version`` (whose reference is kept) and nothing else runs:
+        :data:`CALIBRATION_ROUNDS` rounds of the K probes, each beside partner requests of
+        :data:`PARTNER_LENGTHS` tokens. :attr:`tolerance` becomes ``max(check.tolerance,
+        CALIBRATION_MARGIN × gap)``, logged (warning) with the gap. A probe that fails turns the
+        attestation off (logged), as a failing reference does; an engine on another version, or no
+        reference, leaves the tolerance as configured (logged).
+
+        Returns:
+            Seconds it took (0 when nothing was measured).
+        """
+        if not self.enabled or self.check.dtype == "float32":
+            return 0.0
+        ref = self._refs.get(version)
+        if ref is None:
+            log.warning("weight-sync attestation: no reference of policy version %d to calibrate the %s "
+                        "engine's tolerance; train.sync_check_tolerance=%g applies", version,
+                        self.check.dtype, self.check.tolerance)
+            return 0.0
+        loop = asyncio.get_running_loop()
+        t0, k, gap = loop.time(), len(PROBE_PROMPTS), 0.0
+        for r in range(CALIBRATION_ROUNDS):
+            lengths = [PARTNER_LENGTHS[(r + j) % len(PARTNER_LENGTHS)] for j in range(1 + r % 3)]
+            partners = [[PROBE_PROMPTS[j % k][-1 - (t % 8)] for t in range(n)] for j, n in enumerate(lengths)]
+            seed = (1 << 30) + r * (k + 3)
+            # every request queued in one go, so the engine prefills them together; a partner that
+            # fails (a context shorter than its prompt) only leaves that round's probes less padded
+            results = await asyncio.gather(*(
+                self._probe(list(p), SamplingParams(temperature=self.check.temperature, max_new_tokens=1,
+                                                    seed=seed + i))
+                for i, p in enumerate([*PROBE_PROMPTS, *partners])), return_exceptions=True)
+            failed = next((e for e in results[:k] if isinstance(e, BaseException)), None)
+            if failed is not None:  # a secondary check: its own failure is logged, never the run's
+                log.warning("weight-sync attestation off: its start-up calibration failed: %s: %s",
+                            type(failed).__name__, failed)
+                self.enabled = False
+                return 0.0
+            for i, res in enumerate(results[:k]):
+                if not res.token_ids:
+                    continue
+                if res.versions[0] != version:
+                    log.warning("weight-sync attestation: the engine is at policy version %d, not %d, at "
+                                "start-up; train.sync_check_tolerance=%g applies", res.versions[0], version,
+                                self.check.tolerance)
+                    return 0.0
+                gap = max(gap, abs(float(ref[i, res.token_ids[0]]) - float(res.logprobs[0])))
+        self.calibrated_gap = gap
+        self.tolerance = max(self.check.tolerance, CALIBRATION_MARGIN * gap)
+        self._basis = (f"{self.tolerance:.3g} nats: {CALIBRATION_MARGIN:g} x the {self.check.dtype} engine's "
+                       f"gap of {gap:.3g} measured at start-up; train.sync_check_tolerance="
+                       f"{self.check.tolerance:g}")
+        log.warning("weight-sync attestation: model.dtype=%s: with the same weights the engine's log-probs "
+                    "differ from the learner's by up to %.3g nats (%d probe tokens prefilled beside other "
+                    "requests, as in training); checks use a tolerance of %.3g nats (%g x that; "
+                    "train.sync_check_tolerance=%g holds for float32), so a sync that moves the probe's "
+                    "log-probs by less is not detected", self.check.dtype, gap, CALIBRATION_ROUNDS * k,
+                    self.tolerance, CALIBRATION_MARGIN, self.check.tolerance)
         return loop.time() - t0
 
     def unreferenced(self, kept: list[int], now: int) -> list[int]:
@@ -224,8 +315,8 @@ class SyncAttestor:
                 continue
             version, diff = res
             self.checked[version] = diff
-            if not diff <= self.check.tolerance:
-                raise failure(version, diff, self.check.tolerance)
+            if not diff <= self.tolerance:
+                raise failure(version, diff, self.tolerance, self._basis)
             out["sync/probe_max_abs_logp_diff"] = max(diff, out.get("sync/probe_max_abs_logp_diff", 0.0))
             out["sync/probe_version"] = max(float(version), out.get("sync/probe_version", 0.0))
         return out

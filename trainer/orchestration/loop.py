@@ -101,7 +101,7 @@ class LoopConfig:
         """From an :class:`~trainer.config.ExperimentConfig` (staleness: ``exp.staleness``, the
         effective settings, a preset's own staleness included)."""
         tol = exp.train.sync_check_tolerance
-        check = None if tol is None else SyncCheck(tol, exp.rollout.temperature)
+        check = None if tol is None else SyncCheck(tol, exp.rollout.temperature, exp.model.dtype)
         return cls(sync_check=check, eval_every=exp.eval.every_steps if exp.eval.enabled else 0,
                    total_steps=exp.train.total_steps,
                    prompts_per_step=exp.train.prompts_per_step,
@@ -440,6 +440,7 @@ class AsyncTrainingLoop:
         st = self.state
         self._last_step_end = time.perf_counter()
         await self.attestor.reference(st.version)  # before any sync can need it
+        await self.attestor.calibrate(st.version)  # a bf16 engine's tolerance, before any episode runs
         await self.cfg.staleness.start(self)
         self.attestor.unreferenced(st.history.versions(), st.version)  # a resume's kept versions
         producer = asyncio.create_task(self._producer())
