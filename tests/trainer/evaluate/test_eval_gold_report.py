@@ -9,11 +9,11 @@ import re
 import shutil
 import subprocess
 
-from .test_eval_cli import DATA, setup  # noqa: F401  (the module fixture)
-
 from trainer.cli import main as cli_main
 from trainer.evaluate.records import read_results
 from trainer.outputs.viewer.load import load_episodes
+
+from .test_eval_cli import DATA, setup  # noqa: F401  (the module fixture)
 
 
 def test_records_report_and_viewer_show_gold_and_settings(setup, tmp_path, monkeypatch):  # noqa: F811

@@ -15,10 +15,11 @@ import json
 import pytest
 from bpe_tokenizer import bpe_tokenizer
 from chat_tokenizer import chat_tokenizer
-from .test_harness_train import PLUGIN, TESTS, check_saved_batches
 
 from trainer.cli import main as cli_main
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+
+from .test_harness_train import PLUGIN, TESTS, check_saved_batches
 
 ray = pytest.importorskip("ray")
 ROOT = TESTS.parents[1]

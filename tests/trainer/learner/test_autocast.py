@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ..orchestration.test_loop_learner import _batch  # six two-turn episodes, rewards 0/1
 
 import copc
 from trainer.config import ConfigError, load_config, plugin_settings
@@ -16,6 +15,8 @@ from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.attestation import PROBE_PROMPTS
+
+from ..orchestration.test_loop_learner import _batch  # six two-turn episodes, rewards 0/1
 
 OPT = OptimizerSettings(actor_lr=1e-3, critic_lr=1e-3, grad_clip=0.0)
 

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-from ..orchestration.test_loop_learner import _batch  # six two-turn episodes, rewards 0/1
 
 import copc
 from trainer.config import ConfigError, load_config
@@ -21,6 +20,8 @@ from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.learner.step_metrics import MetricAccumulator
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+
+from ..orchestration.test_loop_learner import _batch  # six two-turn episodes, rewards 0/1
 
 OPT = OptimizerSettings(actor_lr=1e-2, critic_lr=1e-2)
 

@@ -29,8 +29,8 @@ from trainer.models.lora import LoraSettings
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.outputs.checkpoint import CheckpointManager
 
-from ..orchestration.test_loop_learner import _batch
 from ..app.test_run_e2e import REPO
+from ..orchestration.test_loop_learner import _batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -34,8 +34,8 @@ from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
 
-from ..orchestration.test_loop_learner import SAMPLES, EchoEnv, Recorder
 from ..app.test_run_e2e import overrides
+from ..orchestration.test_loop_learner import SAMPLES, EchoEnv, Recorder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

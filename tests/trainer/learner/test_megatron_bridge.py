@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-from .test_megatron_group import RankPool
 
 from trainer.learner.backends.megatron.shims import MegatronVersionError, check_versions
 from trainer.learner.backends.torch import mb_values, response_logprobs
@@ -24,6 +23,8 @@ from trainer.learner.critic import ValueModel
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, save_tiny_checkpoint
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
+
+from .test_megatron_group import RankPool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,12 +12,13 @@ CUDA RNG tracker seeded (Megatron's GPU weight init forks into it).
 from __future__ import annotations
 
 import pytest
-from .test_megatron_learner import assert_same_metrics, max_diff, multiturn_batch, overrides
 
 from trainer.config import load_config
 from trainer.config.specs import learner_spec
 from trainer.learner import make_learner
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+
+from .test_megatron_learner import assert_same_metrics, max_diff, multiturn_batch, overrides
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .test_megatron_group import RankPool
 
 from trainer.config import load_config
 from trainer.config.specs import learner_spec
@@ -20,6 +19,8 @@ from trainer.learner import make_learner
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
+
+from .test_megatron_group import RankPool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

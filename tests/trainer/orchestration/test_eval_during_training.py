@@ -10,7 +10,6 @@ import copy
 import json
 
 import pytest
-from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 
 import copc
 from trainer.config import ConfigError, load_config
@@ -24,6 +23,8 @@ from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, Loop
 from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.rollouts import LocalRollouts, engine_handle
 from trainer.rollout.agent_loop import AgentLoopConfig
+
+from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,9 @@ from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.rollouts import LocalRollouts, engine_handle
 from trainer.rollout.agent_loop import AgentLoopConfig
 
+from ..app.test_run_e2e import overrides
 from .test_loop_failures import FlakyEnv
 from .test_loop_learner import SAMPLES, EchoEnv, Recorder
-from ..app.test_run_e2e import overrides
 
 
 @pytest.fixture(scope="module")

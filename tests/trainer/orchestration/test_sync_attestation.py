@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 
 import copc
 from trainer.config import ConfigError, load_config
@@ -30,6 +29,8 @@ from trainer.orchestration.rollouts import LocalRollouts, engine_handle
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.batch import to_batch
 from trainer.rollout.trajectory import Trajectory
+
+from .test_loop_learner import SAMPLES, EchoEnv, Recorder
 
 
 class ParityEnv(EchoEnv):

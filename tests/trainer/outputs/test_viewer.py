@@ -154,7 +154,6 @@ def test_viewer_of_an_eval_dir_shows_tool_calls_and_outputs(model_tok, sandbox, 
     import asyncio
 
     from scripted import scripted
-    from ..rollout.test_agent_loop import ACTIONS, SAMPLE, turn_of
 
     from environments.math_tool import MathToolEnv
     from trainer.engines.base import SamplingParams
@@ -162,6 +161,8 @@ def test_viewer_of_an_eval_dir_shows_tool_calls_and_outputs(model_tok, sandbox, 
     from trainer.evaluate.kinds import make_kind
     from trainer.evaluate.records import record_of, write_records
     from trainer.rollout.agent_loop import run_episode
+
+    from ..rollout.test_agent_loop import ACTIONS, SAMPLE, turn_of
 
     model, tok = model_tok
 
