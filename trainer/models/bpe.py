@@ -6,7 +6,7 @@ minutes. This module trains a byte-level BPE with the ``tokenizers`` library on 
 text (the retriever corpus, the training questions, the prompt) so the same episode is ~4x
 shorter, and adds the task's tool tags (``<search>``, ``</information>``, ...) as single tokens.
 
-Properties (tested in ``tests/trainer/test_bpe_tokenizer.py``):
+Properties (tested in ``tests/trainer/models/test_bpe_tokenizer.py``):
 
 * lossless: every string round-trips (``decode(encode(s)) == s``), any Unicode included: the
   alphabet is all 256 bytes (GPT-2's byte <-> unicode map), so nothing is ever unknown;
