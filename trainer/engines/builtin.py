@@ -72,7 +72,7 @@ class SGLangSettings:
             raise ValueError(f"mem_fraction={self.mem_fraction!r}: must be in (0, 1]")
 
 
-def sglang_preflight(exp: Any) -> None:
+def sglang_preflight(exp: object) -> None:
     """SGLang needs a CUDA GPU and the ``sglang`` package.
 
     Raises:

@@ -41,6 +41,7 @@ from ..ray_util import RayClusterSettings
 
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
+    from ..rollout.agent_loop import AgentLoopConfig
 
 
 @dataclass
@@ -65,7 +66,7 @@ class LaunchSpec:
     tokenizer: Any
     model_dir: Path
     sampling: Any
-    agent_cfg: Any
+    agent_cfg: AgentLoopConfig
     settings: Any = None
 
 

@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TrainingError
 from ..learner.allocator import release_free_heap
@@ -49,6 +49,9 @@ from .rollouts import LoopHooks, Rollouts, WeightSource
 from .staleness import BoundedAdmission, FixedLag, Staleness, staleness_strategy
 from .state import COUNTER_METRICS, COUNTERS, Group, LoopState
 from .step_metrics import dropped_metrics, rollout_metrics
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
 
 __all__ = ["COUNTERS", "COUNTER_METRICS", "AsyncTrainingLoop", "BoundedAdmission", "FixedLag", "LoopConfig",
            "LoopState", "TrainingError"]
@@ -97,7 +100,7 @@ class LoopConfig:
     group_filter: GroupFilter | None = None
 
     @classmethod
-    def from_config(cls, exp: Any, *, pad_token_id: int) -> LoopConfig:
+    def from_config(cls, exp: ExperimentConfig, *, pad_token_id: int) -> LoopConfig:
         """From an :class:`~trainer.config.ExperimentConfig` (staleness: ``exp.staleness``, the
         effective settings, a preset's own staleness included)."""
         tol = exp.train.sync_check_tolerance

@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,10 @@ from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
 from .lag import WeightSnapshot
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
+    from ..tasks.base import Task
 from .rollouts import WeightSource, push_weights
 
 log = logging.getLogger(__name__)
@@ -77,8 +81,8 @@ class RolloutWorker:
             :meth:`update_adapter` moves adapters only), or None.
     """
 
-    def __init__(self, exp_cfg: Any, model_dir: str, weights: Mapping[str, torch.Tensor], version: int,
-                 env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8,
+    def __init__(self, exp_cfg: ExperimentConfig, model_dir: str, weights: Mapping[str, torch.Tensor],
+                 version: int, env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8,
                  adapter: Any = None) -> None:
         from ..config.specs import engine_spec
         from ..engines import make_engine
@@ -213,7 +217,7 @@ class RayLearner:
         self._with_inputs = with_inputs
 
     @classmethod
-    def start(cls, exp_cfg: Any, model_dir: str | Path, state: dict,
+    def start(cls, exp_cfg: ExperimentConfig, model_dir: str | Path, state: dict,
               options: dict | None = None) -> RayLearner:
         """Start a :class:`LearnerActor` of ``exp_cfg``'s backend (its
         :class:`~trainer.learner.spec.LearnerSpec` built here) from ``state`` (``Learner.state_dict``
@@ -301,7 +305,7 @@ class RayRolloutSpec:
         ValueError: ``num_workers < 1``.
     """
 
-    exp_cfg: Any
+    exp_cfg: ExperimentConfig
     model_dir: str | Path
     sampling: SamplingParams
     agent_cfg: AgentLoopConfig
@@ -372,7 +376,7 @@ class RayRollouts:
             ray.kill(w)
 
 
-def worker_experiment_config(cfg: Any, task: Any) -> Any:
+def worker_experiment_config(cfg: ExperimentConfig, task: Task) -> ExperimentConfig:
     """``cfg`` for the workers' own :func:`build_task`: what the driver's started ``task`` hands them
     (:meth:`~trainer.tasks.base.Task.worker_config`: its services' URLs, absolute task paths) and
     absolute plug-in paths (workers may run in another working directory)."""
