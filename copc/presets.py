@@ -68,6 +68,26 @@ def moved_field_hint(name: str) -> str | None:
     return f"{name}: moved to {new} (with {where})"
 
 
+def _settings_of(registry: Any, name: str, raw: Any, key: str) -> Any:
+    """``registry.build_settings(name, raw, key)``; a built-in's knob given to another component
+    is refused with the one line plus which components it belongs to (:data:`MOVED_FIELDS`):
+    ``policy_loss_settings.clip_high=0.28: unknown setting of DisSettings; ... (clip_high is a
+    setting of policy_loss: ppo | decoupled_ppo | tis | icepop)``.
+
+    Raises:
+        ValueError: as :meth:`seams.registry.Registry.build_settings`.
+    """
+    try:
+        return registry.build_settings(name, raw, key)
+    except ValueError as e:
+        field = str(e).partition("=")[0].rpartition(".")[2]
+        old = {"ppo_clip_eps": "dis_ppo_clip_eps"}.get(field, field)  # its old central spelling
+        owner = MOVED_FIELDS.get(old)
+        if "unknown setting" not in str(e) or owner is None or not owner[0].startswith(key):
+            raise
+        raise ValueError(f"{e} ({field} is a setting of {owner[1]})") from None
+
+
 def _check_field_names(names: Any) -> None:
     """Raise ``ValueError`` for a name that is not an :class:`AlgorithmConfig` field (a moved one
     with its new spelling)."""
@@ -193,10 +213,10 @@ class AlgorithmConfig:
                              "(register a custom one with copc.POLICY_LOSSES.register first)")
         meta = ADVANTAGE_ESTIMATORS.metadata(self.advantage_estimator)
         # the plug-ins' own settings: a mapping (or None) becomes their settings dataclass
-        object.__setattr__(self, "estimator_settings", ADVANTAGE_ESTIMATORS.build_settings(
-            self.advantage_estimator, self.estimator_settings, "estimator_settings"))
-        object.__setattr__(self, "policy_loss_settings", POLICY_LOSSES.build_settings(
-            self.policy_loss, self.policy_loss_settings, "policy_loss_settings"))
+        for registry, which, key in ((ADVANTAGE_ESTIMATORS, "advantage_estimator", "estimator_settings"),
+                                     (POLICY_LOSSES, "policy_loss", "policy_loss_settings")):
+            built = _settings_of(registry, getattr(self, which), getattr(self, key), key)
+            object.__setattr__(self, key, built)
         if self.use_critic and not meta["needs_critic"]:
             raise ValueError(f"use_critic=True with advantage_estimator={self.advantage_estimator!r}: "
                              "that estimator never reads values, the critic would train for nothing")
@@ -266,7 +286,7 @@ _SETTINGS_OF = (("advantage_estimator", "estimator_settings"), ("policy_loss", "
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # spec table "Baselines the paper compares"
-    # (synchronous: max staleness 0, a trainer setting: trainer/config/presets_staleness.py)
+    # (synchronous: max staleness 0, a trainer setting: trainer.config.train_section.PRESET_STALENESS)
     "ppo": dict(advantage_estimator="gae", policy_loss="ppo"),
     "ppo_async": dict(advantage_estimator="gae", policy_loss="ppo"),
     "areal": dict(advantage_estimator="gae", policy_loss="decoupled_ppo"),
@@ -300,7 +320,7 @@ _PINNED: dict[str, dict[str, str]] = {
 }
 
 
-def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
+def get_preset(name: str, /, **overrides: Any) -> AlgorithmConfig:
     """Build the named preset, optionally with field overrides (spec, "Baselines" table).
 
     Args:
@@ -309,8 +329,9 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
         **overrides: :class:`AlgorithmConfig` fields to change (e.g. ``gamma=0.99``, or
             ``estimator_settings={"eta_a": 0.25}``). A ``*_settings`` mapping is merged over the
             preset's own settings of the same estimator / loss (``brace`` with
-            ``estimator_settings={"horizon": 50}`` keeps ρ̄ = 1.2, c̄ = 1.1); naming another
-            estimator / loss drops the preset's settings for it.
+            ``estimator_settings={"horizon": 50}`` keeps ρ̄ = 1.2, c̄ = 1.1; None or ``{}`` keeps
+            them all); naming another estimator / loss drops the preset's settings for it.
+            ``name`` relabels the config (default: the preset's name).
 
     Returns:
         A frozen, validated :class:`AlgorithmConfig`.
@@ -327,11 +348,11 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     for key, why in _PINNED.get(name, {}).items():
         if key in overrides and overrides[key] != preset[key]:
             raise ValueError(f"{why} (got {key}={overrides[key]!r})")
-    fields = {**preset, **overrides}
+    fields = {"name": name, **preset, **overrides}  # ``name`` may be overridden (a run's label)
     for which, key in _SETTINGS_OF:
         own, given = preset.get(key), overrides.get(key)
         if fields[which] != preset[which]:
             fields[key] = given  # the preset's settings are for its own estimator / loss
-        elif isinstance(own, Mapping) and isinstance(given, Mapping):
-            fields[key] = {**own, **given}
-    return AlgorithmConfig(name=name, **fields)
+        elif isinstance(own, Mapping) and isinstance(given, Mapping | None):
+            fields[key] = {**own, **(given or {})}  # null / {}: the preset's own settings, unchanged
+    return AlgorithmConfig(**fields)

@@ -106,3 +106,27 @@ def test_the_settings_reach_the_estimator_and_the_loss():
         "ppo_async", policy_loss="tis", policy_loss_settings={"clip_high": 0.28, "tis_cap": 1.5}))
     ref, _ = copc.tis_policy_loss(logp, lo, lm, adv, mask, clip_high=0.28, tis_cap=1.5)
     assert torch.equal(loss, ref)
+
+
+def test_a_null_settings_override_keeps_the_presets_own_and_name_relabels():
+    """``estimator_settings: null`` (or ``{}``) is no change: ``copc_wo_rc`` stays η_A = 0 (it used
+    to become plain ``copc``'s 0.5), ``brace`` keeps ρ̄ 1.2 / c̄ 1.1; ``name`` relabels the config
+    (``algorithm.name=foo`` used to raise a TypeError: get_preset's own parameter is ``name``)."""
+    assert copc.get_preset("copc_wo_rc", estimator_settings=None).estimator_settings.eta_a == 0.0
+    brace = copc.get_preset("brace", estimator_settings={})
+    assert brace.estimator_settings == copc.BraceSettings(1.2, 1.1, 100)
+    named = copc.get_preset("brace", name="brace_k50", estimator_settings={"horizon": 50})
+    assert (named.name, named.advantage_estimator, named.estimator_settings.rho_clip) == \
+        ("brace_k50", "brace", 1.2)
+
+
+@pytest.mark.parametrize("preset,settings,owner", [
+    ("copc", {"policy_loss_settings": {"clip_high": 0.28}},
+     "policy_loss: ppo | decoupled_ppo | tis | icepop"),
+    ("ppo_async", {"policy_loss_settings": {"eta_p": 0.3}}, "policy_loss: dis"),
+    ("vtrace", {"estimator_settings": {"eta_a": 0.3}}, "advantage_estimator: copc"),
+])
+def test_a_knob_under_the_wrong_component_names_its_owner(preset, settings, owner):
+    with pytest.raises(ValueError, match=r"unknown setting of \w+; known: \[.*\] \(\w+ is a setting of "
+                                         + owner.replace("|", "[|]") + r"\)$"):
+        copc.get_preset(preset, **settings)

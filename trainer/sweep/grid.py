@@ -1,11 +1,12 @@
 """Sweep grids: parse ``key=v1,v2,...`` tokens and YAML specs, expand the Cartesian product into cells.
 
-A grid maps dotted :class:`~trainer.config.ExperimentConfig` keys (``algorithm.eta_p``) to
-ordered lists of scalar values (int, float, bool or str). Values are parsed exactly as
-``copc train`` parses a ``key=value`` override (OmegaConf's YAML dotlist rules: ``0.25`` is a
-float, ``8`` an int, ``true`` a bool, ``abc`` a string), so a cell runs with the very values
-it was declared with. Every cell has a readable id made of the keys' last dotted component
-and the value, ``algorithm.eta_p=0.25, algorithm.eta_a=0.5`` → ``eta_p0.25_eta_a0.5``.
+A grid maps dotted :class:`~trainer.config.ExperimentConfig` keys
+(``algorithm.policy_loss_settings.eta_p``) to ordered lists of scalar values (int, float, bool or
+str). Values are parsed exactly as ``copc train`` parses a ``key=value`` override (OmegaConf's
+YAML dotlist rules: ``0.25`` is a float, ``8`` an int, ``true`` a bool, ``abc`` a string), so a
+cell runs with the very values it was declared with. Every cell has a readable id made of the
+keys' last dotted component and the value, ``algorithm.policy_loss_settings.eta_p=0.25,
+algorithm.estimator_settings.eta_a=0.5`` → ``eta_p0.25_eta_a0.5``.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def check_key(key: str, where: str = "--grid") -> str:
         ConfigError: naming the key (``output_dir`` / ``train.seed`` are set by the sweep).
     """
     if not _KEY_RE.match(key):
-        raise ConfigError(f"{where} {key!r}: not a dotted config key (e.g. algorithm.eta_p)")
+        raise ConfigError(f"{where} {key!r}: not a dotted config key (e.g. train.actor_lr)")
     if key in RESERVED_KEYS:
         why = "use --seeds" if key == "train.seed" else "the sweep sets it to <out>/cells/<id>/seed<S>"
         raise ConfigError(f"{where} {key}: set by the sweep itself ({why})")
@@ -140,7 +141,7 @@ def parse_grid_arg(token: str) -> tuple[str, list[Scalar]]:
     """Parse one ``--grid key=v1,v2,...`` argument.
 
     Args:
-        token: e.g. ``"algorithm.eta_p=0.25,0.5,0.75"``. Values may not contain commas.
+        token: e.g. ``"algorithm.policy_loss_settings.eta_p=0.25,0.5,0.75"``. Values may not contain commas.
 
     Returns:
         ``(key, values)``, values in the given order, each parsed by :func:`parse_value`.
@@ -203,8 +204,8 @@ class Cell:
 
 
 def short_names(keys: list[str]) -> dict[str, str]:
-    """Shortest distinct dotted suffix of every key (``algorithm.eta_p`` → ``eta_p``; ``train.seed``
-    and ``warm_start.seed`` → themselves)."""
+    """Shortest distinct dotted suffix of every key (``algorithm.policy_loss_settings.eta_p`` →
+    ``eta_p``; ``train.seed`` and ``warm_start.seed`` → themselves)."""
     parts = {k: k.split(".") for k in keys}
     out = {}
     for k in keys:
