@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from trainer.config import ConfigError, ExperimentConfig, load_config
 
@@ -35,24 +36,33 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is (so the run stops the same way)."""
+@dataclass
+class SigtermState:
+    """Whether a SIGTERM arrived within :func:`sigterm_as_interrupt` (``terminated``)."""
+
+    terminated: bool = False
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``) in the main
-    thread, so ``kill PID`` stops a run as Ctrl-C does (same clean-up, same ``--resume`` hint).
-    The earlier handler is restored on exit; outside the main thread this does nothing."""
+def sigterm_as_interrupt() -> Iterator[SigtermState]:
+    """Within the block, SIGTERM stops a run as Ctrl-C does (same clean-up, same ``--resume``
+    hint): the handler records it and raises SIGINT in this process, so an ``asyncio.run`` in
+    progress cancels its main task through its own SIGINT handling (raising ``Terminated``
+    directly inside asyncio's machinery left a task's exception unretrieved and printed its
+    traceback). Yields the :class:`SigtermState` to read after a ``KeyboardInterrupt``. The
+    earlier handler is restored on exit; outside the main thread this does nothing."""
+    state = SigtermState()
+
     def handler(signum: int, frame: object) -> None:
-        raise Terminated
+        state.terminated = True
+        signal.raise_signal(signal.SIGINT)
 
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield state
         return
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield state
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -118,8 +128,9 @@ def train_command(args: argparse.Namespace) -> int:
     from trainer.app.run import run_experiment  # heavy (torch, engines): only once the config is valid
     from trainer.errors import TrainingError
 
+    term = SigtermState()
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt() as term:
             run_experiment(cfg, resume=args.resume)
     except ConfigError as e:  # raised by the run for settings only checkable at start-up
         print(f"copc train: config error: {e}", file=sys.stderr)
@@ -127,12 +138,13 @@ def train_command(args: argparse.Namespace) -> int:
     except TrainingError as e:  # the traceback of the cause is in the log above
         print(f"copc train: stopped: {e}", file=sys.stderr)
         return EXIT_TRAINING_ERROR
-    except KeyboardInterrupt as e:
-        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+    except KeyboardInterrupt:
+        sigterm = term.terminated
+        what = "terminated (SIGTERM)" if sigterm else "interrupted"
         again = ["copc", "train", *(["--config", args.config] if args.config else []), *args.overrides,
                  "--resume"]
         print(f"copc train: {what}; continue with: {shlex.join(again)}", file=sys.stderr)
-        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+        return EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED
     _report(cfg)
     return 0
 

@@ -24,7 +24,10 @@ from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, save_tiny
 from trainer.rollout.batch import RolloutBatch, to_batch
 from trainer.rollout.trajectory import Trajectory
 
-from .test_megatron_group import RankPool
+try:
+    from .test_megatron_group import RankPool
+except ImportError:  # run by path inside a rank process (RankPool's loader): no package, siblings by name
+    from test_megatron_group import RankPool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

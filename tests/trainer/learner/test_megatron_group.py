@@ -160,6 +160,7 @@ def _rank_loop(conn: Any, rank: int, world_size: int, init: str) -> None:
 
 if __name__ == _RUN_NAME:  # inside a spawned rank (runpy.run_path with _COPC_RANK set)
     sys.path.insert(0, str(Path(__file__).parent.resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test modules' siblings, by name
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _rank_loop(*globals()["_COPC_RANK"])
 
