@@ -18,23 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import check_number
 from .margins import ETA
-
-
-def unit_interval(name: str, v: object) -> None:
-    """Raise ``ValueError("<name> must be in [0, 1], got <v>")`` unless ``v`` is a number in [0, 1]."""
-    if not 0.0 <= check_number(name, v) <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-
-
-def positive(name: str, v: object, *, allow_none: bool = False) -> None:
-    """Raise ``ValueError("<name> must be > 0 ...")`` unless ``v`` is a number > 0 (or None when
-    ``allow_none``)."""
-    if v is None and allow_none:
-        return
-    if v is None or not check_number(name, v) > 0.0:
-        raise ValueError(f"{name} must be > 0{' or None' if allow_none else ''}, got {v!r}")
 
 
 def _setting(ok: bool, name: str, v: object, why: str) -> None:

@@ -21,12 +21,22 @@ from typing import Any
 from ._checks import check_number
 from .advantages import OBS_DISCOUNT_MODES
 from .aggregation import LOSS_AGG_MODES
-from .component_settings import positive as _positive
-from .component_settings import unit_interval as _unit
 from .margins import EPS_HIGH, EPS_LOW
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 OBS_REWARD_MODES = ("fold", "error")
+
+
+def _unit(name: str, v: object) -> None:
+    if not 0.0 <= check_number(name, v) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+
+
+def _positive(name: str, v: object, *, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if v is None or not check_number(name, v) > 0.0:
+        raise ValueError(f"{name} must be > 0{' or None' if allow_none else ''}, got {v!r}")
 
 #: Fields that moved from :class:`AlgorithmConfig` into a built-in's own settings: old field →
 #: ``(settings field, which built-ins)``; a preset override or ``replace`` naming one is refused
