@@ -267,7 +267,9 @@ class SyncAttestor:
             t0 = asyncio.get_running_loop().time()
             await asyncio.wait([self._pending[0]])
             waited = asyncio.get_running_loop().time() - t0
-        self._pending.append(asyncio.create_task(self._compare(version)))
+        task = asyncio.create_task(self._compare(version))
+        task.add_done_callback(_mark_retrieved)  # a run stopped mid-check (SIGTERM) drops it quietly
+        self._pending.append(task)
         return waited
 
     async def _compare(self, version: int) -> tuple[int, float] | None:
@@ -326,3 +328,11 @@ class SyncAttestor:
         for t in self._pending:
             t.cancel()
         self._pending = []
+
+
+def _mark_retrieved(task: asyncio.Task) -> None:
+    """Read a finished check's exception, so that a check the run never collects (it stopped, or
+    the engine closed under it) is not reported by asyncio as 'Task exception was never retrieved';
+    :meth:`SyncAttestor.collect` still sees it through ``task.result()``."""
+    if not task.cancelled():
+        task.exception()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -186,3 +187,32 @@ def test_the_tolerance_is_validated_in_one_line():
                        ).train.sync_check_tolerance is None
     with pytest.raises(ValueError, match=r"train\.sync_check_tolerance=-1"):
         SyncCheck(-1)
+
+
+def test_a_check_the_run_never_collects_is_dropped_quietly(tiny_small):
+    """A run stopped mid-check (SIGTERM, the engine closed under the probe) leaves no 'Task
+    exception was never retrieved' behind; a check that is collected still reports its failure."""
+    actor, tok = load_model_and_tokenizer(tiny_small)
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
+        optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-2)))
+    unretrieved = []
+
+    async def main(collect: bool):
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx))
+        eng = EmbeddedEngine(copy.deepcopy(actor), tok)
+        rollouts = LocalRollouts(engine_handle(eng), ParityEnv, tok, SamplingParams(max_new_tokens=1),
+                                 AgentLoopConfig(max_turns=1), 1)
+        att = SyncAttestor(SyncCheck(1e-4), rollouts, learner, 3)
+        await att.reference(1)
+        await att.synced(1)  # the check starts; the engine closes before it answers
+        await eng.close()
+        await asyncio.sleep(0.05)
+        assert all(t.done() for t in att._pending)
+        if collect:
+            return await att.collect()  # the probe's own failure: logged, no verdict
+        att._pending = []  # the run stopped without collecting
+
+    assert asyncio.run(main(collect=True)) == {}
+    asyncio.run(main(collect=False))
+    gc.collect()
+    assert unretrieved == [], unretrieved
