@@ -1,6 +1,7 @@
 """Typed specs built from the experiment config where a run is assembled: an engine's
-(:func:`engine_spec`), the agent loop's (:func:`agent_loop_config`) and a learner backend's
-(:func:`learner_spec`, with :func:`learner_config` / :func:`optimizer_settings`).
+(:func:`engine_spec`), the agent loop's (:func:`agent_loop_config`), a learner backend's
+(:func:`learner_spec`, with :func:`learner_config` / :func:`optimizer_settings`) and a task's
+(:func:`task_spec`, defined in :mod:`trainer.config.task_spec`).
 
 A component below the config layer (an engine, a learner backend) never reads the experiment
 config: its factory gets a typed spec holding what it needs, built here, once, from the config's
@@ -19,6 +20,7 @@ from ..learner.spec import LearnerSpec
 from ..plugins import absolute_plugins
 from ..rollout.agent_loop import AgentLoopConfig
 from . import plugin_settings
+from .task_spec import TaskSpec, task_spec  # noqa: F401 - re-exported: a task's spec and builder
 
 if TYPE_CHECKING:  # typing only: the config package imports this module
     from . import ExperimentConfig
