@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("--checkpoint", default=None, metavar="DIR",
                             help="model or checkpoint directory to evaluate (default: the run's "
                                  "latest checkpoint, else its warm-start / initial model)")
-        from trainer.evaluate.command import add_benchmark_arguments
+        from .cli_eval import add_benchmark_arguments
 
         add_benchmark_arguments(parser)
         parser.set_defaults(func=eval_command)
@@ -159,14 +159,14 @@ def eval_command(args: argparse.Namespace) -> int:
         0 on success, 2 for a bad config, 130 after Ctrl-C.
     """
     if args.benchmarks is not None:  # standalone evaluation on named benchmarks
-        from trainer.evaluate.command import benchmarks_command
+        from .cli_eval import benchmarks_command
 
         return _eval_guarded(lambda: benchmarks_command(args), "interrupted; continue with --resume")
     if args.config is None:
         print("copc eval: config error: --config is required (or use --benchmarks with --model / "
               "--checkpoint / --endpoint)", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    from trainer.evaluate.command import check_no_benchmark_options
+    from .cli_eval import check_no_benchmark_options
 
     try:
         check_no_benchmark_options(args)  # the --config form would silently ignore them

@@ -342,7 +342,7 @@ def test_checkpoint_identity_covers_sharded_learner_state(tmp_path):
     weights there are another policy, so the recorded hash must change with them."""
     import argparse
 
-    from trainer.evaluate.command import policy_identity
+    from trainer.app.cli_eval import policy_identity
     from trainer.outputs.checkpoint import CheckpointManager, DirectoryState
 
     def shards(payload: bytes):

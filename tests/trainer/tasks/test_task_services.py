@@ -154,12 +154,12 @@ def test_workers_reuse_the_service_the_drivers_task_started(lookup, tmp_path, mo
 
 
 def test_copc_eval_starts_the_service_or_takes_the_tasks_flag(lookup):
-    from trainer.evaluate.benchmarks import BenchmarkServices, BenchmarkSpec
-    from trainer.evaluate.command import (
+    from trainer.app.cli_eval import (
         add_benchmark_arguments,
         check_no_benchmark_options,
         task_option_settings,
     )
+    from trainer.evaluate.benchmarks import BenchmarkServices, BenchmarkSpec
     from trainer.rollout.agent_loop import run_episode
 
     path, rows = lookup

@@ -119,7 +119,7 @@ def _policy(args: argparse.Namespace, cfg: ExperimentConfig) -> tuple[Path, Any]
         if not (path / "config.json").is_file():
             raise _fail("--model", args.model, "not a save_pretrained directory (no config.json)")
         return path, None
-    from .policy import checkpoint_policy_weights
+    from ..evaluate.policy import checkpoint_policy_weights
 
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
@@ -199,7 +199,7 @@ def _specs(args: argparse.Namespace, cfg: ExperimentConfig, max_samples: int
         ConfigError: naming ``--benchmarks`` (unknown, duplicate name, missing file, rows the
             kind cannot read) or ``eval.kind_settings.<kind>.<key>`` (a setting the kind rejects).
     """
-    from .benchmarks import load_rows, resolve_benchmark, with_task_env_kwargs
+    from ..evaluate.benchmarks import load_rows, resolve_benchmark, with_task_env_kwargs
 
     out: list[tuple[Any, Any, list[dict]]] = []
     names: set[str] = set()
@@ -324,9 +324,9 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
 async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, settings: Any,
                benchmarks: list[tuple[Any, Any, list[dict]]], record: dict) -> dict:
     """Start the benchmarks' services and the engine, play every benchmark, write the report."""
+    from ..evaluate.benchmarks import BenchmarkServices, task_env_applies
+    from ..evaluate.records import RESULTS_FILE, RecordWriter, latest_records, read_results
     from ..tasks.base import check_env_settings
-    from .benchmarks import BenchmarkServices, task_env_applies
-    from .records import RESULTS_FILE, RecordWriter, latest_records, read_results
 
     done = latest_records(read_results(out / RESULTS_FILE)) if args.resume else {}
     specs = [spec for spec, _, _ in benchmarks]
@@ -363,7 +363,7 @@ async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, setti
                                                                                           "temperature"),
               "max_samples": args.max_samples, "seed": args.seed,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    from .report import write_report
+    from ..evaluate.report import write_report
 
     write_report(out, header, per_benchmark)
     return {"header": header, "benchmarks": per_benchmark}
@@ -382,8 +382,8 @@ async def _play_all(engine: Any, tok: Any, cfg: ExperimentConfig, settings: Any,
                     done: dict) -> dict[str, dict]:
     """Play each benchmark through the evaluation core; its metrics, with what produced them: ``k``,
     ``temperature``, ``seed`` and ``config`` (the benchmark's env, data, kind and their settings)."""
-    from .metrics import summarize_benchmark
-    from .runner import BenchmarkJob, run_benchmark_with_bar
+    from ..evaluate.metrics import summarize_benchmark
+    from ..evaluate.runner import BenchmarkJob, run_benchmark_with_bar
 
     per_benchmark: dict[str, dict] = {}
     for spec, kind, rows in benchmarks:
@@ -447,8 +447,8 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
 
         torch.set_num_threads(cfg.train.torch_threads)
     from ..config.specs import agent_loop_config
-    from .records import RESULTS_FILE
-    from .runner import EvalSettings
+    from ..evaluate.records import RESULTS_FILE
+    from ..evaluate.runner import EvalSettings
 
     try:
         settings = EvalSettings(k=args.k, temperature=args.temperature, max_samples=args.max_samples,
