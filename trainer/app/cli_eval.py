@@ -324,6 +324,7 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
 async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, settings: Any,
                benchmarks: list[tuple[Any, Any, list[dict]]], record: dict) -> dict:
     """Start the benchmarks' services and the engine, play every benchmark, write the report."""
+    from ..config.specs import task_spec
     from ..evaluate.benchmarks import BenchmarkServices, task_env_applies
     from ..evaluate.records import RESULTS_FILE, RecordWriter, latest_records, read_results
     from ..tasks.base import check_env_settings
@@ -331,7 +332,7 @@ async def _run(args: argparse.Namespace, cfg: ExperimentConfig, out: Path, setti
     done = latest_records(read_results(out / RESULTS_FILE)) if args.resume else {}
     specs = [spec for spec, _, _ in benchmarks]
     try:
-        services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, cfg=cfg,
+        services = BenchmarkServices(specs, data_dir=cfg.task.data_dir, task=task_spec(cfg),
                                      settings=task_option_settings(args))
     except (KeyError, ImportError, OSError, ValueError) as e:
         raise _fail("--benchmarks", args.benchmarks, f"{type(e).__name__}: {e}") from None

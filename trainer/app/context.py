@@ -27,7 +27,7 @@ import torch
 from environments.errors import InfrastructureError
 
 from ..config import ExperimentConfig
-from ..config.specs import agent_loop_config, learner_spec
+from ..config.specs import agent_loop_config, learner_spec, task_spec, warm_start_cache_spec
 from ..errors import ConfigError, TrainingError
 from ..learner import Learner, make_learner, restore_learner
 from ..learner.allocator import set_malloc_mmap_threshold
@@ -181,7 +181,7 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     if not cfg.warm_start.enabled:
         return model_dir, None
     w = cfg.warm_start
-    key = cache_key(cfg) if w.cache_dir else ""
+    key = cache_key(warm_start_cache_spec(cfg)) if w.cache_dir else ""
     if key:
         shutil.rmtree(ws_dir, ignore_errors=True)  # a half-written one from a crash
         if restore(w.cache_dir, key, ws_dir):  # the same warm-start, trained by an earlier run
@@ -256,7 +256,7 @@ def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:
     state = found[1] if found else None
     if resume and state is None:
         log.warning("--resume: no checkpoint in %s; starting from scratch", out / "checkpoints")
-    task = build_task(cfg)
+    task = build_task(task_spec(cfg))
     learner = None
     try:
         if cfg.warm_start.enabled:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, ExperimentConfig, plugin_settings
-from ..config.specs import engine_spec, learner_spec, preflight_engine
+from ..config.specs import engine_spec, learner_spec, preflight_engine, task_spec
 from ..engines import EngineHandle, make_engine
 from ..engines.base import SamplingParams
 from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
@@ -310,7 +310,7 @@ def _evaluate_path(cfg: ExperimentConfig, path: Path, out: Path, ws: Path) -> di
     if not (path / "config.json").exists():  # a training checkpoint directory
         model_dir = ws if (ws / "config.json").exists() else initial_model_dir(cfg, out)
         weights = checkpoint_policy_weights(cfg, path, model_dir)
-    task = build_task(cfg)
+    task = build_task(task_spec(cfg))
     tok = load_tokenizer(model_dir)
     from ..rollout.observation import check_chat_template
 

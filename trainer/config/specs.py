@@ -1,7 +1,8 @@
 """Typed specs built from the experiment config where a run is assembled: an engine's
 (:func:`engine_spec`), the agent loop's (:func:`agent_loop_config`), a learner backend's
-(:func:`learner_spec`, with :func:`learner_config` / :func:`optimizer_settings`) and a task's
-(:func:`task_spec`, defined in :mod:`trainer.config.task_spec`).
+(:func:`learner_spec`, with :func:`learner_config` / :func:`optimizer_settings`), a task's
+(:func:`task_spec`, defined in :mod:`trainer.config.task_spec`) and the warm-start cache's key
+(:func:`warm_start_cache_spec`).
 
 A component below the config layer (an engine, a learner backend) never reads the experiment
 config: its factory gets a typed spec holding what it needs, built here, once, from the config's
@@ -10,6 +11,7 @@ sections and the component's own registered settings (:func:`trainer.config.plug
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from ..learner.spec import LearnerSpec
 from ..plugins import absolute_plugins
 from ..rollout.agent_loop import AgentLoopConfig
 from . import plugin_settings
+from .sections import ModelConfig, RolloutConfig, TaskConfig, WarmStartConfig
 from .task_spec import TaskSpec, task_spec  # noqa: F401 - re-exported: a task's spec and builder
 
 if TYPE_CHECKING:  # typing only: the config package imports this module
@@ -70,6 +73,34 @@ def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:
                            max_observation_tokens=r.max_observation_tokens,
                            use_chat_template=r.use_chat_template, system_prompt=r.system_prompt,
                            observation_role=r.observation_role, stop=tuple(r.stop))
+
+
+@dataclass(frozen=True)
+class WarmStartCacheSpec:
+    """What a supervised warm-start result depends on: the settings hashed into its key in the
+    shared warm-start cache (:func:`trainer.warmstart.cache.cache_key`), read from the experiment
+    config by :func:`warm_start_cache_spec`.
+
+    Attributes:
+        model: the ``model`` section. task: the ``task`` section.
+        rollout: the ``rollout`` section (the cache leaves its RL-generation keys out of the key).
+        warm_start: the ``warm_start`` section (the cache leaves ``cache_dir`` out of the key).
+        seed: ``train.seed``. torch_threads: ``train.torch_threads``.
+    """
+
+    model: ModelConfig
+    task: TaskConfig
+    rollout: RolloutConfig
+    warm_start: WarmStartConfig
+    seed: int
+    torch_threads: int
+
+
+def warm_start_cache_spec(cfg: ExperimentConfig) -> WarmStartCacheSpec:
+    """The :class:`WarmStartCacheSpec` of ``cfg`` (its ``model``, ``task``, ``rollout`` and
+    ``warm_start`` sections, ``train.seed`` and ``train.torch_threads``)."""
+    return WarmStartCacheSpec(model=cfg.model, task=cfg.task, rollout=cfg.rollout, warm_start=cfg.warm_start,
+                              seed=cfg.train.seed, torch_threads=cfg.train.torch_threads)
 
 
 def optimizer_settings(cfg: ExperimentConfig) -> OptimizerSettings:

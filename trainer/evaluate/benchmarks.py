@@ -41,7 +41,7 @@ from .kinds import BENCHMARK_KINDS, BenchmarkKind, infer_kind, kind_names, make_
 if TYPE_CHECKING:
     import gymnasium
 
-    from ..config import ExperimentConfig
+    from ..config.specs import TaskSpec
     from ..rollout.groups import EpisodeFn
     from ..tasks.base import Task
 
@@ -334,9 +334,10 @@ class BenchmarkServices:
     Args:
         specs: the benchmarks to serve.
         data_dir: the tasks' ``task.data_dir``.
-        cfg: the experiment config the tasks are built from (default: the defaults); ``data_dir``
-            overrides its ``task.data_dir``, and its ``task.settings`` go to the task of its
-            ``task.env`` only (every other task gets its settings' defaults).
+        task: the run's task spec (:func:`trainer.config.specs.task_spec`) the tasks are built from
+            (default: a :class:`~trainer.config.specs.TaskSpec` of the ``task`` section's defaults);
+            ``data_dir`` overrides its ``task.data_dir``, and its ``task.settings`` go to the task
+            of its ``task.env`` only (every other task gets its settings' defaults).
         settings: per task name, ``task.settings`` keys set on top of those (``copc eval``'s task
             options, :attr:`~trainer.tasks.base.Task.eval_options`; e.g. ``{"search":
             {"retriever_url": url}}``: a running server, none started).
@@ -351,13 +352,13 @@ class BenchmarkServices:
     """
 
     def __init__(self, specs: list[BenchmarkSpec] | tuple[BenchmarkSpec, ...], data_dir: str = "",
-                 cfg: ExperimentConfig | None = None,
+                 task: TaskSpec | None = None,
                  settings: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        from ..config import ExperimentConfig
+        from ..config.specs import TaskSpec
 
-        base = cfg if cfg is not None else ExperimentConfig()
-        self._cfg = dataclasses.replace(base, task=dataclasses.replace(base.task, data_dir=data_dir,
-                                                                       env_kwargs={}))
+        base = task if task is not None else TaskSpec()
+        self._task = dataclasses.replace(base, task=dataclasses.replace(base.task, data_dir=data_dir,
+                                                                        env_kwargs={}))
         self._settings = {name: dict(values) for name, values in (settings or {}).items()}
         self.specs = list(specs)
         self.info: dict[str, Any] = {}
@@ -392,8 +393,8 @@ class BenchmarkServices:
 
         try:
             for name in sorted({s for s in self._services.values() if s is not None}):
-                task = task_class(name)(dataclasses.replace(self._cfg, task=dataclasses.replace(
-                    self._cfg.task, env=name, settings=self._task_settings(name))), name)
+                task = task_class(name)(dataclasses.replace(self._task, task=dataclasses.replace(
+                    self._task.task, env=name, settings=self._task_settings(name))), name)
                 self._tasks[name] = task
                 task.start_services()
                 self.info.update(task.info)
@@ -403,9 +404,9 @@ class BenchmarkServices:
         return self
 
     def _task_settings(self, name: str) -> dict[str, Any]:
-        """``task.settings`` of task ``name``: the config's when its ``task.env`` is that task, then
-        the ``settings`` given for it."""
-        t = self._cfg.task
+        """``task.settings`` of task ``name``: the task spec's when its ``task.env`` is that task,
+        then the ``settings`` given for it."""
+        t = self._task.task
         own = dict(t.settings) if t.env.rpartition(":")[2] == name else {}
         return {**own, **self._settings.get(name, {})}
 

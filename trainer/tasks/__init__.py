@@ -1,7 +1,9 @@
 """Tasks as plug-ins: what ``copc train`` needs from an environment besides the model.
 
-:func:`build_task` turns ``cfg.task`` into a started :class:`Task` (data splits, services,
-environment factory, optional warm-start traces). The task class is chosen by environment id:
+:func:`build_task` turns a :class:`~trainer.config.specs.TaskSpec` (the ``task`` section with
+``train.seed`` and ``eval.num_samples``, built by :func:`trainer.config.specs.task_spec`) into a
+started :class:`Task` (data splits, services, environment factory, optional warm-start traces).
+The task class is chosen by environment id:
 
 * ``math_tool`` → :class:`~trainer.tasks.math_tool.MathToolTask` (sandbox pool; datasets or
   generated arithmetic; ``retool_arithmetic`` warm start), one folder ``trainer/tasks/math_tool/``
@@ -38,17 +40,19 @@ from .search import SearchTask
 from .search.settings import SearchSettings
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..config.specs import TaskSpec
 
-def build_task(cfg: ExperimentConfig) -> Task:
-    """Construct and start the task of ``cfg`` (its services running; close it when done).
+
+def build_task(spec: TaskSpec) -> Task:
+    """Construct and start the task of ``spec`` (its services running; close it when done).
 
     Steps: resolve ``task.env`` (importing its module if it names one), construct the task
     class of that id, :meth:`Task.start` it, then build one environment to check
     ``task.env_kwargs`` (:func:`check_env_settings`). On any failure the task is closed.
 
     Args:
-        cfg: the experiment config.
+        spec: the task's spec (:func:`trainer.config.specs.task_spec` of the experiment config; a
+            Ray rollout worker's: :meth:`Task.worker_spec` of the driver's task).
 
     Returns:
         The started :class:`Task`.
@@ -57,7 +61,7 @@ def build_task(cfg: ExperimentConfig) -> Task:
         ConfigError: unknown or unimportable environment, bad data, or settings the environment
             rejects (the message names the key).
     """
-    ref = cfg.task.env
+    ref = spec.task.env
     try:
         env_id = environments.resolve(ref)
     except RegistryError:  # not registered (after importing its module)
@@ -67,15 +71,15 @@ def build_task(cfg: ExperimentConfig) -> Task:
     except (ImportError, OSError, ValueError) as e:
         raise ConfigError(f"task.env={ref!r}: cannot load the environment's module: "
                           f"{type(e).__name__}: {e}") from e
-    task = task_class(env_id)(cfg, env_id)
+    task = task_class(env_id)(spec, env_id)
     try:
         try:
             task.start()
         except FileNotFoundError as e:  # a data file of train_data / eval_data / the corpus
             from environments.data import data_root
 
-            raise ConfigError(f"task.data_dir={cfg.task.data_dir!r}: {e} (data directory: "
-                              f"{data_root(cfg.task.data_dir)}; set task.data_dir or $COPC_DATA_DIR, "
+            raise ConfigError(f"task.data_dir={spec.task.data_dir!r}: {e} (data directory: "
+                              f"{data_root(spec.task.data_dir)}; set task.data_dir or $COPC_DATA_DIR, "
                               "default: the repository's data/)") from e
         check_env_settings(task.make_env, env_id, task.env_kwargs)
     except BaseException:

@@ -11,12 +11,17 @@ A task's own knobs live in its settings dataclass (``settings_class``, filled fr
 ``task.settings``: :mod:`trainer.tasks.settings`), never in the central config schema.
 
 Services reach other processes through two hooks, so that a task with a service edits no central
-file: :meth:`Task.worker_config` (the config a Ray rollout worker builds its own copy of the task
+file: :meth:`Task.worker_spec` (the spec a Ray rollout worker builds its own copy of the task
 from: paths made absolute, the URLs of services this task started in :meth:`Task.worker_settings`)
 and :attr:`Task.eval_options` (``copc eval`` flags setting the task's settings for the services its
 benchmarks need, e.g. the search task's ``--retriever-url``).
 
-Lifecycle: ``task = SomeTask(cfg, env_id)`` (cheap, starts nothing; parses ``task.settings``),
+A task never sees the experiment config: it is constructed from a
+:class:`~trainer.config.specs.TaskSpec` (the ``task`` section, ``train.seed`` and
+``eval.num_samples``), built once where the run is assembled by
+:func:`trainer.config.specs.task_spec`.
+
+Lifecycle: ``task = SomeTask(spec, env_id)`` (cheap, starts nothing; parses ``task.settings``),
 ``task.start()`` (loads the data, then :meth:`Task.start_services`: starts the services, each
 registering its stop function with :meth:`Task.add_closer`), then ``task.close()`` (stops them in
 reverse order; idempotent, also after a failed ``start``). ``copc eval`` calls
@@ -45,7 +50,8 @@ from .settings import parse_settings
 if TYPE_CHECKING:
     import gymnasium
 
-    from ..config import ExperimentConfig, WarmStartConfig
+    from ..config import WarmStartConfig
+    from ..config.specs import TaskSpec
     from ..rollout.groups import EpisodeFn
     from ..warmstart.traces import Trace
 
@@ -110,13 +116,22 @@ class Task:
     dataclass of the task's own knobs, read from ``task.settings`` into :attr:`settings`).
     Register a subclass for an env id with :func:`trainer.tasks.register_task`.
 
+    A subclass that overrides ``__init__`` keeps this signature, ``__init__(self, spec, env_id=None)``,
+    and calls ``super().__init__(spec, env_id)``: the task gets a
+    :class:`~trainer.config.specs.TaskSpec`, never the experiment config. A class written for the
+    former ``__init__(self, cfg, env_id)`` gets the spec as ``cfg``: ``cfg.task`` still reads the
+    task section, but another section (``cfg.train.seed``: ``spec.seed`` now) or ``self.cfg``
+    raises ``AttributeError``.
+
     Args:
-        cfg: the experiment config (``cfg.task`` above all).
-        env_id: the registered environment id (``cfg.task.env`` with any ``module:`` prefix
-            removed); default ``cfg.task.env``.
+        spec: the task's spec (:func:`trainer.config.specs.task_spec`): ``spec.task`` the ``task``
+            config section, ``spec.seed`` ``train.seed``, ``spec.eval_num_samples``
+            ``eval.num_samples``.
+        env_id: the registered environment id (``spec.task.env`` with any ``module:`` prefix
+            removed); default ``spec.task.env``.
 
     Attributes:
-        cfg: the experiment config.
+        spec: the task's :class:`~trainer.config.specs.TaskSpec`.
         env_id: registered environment id that :meth:`make_env` builds.
         env_kwargs: keyword overrides passed to ``environments.make`` (``task.env_kwargs``).
         train_samples: training rows (``list[dict]``), disjoint from ``eval_samples``.
@@ -144,15 +159,15 @@ class Task:
     #: the ``search`` task: ``--retriever-url``). Read when the ``copc eval`` parser is built.
     eval_options: ClassVar[tuple[EvalOption, ...]] = ()
 
-    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
-        self.cfg = cfg
-        self.env_id = env_id or cfg.task.env
-        self.env_kwargs: dict[str, Any] = dict(cfg.task.env_kwargs)
+    def __init__(self, spec: TaskSpec, env_id: str | None = None) -> None:
+        self.spec = spec
+        self.env_id = env_id or spec.task.env
+        self.env_kwargs: dict[str, Any] = dict(spec.task.env_kwargs)
         self.train_samples: list[dict] = []
         self.eval_samples: list[dict] = []
         self.info: dict[str, Any] = {}
         self._closers: list[Callable[[], None]] = []
-        self.settings: Any = self.parse_settings(cfg.task.settings, self.env_id)
+        self.settings: Any = self.parse_settings(spec.task.settings, self.env_id)
 
     @classmethod
     def parse_settings(cls, values: Mapping[str, Any] | None, env_id: str) -> Any:
@@ -184,31 +199,28 @@ class Task:
             Whatever a service raises when it cannot start (the subclass documents it).
         """
 
-    def worker_config(self, cfg: ExperimentConfig | None = None) -> ExperimentConfig:
-        """The config from which a process elsewhere (a Ray rollout worker, maybe in another working
+    def worker_spec(self) -> TaskSpec:
+        """The spec from which a process elsewhere (a Ray rollout worker, maybe in another working
         directory) builds its own copy of this started task with :func:`trainer.tasks.build_task`:
-        ``cfg``'s ``task`` section with its paths absolute (:func:`trainer.tasks.absolute_task_paths`:
+        :attr:`spec` with its paths absolute (:func:`trainer.tasks.absolute_task_paths`:
         ``task.data_dir``, a ``.py`` file in ``task.env``) and ``task.settings`` replaced by
         :meth:`worker_settings` (the services this task started, reused by the workers).
 
-        Args:
-            cfg: the config to adapt (default: the task's own, :attr:`cfg`).
-
         Returns:
-            A new config (``cfg`` is not modified).
+            A new :class:`~trainer.config.specs.TaskSpec` (:attr:`spec` is not modified).
         """
-        cfg = absolute_task_paths(self.cfg if cfg is None else cfg)
-        return dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, settings=self.worker_settings()))
+        spec = absolute_task_paths(self.spec)
+        return dataclasses.replace(spec, task=dataclasses.replace(spec.task, settings=self.worker_settings()))
 
     def worker_settings(self) -> dict[str, Any]:
-        """``task.settings`` for a worker's copy of this task (:meth:`worker_config`): what it
+        """``task.settings`` for a worker's copy of this task (:meth:`worker_spec`): what it
         needs to use this task's started services instead of starting its own, and its paths
         absolute. Override it in a task with services.
 
         Returns:
             A new mapping; the base class: ``task.settings`` unchanged.
         """
-        return dict(self.cfg.task.settings)
+        return dict(self.spec.task.settings)
 
     def add_closer(self, fn: Callable[[], None]) -> None:
         """Register ``fn`` (no arguments) to be called by :meth:`close`, last registered first."""
@@ -292,7 +304,7 @@ class Task:
             ConfigError: ``ws.enabled`` and ``ws.kind`` not in :attr:`warm_start_kinds`, or the
                 environment's ``tool_format`` is not one the traces are written in.
         """
-        fmt = (self.cfg.task.env_kwargs or {}).get("tool_format", "tags")
+        fmt = (self.spec.task.env_kwargs or {}).get("tool_format", "tags")
         if ws.enabled and ws.kind in self.warm_start_kinds and fmt not in self.warm_start_tool_formats:
             raise ConfigError(f"task.env_kwargs.tool_format={fmt!r}: the {ws.kind!r} warm-start traces are "
                               f"written in {list(self.warm_start_tool_formats)} format; set "
@@ -347,34 +359,36 @@ class Task:
     # -- helpers for subclasses ---------------------------------------------------------------
     def cap_train(self, rows: Sequence[dict]) -> list[dict]:
         """``rows`` cut to ``task.max_train_samples`` (0: all)."""
-        n = self.cfg.task.max_train_samples
+        n = self.spec.task.max_train_samples
         return list(rows[:n] if n else rows)
 
     def cap_eval(self, rows: Sequence[dict]) -> list[dict]:
-        """``rows`` cut to ``task.max_eval_samples``, else ``eval.num_samples`` (0: all)."""
-        n = self.cfg.task.max_eval_samples or self.cfg.eval.num_samples
+        """``rows`` cut to ``task.max_eval_samples``, else ``eval.num_samples``
+        (:attr:`TaskSpec.eval_num_samples <trainer.config.specs.TaskSpec.eval_num_samples>`; 0: all)."""
+        n = self.spec.task.max_eval_samples or self.spec.eval_num_samples
         return list(rows[:n] if n else rows)
 
 
-def absolute_task_paths(cfg: ExperimentConfig) -> ExperimentConfig:
-    """``cfg`` with the paths of its ``task`` section made absolute against the current working
+def absolute_task_paths(spec: TaskSpec) -> TaskSpec:
+    """``spec`` with the paths of its ``task`` section made absolute against the current working
     directory, for processes that may run elsewhere (e.g. Ray rollout workers building their own
     task): ``task.data_dir`` (resolved as :func:`environments.data.data_root` does, so
     ``COPC_DATA_DIR`` / the fallback are pinned too) and a ``.py`` file in ``task.env``. Paths in
     a task's own settings are the task's to pin (:meth:`Task.worker_settings`).
 
     Args:
-        cfg: the experiment config (not modified).
+        spec: a task's :class:`~trainer.config.specs.TaskSpec` (not modified).
 
     Returns:
-        A copy of ``cfg`` with the ``task`` section's paths absolute.
+        A copy of ``spec`` with the ``task`` section's paths absolute.
     """
-    t = cfg.task
+    t = spec.task
     env = t.env
     module, sep, env_id = env.rpartition(":")
     if sep and module.endswith(".py"):
         env = f"{Path(module).expanduser().resolve()}:{env_id}"
-    return dataclasses.replace(cfg, task=dataclasses.replace(t, env=env, data_dir=str(data_root(t.data_dir))))
+    pinned = dataclasses.replace(t, env=env, data_dir=str(data_root(t.data_dir)))
+    return dataclasses.replace(spec, task=pinned)
 
 
 _UNEXPECTED_KW = re.compile(r"unexpected keyword argument '([^']+)'")

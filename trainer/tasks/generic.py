@@ -87,7 +87,7 @@ class GenericTask(Task):
             ConfigError: ``task.train_data`` is empty, or a file is missing / empty / malformed
                 (the message names the key and, for a bad line, the file and line number).
         """
-        t = self.cfg.task
+        t = self.spec.task
         if not t.train_data:
             raise ConfigError(
                 f"task.train_data=[]: env {self.env_id!r} has no built-in data; list JSONL files of rows "

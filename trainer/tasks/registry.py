@@ -33,7 +33,8 @@ def register_task(env_name: str, task_cls: type[Task], *, overwrite: bool = Fals
     Args:
         env_name: a registered environment id (it may be registered later, before
             :func:`build_task`).
-        task_cls: a :class:`Task` subclass, constructed as ``task_cls(cfg, env_id)``.
+        task_cls: a :class:`Task` subclass, constructed as ``task_cls(spec, env_id)``
+            (``spec``: a :class:`~trainer.config.specs.TaskSpec`, see :class:`Task`).
         overwrite: replace a class already registered for ``env_name`` (registering the same
             class again is always allowed: a module imported twice).
         settings: the task's settings dataclass (``task.settings``); None: the class's own

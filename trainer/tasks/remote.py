@@ -29,7 +29,8 @@ from .generic import GenericTask
 if TYPE_CHECKING:
     import gymnasium
 
-    from ..config import ExperimentConfig, WarmStartConfig
+    from ..config import WarmStartConfig
+    from ..config.specs import TaskSpec
     from ..warmstart.traces import Trace
 
 
@@ -44,8 +45,8 @@ class RemoteTask(Task):
         delegate: the task of ``served_env`` that supplied the data (``None`` until :meth:`start`).
     """
 
-    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
-        super().__init__(cfg, env_id)
+    def __init__(self, spec: TaskSpec, env_id: str | None = None) -> None:
+        super().__init__(spec, env_id)
         self.served_env = ""
         self.delegate: Task | None = None
         self._server_info: Any = None  # ServerInfo of the server, once started
@@ -86,7 +87,7 @@ class RemoteTask(Task):
         delegate_cls = task_class(served) if known else GenericTask
         if issubclass(delegate_cls, RemoteTask):  # a server serving a remote env: data as JSONL rows
             delegate_cls = GenericTask
-        delegate = delegate_cls(self.cfg, served or self.env_id)
+        delegate = delegate_cls(self.spec, served or self.env_id)
         delegate.start_services = _no_services  # its data only: the episodes run on the server
         try:
             delegate.start()

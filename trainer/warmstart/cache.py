@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..config.specs import WarmStartCacheSpec
 
 #: Bump when the warm-start procedure changes in a way old entries must not be reused for.
 CACHE_FORMAT = 2
@@ -30,11 +30,12 @@ _ROLLOUT_NOT_SFT = frozenset({"engine", "temperature", "top_p", "top_k", "n_samp
                               "concurrency", "engine_max_batch_size", "engine_settings"})
 
 
-def cache_key(cfg: ExperimentConfig) -> str:
+def cache_key(spec: WarmStartCacheSpec) -> str:
     """Hash of the settings a warm-start result depends on.
 
     Args:
-        cfg: an :class:`~trainer.config.ExperimentConfig`.
+        spec: those settings, read from the experiment config by
+            :func:`trainer.config.specs.warm_start_cache_spec`.
 
     Returns:
         A 20-hex-digit key: SHA-256 of the canonical JSON of ``model``, ``task``, ``rollout``
@@ -43,12 +44,12 @@ def cache_key(cfg: ExperimentConfig) -> str:
         RL settings (preset, algorithm, staleness, learning rates of RL,
         evaluation) are not part of it.
     """
-    ws = dataclasses.asdict(cfg.warm_start)
+    ws = dataclasses.asdict(spec.warm_start)
     ws.pop("cache_dir", None)
-    rollout = {k: v for k, v in dataclasses.asdict(cfg.rollout).items() if k not in _ROLLOUT_NOT_SFT}
-    parts = {"format": CACHE_FORMAT, "model": dataclasses.asdict(cfg.model),
-             "task": dataclasses.asdict(cfg.task), "rollout": rollout,
-             "warm_start": ws, "seed": cfg.train.seed, "torch_threads": cfg.train.torch_threads}
+    rollout = {k: v for k, v in dataclasses.asdict(spec.rollout).items() if k not in _ROLLOUT_NOT_SFT}
+    parts = {"format": CACHE_FORMAT, "model": dataclasses.asdict(spec.model),
+             "task": dataclasses.asdict(spec.task), "rollout": rollout,
+             "warm_start": ws, "seed": spec.seed, "torch_threads": spec.torch_threads}
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
 

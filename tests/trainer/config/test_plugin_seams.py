@@ -21,7 +21,7 @@ import copc
 import environments
 from seams.registry import Registry, RegistryError
 from trainer.config import ConfigError, load_config, plugin_metadata, plugin_settings
-from trainer.config.specs import learner_spec
+from trainer.config.specs import learner_spec, task_spec
 
 
 def plugin(tmp_path: Path, name: str, code: str) -> Path:
@@ -277,14 +277,14 @@ def test_an_environment_and_a_task_from_a_plugin_file(tmp_path, cleanup):
             f"task.eval_data=[{held}]"]
     cfg = load_config(None, [*base, "task.settings={repeat: 2}", "task.env_kwargs={greeting: hey}"])
     assert plugin_settings(cfg, "task.env").repeat == 2
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         assert type(task.settings).__name__ == "WordSettings" and task.settings.repeat == 2
         assert [r["word"] for r in task.train_samples] == ["hi", "yo", "ok"] * 2
         assert task.make_env().reset(options={"sample": {"word": "yo"}})[0] == "hey yo"
     with pytest.raises(ConfigError, match=r"^task\.settings\.repeat=0: must be >= 1$"):
         load_config(None, [*base, "task.settings={repeat: 0}"])
     with pytest.raises(ConfigError, match=r"^task\.env_kwargs\.shout: not a setting of env 'echo_words'"):
-        build_task(load_config(None, [*base, "task.env_kwargs={shout: true}"]))
+        build_task(task_spec(load_config(None, [*base, "task.env_kwargs={shout: true}"])))
 
 
 def test_a_benchmark_kind_from_a_plugin_file_gets_its_settings(tmp_path, cleanup):

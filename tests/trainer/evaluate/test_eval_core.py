@@ -11,6 +11,7 @@ import pytest
 
 from trainer.cli import main as cli_main
 from trainer.config import load_config
+from trainer.config.specs import task_spec
 from trainer.evaluate.kinds import BENCHMARK_KINDS
 from trainer.evaluate.records import read_records, read_results
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
@@ -120,7 +121,7 @@ def test_train_evaluation_and_copc_eval_write_identical_records(tmp_path):
             "train.micro_batch_size": "4", "eval.enabled": "true", "eval.num_samples": "3", "eval.k": "2",
             "eval.temperature": "1.0", "warm_start.enabled": "false", "logging.plots": "false"}
     cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
-    task = build_task(cfg)
+    task = build_task(task_spec(cfg))
     try:
         held = _jsonl(tmp_path / "held_out.jsonl", task.eval_samples)  # the file stem names the benchmark
     finally:

@@ -244,6 +244,7 @@ def test_the_episode_is_the_tasks_named_seam(tmp_path):
     import gymnasium
 
     from trainer.config import load_config
+    from trainer.config.specs import task_spec
     from trainer.rollout.agent_loop import run_episode
     from trainer.tasks import Task, task_class
     from trainer.tasks.harness import HarnessTask
@@ -252,8 +253,9 @@ def test_the_episode_is_the_tasks_named_seam(tmp_path):
     rows.write_text(json.dumps(ROW) + "\n")
     cfg = load_config(None, ["task.env=harness", f"task.train_data=[{rows}]",
                              f"task.env_kwargs.agent={AGENT}"])
-    assert task_class("harness") is HarnessTask and HarnessTask(cfg, "harness").episode() is harness_episode
-    assert Task(cfg, "math_tool").episode() is run_episode
+    spec = task_spec(cfg)
+    assert task_class("harness") is HarnessTask and HarnessTask(spec, "harness").episode() is harness_episode
+    assert Task(spec, "math_tool").episode() is run_episode
     assert EnvPool(lambda: None, 1).episode is run_episode
     env = HarnessEnv(agent=AGENT)
     try:

@@ -33,7 +33,7 @@ from environments.search.env import (
 )
 from trainer.app.context import initial_model_dir
 from trainer.config import ConfigError, ExperimentConfig, load_config
-from trainer.config.specs import agent_loop_config
+from trainer.config.specs import agent_loop_config, task_spec
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
 from trainer.errors import TrainingError
@@ -75,7 +75,7 @@ def search_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("search_bpe")
     cfg = load_config(CONFIG, [f"task.data_dir={QA_DIR}", "task.settings.retriever_url=http://127.0.0.1:9",
                                f"output_dir={out}"])
-    with build_task(cfg) as task:  # a given retriever URL: no server is started
+    with build_task(task_spec(cfg)) as task:  # a given retriever URL: no server is started
         texts = list(task.tokenizer_texts())
         model_dir = initial_model_dir(cfg, out, task)
         trained = train_bpe_tokenizer(texts, cfg.model.tiny.vocab_size, task.tokenizer_tags)

@@ -17,6 +17,7 @@ from environments.search.env import ANSWER_PATTERN, SearchTool
 from environments.search.reward import normalize_answer
 from retriever.corpus import iter_corpus
 from trainer.config import load_config
+from trainer.config.specs import task_spec
 from trainer.tasks import build_task
 from trainer.tasks.search.drills import (
     VISIBLE_WORDS,
@@ -168,7 +169,7 @@ def test_reading_drills_stop_at_n_and_never_use_dataset_questions(retriever_url,
 
 def test_search_task_mixes_query_and_reading_drills(retriever_url):  # noqa: F811
     cfg = load_config(CPU_TINY, [f"task.settings.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         drills = task.drill_traces(40, seed=0, reading_fraction=0.25)
     assert len(drills) == 40
     shapes = [len(d.pieces) for d in drills]

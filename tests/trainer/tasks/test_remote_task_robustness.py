@@ -26,6 +26,7 @@ import pytest
 from environments.errors import InfrastructureError
 from environments.remote.launch import start_env_server
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import task_spec
 from trainer.orchestration.loop import TrainingError
 from trainer.tasks import build_task
 
@@ -47,7 +48,7 @@ def test_envs_build_without_the_server_and_a_dead_server_fails_the_reset(tmp_pat
     try:
         cfg = load_config(None, ["task.env=remote", f"task.env_kwargs={{url: '{server.url}', retries: 0}}",
                                  "task.max_train_samples=4", "task.max_eval_samples=2"])
-        task = build_task(cfg)
+        task = build_task(task_spec(cfg))
         env = task.make_env()
         assert env.reset(options={"sample": SAMPLE})[0].startswith("Solve the following problem")
         env.close()
@@ -74,7 +75,7 @@ def test_the_readme_train_command_loads_and_starts():
     try:
         overrides = [o.replace("http://127.0.0.1:8100", server.url) for o in argv[4:]]
         assert any(server.url in o for o in overrides)
-        task = build_task(load_config(REPO / argv[3], overrides))
+        task = build_task(task_spec(load_config(REPO / argv[3], overrides)))
         try:
             assert (task.served_env, type(task.delegate).__name__) == ("math_tool", "MathToolTask")
             assert task.info["remote_url"] == server.url and len(task.train_samples) > 0
@@ -83,7 +84,7 @@ def test_the_readme_train_command_loads_and_starts():
         # a config holding the served env's own settings in task.env_kwargs is refused, with a hint
         with pytest.raises(ConfigError, match=r"task.env_kwargs.prompt_template: not a setting of env "
                                               r"'remote'.*go on the server's command line: 'copc env serve"):
-            build_task(load_config(REPO / "configs/math_tool/cpu_tiny.yaml", overrides))
+            build_task(task_spec(load_config(REPO / "configs/math_tool/cpu_tiny.yaml", overrides)))
     finally:
         server.stop()
 
@@ -93,7 +94,7 @@ def test_warm_start_traces_on_a_server_in_another_tool_format_is_a_config_error(
     try:
         cfg = load_config(None, ["task.env=remote", f"task.env_kwargs={{url: '{server.url}'}}",
                                  "task.max_train_samples=4", "task.max_eval_samples=2"])
-        task = build_task(cfg)
+        task = build_task(task_spec(cfg))
         try:
             assert task.info["remote_stop_strings"] == ["</tool_call>"]
             ws = dataclasses.replace(cfg.warm_start, enabled=True, kind="retool_arithmetic", num_examples=2)

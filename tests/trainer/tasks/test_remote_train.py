@@ -15,6 +15,7 @@ import pytest
 
 from environments.remote.launch import start_env_server
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import task_spec
 from trainer.tasks import build_task
 
 REPO = Path(__file__).parent.resolve().parents[2]
@@ -70,7 +71,7 @@ def test_copc_train_on_a_served_math_tool_env(tmp_path, math_server):
 
 def test_remote_task_config_errors_name_the_key(math_server):
     def task(kwargs: str):
-        return build_task(load_config(None, ["task.env=remote", f"task.env_kwargs={kwargs}"]))
+        return build_task(task_spec(load_config(None, ["task.env=remote", f"task.env_kwargs={kwargs}"])))
 
     with pytest.raises(ConfigError, match=r"task.env_kwargs.url: required for task.env=remote"):
         task("{}")

@@ -28,6 +28,7 @@ from environments.search.env import (
 from environments.search.reward import exact_match, f1_score, substring_match
 from retriever.client import ClientConfig, RetrieverClient
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import task_spec
 from trainer.tasks import build_task
 from trainer.tasks.search.drills import query_drills
 from trainer.tasks.search.traces import (
@@ -154,7 +155,7 @@ def test_config_errors_name_the_key(override, key):
     from trainer.tasks import SearchTask
 
     with pytest.raises(ConfigError) as ei:
-        SearchTask(load_config(CPU_TINY, [override]))
+        SearchTask(task_spec(load_config(CPU_TINY, [override])))
     assert key in str(ei.value)
 
 
@@ -184,7 +185,7 @@ def test_old_retriever_keys_in_yaml_are_refused_and_the_new_ones_reach_the_task(
                              f"write task: {{settings: {{{name}: ...}}}})")
     new = tmp_path / "new.yaml"
     new.write_text(f"defaults: [{CPU_TINY}]\ntask:\n  settings:\n    {name}: x\n")
-    assert getattr(SearchTask(load_config(new)).settings, name) == "x"
+    assert getattr(SearchTask(task_spec(load_config(new))).settings, name) == "x"
     with pytest.raises(ConfigError, match=rf"^task\.settings\.{name}='x': unknown setting of MathTool"):
         load_config(None, [f"task.settings.{name}=x"])  # the default task (math_tool) has no retriever
 
@@ -193,7 +194,7 @@ def test_cpu_tiny_config_values():
     from trainer.tasks import SearchTask
 
     cfg = load_config(CPU_TINY)
-    settings = SearchTask(cfg).settings
+    settings = SearchTask(task_spec(cfg)).settings
     assert settings.held_out_every == 3 and settings.second_search_fraction == 0.5
     assert (settings.drill_steps, settings.drill_batch_size, settings.tool_use_fraction) == (1500, 32, 1.0)
     assert cfg.warm_start.kind == "search_r1" and cfg.eval.num_samples == 334
@@ -205,14 +206,14 @@ def test_cpu_tiny_config_values():
 def task(retriever_url):  # noqa: F811
     """The cpu_tiny search task, connected to the test's retriever (it starts none itself)."""
     cfg = load_config(CPU_TINY, [f"task.settings.retriever_url={retriever_url}", f"task.data_dir={QA_DIR}"])
-    with build_task(cfg) as t:
+    with build_task(task_spec(cfg)) as t:
         assert t._closers == [] and t.retriever_url == retriever_url
         yield t
 
 
 @pytest.fixture(scope="module")
 def task_traces(task):
-    ws = dataclasses.replace(task.cfg.warm_start, num_examples=N_TASK_TRACES)
+    ws = dataclasses.replace(load_config(CPU_TINY).warm_start, num_examples=N_TASK_TRACES)
     return task.warm_start_traces(ws, progress=False)
 
 
@@ -235,7 +236,7 @@ def test_held_out_split_every_third_row_interleaved(task):
     assert not {r["id"] for r in train} & {r["id"] for r in evals}
     held_q = {_key(r["question"]) for r in evals}
     assert not {_key(r["question"]) for r in train} & held_q
-    sets = {n: load_qa(n, str(QA_DIR)) for n in task.cfg.task.train_data}
+    sets = {n: load_qa(n, str(QA_DIR)) for n in task.spec.task.train_data}
     others = [f"{n}:{r['id']}" for n, rows in sets.items()
               for i, r in enumerate(rows) if (i % 3 or n not in ("nq", "hotpotqa"))
               and _key(r["question"]) not in held_q]
@@ -256,7 +257,7 @@ def test_held_out_rule_on_hand_made_sets(tmp_path):
                                  f"task.data_dir={tmp_path}",
                                  "task.train_data=[a.jsonl, b.jsonl]", "task.eval_data=[a.jsonl, b.jsonl]",
                                  "eval.num_samples=100"])
-    with build_task(cfg) as t:
+    with build_task(task_spec(cfg)) as t:
         assert [r["id"] for r in t.eval_samples] == ["a.jsonl:a0", "b.jsonl:b0", "a.jsonl:a3", "a.jsonl:a6"]
         assert [r["id"] for r in t.train_samples] == ["a.jsonl:a1", "a.jsonl:a2", "a.jsonl:a5", "b.jsonl:b1"]
 
@@ -470,8 +471,8 @@ def test_base_task_has_no_drills():
     cfg = load_config(CPU_TINY)
     cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, settings={}))  # no search settings
     with pytest.raises(ConfigError, match=r"no copy drills \(task\.settings\.drill_steps"):
-        Task(cfg).drill_traces(3, 0)
-    assert Task(cfg).drill_plan() is None
+        Task(task_spec(cfg)).drill_traces(3, 0)
+    assert Task(task_spec(cfg)).drill_plan() is None
 
 
 def test_keep_misses_false_drops_title_answers_only(task):

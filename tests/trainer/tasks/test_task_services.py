@@ -1,5 +1,5 @@
 """A task with a service, added from one plug-in file and nothing else: its settings carry the
-service's knobs, :meth:`Task.start_services` starts it, :meth:`Task.worker_config` hands the Ray
+service's knobs, :meth:`Task.start_services` starts it, :meth:`Task.worker_spec` hands the Ray
 rollout workers the started service instead of a second one, and :attr:`Task.eval_options` gives
 ``copc eval`` a flag to use a running one. The plug-in is written to ``tmp_path``; its service is a
 real HTTP server on 127.0.0.1 whose answers reach the environments' prompts.
@@ -76,8 +76,8 @@ PLUGIN = """
         eval_options = (EvalOption("--shouter-url", "service_url", "lookup benchmarks: a running shouter",
                                    service_url=True),)
 
-        def __init__(self, cfg, env_id=None):
-            super().__init__(cfg, env_id)
+        def __init__(self, spec, env_id=None):
+            super().__init__(spec, env_id)
             self.url = self.settings.service_url
 
         def start(self):

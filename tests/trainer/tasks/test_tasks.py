@@ -17,6 +17,7 @@ import environments
 from environments import ToolEnv
 from environments.data import DATA_DIR_ENV, FALLBACK_DATA_DIR, data_root, resolve_data_path
 from trainer.config import ConfigError, load_config
+from trainer.config.specs import task_spec
 from trainer.tasks import (
     GenericTask,
     MathToolTask,
@@ -102,21 +103,39 @@ def test_absolute_task_paths_pins_paths_for_other_processes(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(DATA_DIR_ENV, "from_env")
     cfg = cfg_of("task.env=envs/calc_env.py:calc", data_dir="''")
-    pinned = absolute_task_paths(cfg)
+    pinned = absolute_task_paths(task_spec(cfg))
     assert pinned.task.env == f"{tmp_path}/envs/calc_env.py:calc"
     assert pinned.task.data_dir == str(tmp_path / "from_env")
-    # the search task's own paths are pinned by its worker hook (Task.worker_config)
+    # the search task's own paths are pinned by its worker hook (Task.worker_spec)
     search = cfg_of("task.env=search", "task.settings.retriever_corpus=c.jsonl",
                     "task.settings.retriever_index_dir=idx", data_dir="''")
-    worker = SearchTask(search).worker_config()
+    worker = SearchTask(task_spec(search)).worker_spec()
     assert worker.task.settings["retriever_corpus"] == str(tmp_path / "c.jsonl")
     assert worker.task.settings["retriever_index_dir"] == str(tmp_path / "idx")
     assert worker.task.data_dir == str(tmp_path / "from_env")
     assert cfg.task.data_dir == "" and cfg.task.env == "envs/calc_env.py:calc"  # the original is untouched
     assert search.task.settings["retriever_corpus"] == "c.jsonl"
-    assert absolute_task_paths(cfg_of("task.env=my_pkg.envs:calc")).task.env == "my_pkg.envs:calc"
-    no_corpus = SearchTask(cfg_of("task.env=search", "task.settings.retriever_corpus=''")).worker_config()
+    assert absolute_task_paths(task_spec(cfg_of("task.env=my_pkg.envs:calc"))).task.env == "my_pkg.envs:calc"
+    plain = cfg_of("task.env=search", "task.settings.retriever_corpus=''")
+    no_corpus = SearchTask(task_spec(plain)).worker_spec()
     assert no_corpus.task.settings["retriever_corpus"] == ""
+
+
+def test_task_spec_holds_what_a_task_reads_and_the_worker_spec_keeps_it(tmp_path, monkeypatch):
+    """The spec a task gets instead of the config: the task section, train.seed, eval.num_samples;
+    the workers' copy differs only in the task section (absolute paths, worker settings)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = cfg_of("train.seed=7", "eval.num_samples=9", "task.max_train_samples=3", data_dir="d")
+    spec = task_spec(cfg)
+    assert (spec.task, spec.seed, spec.eval_num_samples) == (cfg.task, 7, 9)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 1  # type: ignore[misc]
+    task = Task(spec, "math_tool")
+    assert task.spec is spec and task.cap_train(list(range(10))) == [0, 1, 2]
+    assert task.cap_eval(list(range(20))) == list(range(9))  # eval.num_samples: no task cap set
+    worker = task.worker_spec()
+    assert (worker.seed, worker.eval_num_samples) == (7, 9) and worker.task.data_dir == str(tmp_path / "d")
+    assert spec.task.data_dir == "d"  # the driver's spec is untouched
 
 
 def test_math_datasets_from_copc_data_dir_in_another_directory(tmp_path, monkeypatch):
@@ -126,21 +145,21 @@ def test_math_datasets_from_copc_data_dir_in_another_directory(tmp_path, monkeyp
     monkeypatch.setenv(DATA_DIR_ENV, str(DATA))
     cfg = cfg_of("task.data_dir=''", "task.env_kwargs={reward: {mode: dapo_strict}}",
                  train_data="[aime2024]", eval_data="[aime2025]")
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         assert type(task) is MathToolTask
         assert len(task.train_samples) == 30 and len(task.eval_samples) == 30
         assert task.train_samples[0]["id"] != task.eval_samples[0]["id"]
         first = json.loads((DATA / "aime2024.jsonl").read_text().splitlines()[0])
         assert task.train_samples[0]["problem"] == first["problem"]
     monkeypatch.delenv(DATA_DIR_ENV)
-    with build_task(cfg) as task:  # the fallback: the repository's data/, from any directory
+    with build_task(task_spec(cfg)) as task:  # the fallback: the repository's data/, from any directory
         assert len(task.train_samples) == 30 and task.train_samples[0]["problem"] == first["problem"]
     # an installed copy has no data/ beside its packages: the error names the variable to set
     monkeypatch.setattr(environments.data, "FALLBACK_DATA_DIR", str(tmp_path / "no-data"))
     missing = tmp_path / "no-data" / "aime2024.jsonl"
     with pytest.raises(ConfigError, match=r"task.data_dir='': .*" + re.escape(str(missing)) +
                        r".*does not exist, as in an installed copy: set \$COPC_DATA_DIR"):
-        build_task(cfg)
+        build_task(task_spec(cfg))
 
 
 # -- math_tool ---------------------------------------------------------------------------------
@@ -150,7 +169,7 @@ def test_math_task_generated_splits_services_and_close(tmp_path):
 
     cfg = cfg_of("train.seed=3", "eval.num_samples=5", "task.settings.arithmetic_kinds=[mul]",
                  max_train_samples="12")
-    task = build_task(cfg)
+    task = build_task(task_spec(cfg))
     try:
         train, evals = arithmetic_splits(12, 5, seed=3, kinds=("mul",))
         assert task.train_samples == train and task.eval_samples == evals
@@ -179,7 +198,7 @@ def test_math_warm_start_traces_mix_tool_and_direct_answers_never_eval(tmp_path)
     cfg = cfg_of("train.seed=0", "eval.num_samples=4",
                  "task.env_kwargs={reward: {mode: dapo_strict}}", max_train_samples="8",
                  settings="{arithmetic_kinds: [mul], tool_use_fraction: 0.5}")
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         ws = WarmStartConfig(enabled=True, num_examples=6, seed=1)
         traces = task.warm_start_traces(ws, progress=False)
         again = task.warm_start_traces(ws, progress=False)
@@ -202,7 +221,7 @@ def test_search_task_splits_are_disjoint_every_fifth_row_held_out():
     from environments.search.env import load_qa
 
     cfg = cfg_of("task.env=search", "task.settings.retriever_url=http://127.0.0.1:9", "eval.num_samples=1000")
-    with build_task(cfg) as task:  # an existing server: nothing started
+    with build_task(task_spec(cfg)) as task:  # an existing server: nothing started
         assert type(task) is SearchTask and task._closers == []
         assert task.info == {"retriever_url": "http://127.0.0.1:9"}
         nq, hq = load_qa("nq", str(DATA)), load_qa("hotpotqa", str(DATA))
@@ -225,7 +244,7 @@ def test_search_warm_start_traces_real_retriever(retriever_url):  # noqa: F811
 
     cfg = cfg_of("task.env=search", f"task.settings.retriever_url={retriever_url}", "eval.num_samples=10",
                  max_train_samples="5")
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         traces = task.warm_start_traces(WarmStartConfig(enabled=True, kind="search_r1", num_examples=3),
                                         progress=False)
         assert len(traces) == 3
@@ -242,7 +261,7 @@ def test_generic_task_reads_jsonl_adds_ids_drops_overlap(tmp_path, word_env):
     write_jsonl(tmp_path / "d/heldout.jsonl", [{"word": "held"}, {"word": "z"}])
     cfg = cfg_of("task.env=words", "task.env_kwargs={greeting: hello}", "eval.num_samples=10",
                  data_dir=str(tmp_path / "d"), train_data="[train.jsonl]", eval_data="[heldout.jsonl]")
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         assert type(task) is GenericTask and task.env_id == "words"
         assert task.train_samples == [{"word": "a", "id": "train:1"}, {"word": "b", "id": "mine"},
                                       {"word": "c", "id": "train:4"}]
@@ -264,7 +283,7 @@ def test_generic_task_without_eval_data_holds_out_every_fifth_row_and_caps(tmp_p
     write_jsonl(tmp_path / "t.jsonl", [{"word": f"w{i}"} for i in range(12)])
     cfg = cfg_of("task.env=words", "eval.num_samples=2", train_data=f"[{tmp_path / 't.jsonl'}]",
                  max_train_samples="5")
-    with build_task(cfg) as task:
+    with build_task(task_spec(cfg)) as task:
         assert [r["word"] for r in task.eval_samples] == ["w0", "w5"]  # rows 0, 5, 10 capped to 2
         assert [r["word"] for r in task.train_samples] == ["w1", "w2", "w3", "w4", "w6"]
         assert task.info["held_out"] == "every 5th training row" and task.info["eval_files"] == []
@@ -293,7 +312,7 @@ def test_generic_task_errors_name_key_file_and_line(tmp_path, word_env):
     closed: list[str] = []
     for task_kw, needle in cases:
         with pytest.raises(ConfigError, match=needle):
-            build_task(cfg_of("task.env=words", data_dir=d, **task_kw))
+            build_task(task_spec(cfg_of("task.env=words", data_dir=d, **task_kw)))
     # env settings the env rejects are named under task.env_kwargs, and the task is closed
     class Tracked(GenericTask):
         def start(self):
@@ -302,8 +321,8 @@ def test_generic_task_errors_name_key_file_and_line(tmp_path, word_env):
 
     register_task("words", Tracked)
     with pytest.raises(ConfigError, match=r"task.env_kwargs.colour: not a setting of env 'words'"):
-        build_task(cfg_of("task.env=words", "task.env_kwargs={colour: red}", data_dir=d,
-                          train_data=f"[{good}]"))
+        build_task(task_spec(cfg_of("task.env=words", "task.env_kwargs={colour: red}", data_dir=d,
+                          train_data=f"[{good}]")))
     assert closed == ["stopped"]
 
 
@@ -334,7 +353,7 @@ def test_register_task_overrides_the_generic_task(word_env):
     with pytest.raises(TypeError, match="expected a Task subclass"):
         register_task("words", dict)
     cfg = cfg_of("task.env=words")  # no task.train_data needed: the task brings its own data
-    task = build_task(cfg)
+    task = build_task(task_spec(cfg))
     assert isinstance(task, Words) and task.info == {"server": "up"}
     assert [r["word"] for r in task.train_samples] == ["x", "y", "z"]
     assert task.warm_start_traces(cfg.warm_start.__class__(enabled=True, num_examples=7)) == [("trace", 7)]
@@ -368,7 +387,7 @@ def test_build_task_resolves_an_env_file_that_registers_env_and_task(tmp_path, m
     '''))
     monkeypatch.chdir(tmp_path)
     try:
-        with build_task(cfg_of("task.env=my_words.py:file_words")) as task:
+        with build_task(task_spec(cfg_of("task.env=my_words.py:file_words"))) as task:
             assert type(task).__name__ == "Words" and task.env_id == "file_words"
             assert task.make_env().reset(options={"sample": {"w": "hey"}})[0] == "hey"
     finally:
@@ -418,20 +437,20 @@ def test_a_plugin_file_registers_a_task_with_its_own_settings(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     try:
         cfg = cfg_of("plugins=[count_task.py]", "task.env=count_words", "task.settings={rows: 3, word: z}")
-        with build_task(cfg) as task:
+        with build_task(task_spec(cfg)) as task:
             assert [r["w"] for r in task.train_samples] == ["z0", "z1", "z2"]
             assert type(task.settings).__name__ == "CountSettings" and task.settings.rows == 3
         from trainer.tasks import TASKS
 
         assert TASKS.settings_type("count_words") is type(task.settings)
-        with build_task(cfg_of("task.env=count_words")) as task:  # defaults
+        with build_task(task_spec(cfg_of("task.env=count_words"))) as task:  # defaults
             assert [r["w"] for r in task.train_samples] == ["w0", "w1"]
         for bad, msg in (("{rows: 0}", r"^task\.settings\.rows=0: must be >= 1$"),
                          ("{rows: many}", r"^task\.settings\.rows='many': must be an int$"),
                          ("{colour: red}", r"^task\.settings\.colour='red': unknown setting of "
                                            r"CountSettings; known: \['rows', 'word'\]$")):
             with pytest.raises(ConfigError, match=msg):
-                build_task(cfg_of("task.env=count_words", f"task.settings={bad}"))
+                build_task(task_spec(cfg_of("task.env=count_words", f"task.settings={bad}")))
         # at load: checked by the registered settings dataclass, before anything is built
         with pytest.raises(ConfigError, match=r"^task\.settings\.rows=0: must be >= 1$"):
             cfg_of("plugins=[count_task.py]", "task.env=count_words", "task.settings={rows: 0}")
@@ -439,7 +458,7 @@ def test_a_plugin_file_registers_a_task_with_its_own_settings(tmp_path, monkeypa
         plain = cfg_of("task.env=count_words")
         plain = dataclasses.replace(plain, task=dataclasses.replace(plain.task, settings={"rows": 1}))
         with pytest.raises(ConfigError, match=r"^task\.settings\.rows: the task of env 'count_words' has "):
-            GenericTask(plain, "count_words")
+            GenericTask(task_spec(plain), "count_words")
     finally:
         environments.unregister("count_words")
         unregister_task("count_words")
@@ -450,13 +469,13 @@ def test_build_task_unknown_or_unloadable_env_names_the_key(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"task.env='calc': not registered; known: \[.*'math_tool', "
                                           r".*'search'.*\] \(register it with environments.register"):
-        build_task(cfg_of("task.env=calc"))
+        build_task(task_spec(cfg_of("task.env=calc")))
     with pytest.raises(ConfigError, match=r"task.env='calc_env.py:calc': cannot load the environment's "
                                           r"module: FileNotFoundError: environment module file"):
-        build_task(cfg_of("task.env=calc_env.py:calc"))
+        build_task(task_spec(cfg_of("task.env=calc_env.py:calc")))
     with pytest.raises(ConfigError, match=r"task.env='no_such_pkg_q.envs:calc': cannot load the "
                                           r"environment's module: ModuleNotFoundError"):
-        build_task(cfg_of("task.env=no_such_pkg_q.envs:calc"))
+        build_task(task_spec(cfg_of("task.env=no_such_pkg_q.envs:calc")))
 
 
 def test_check_env_settings_names_nested_keys():

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from trainer.app.run import run_experiment
 from trainer.config import load_config
+from trainer.config.specs import task_spec, warm_start_cache_spec
 from trainer.warmstart.cache import cache_key, lookup, restore, store
 
 from ..app.test_run_e2e import overrides
@@ -20,17 +21,17 @@ from ..app.test_run_e2e import overrides
 
 def test_cache_key_ignores_rl_settings_and_follows_warm_start_ones():
     base = load_config(None, [])
-    key = cache_key(base)
+    key = cache_key(warm_start_cache_spec(base))
     for rl in ("preset=ppo_async", "algorithm.estimator_settings.eta_a=0.25", "train.staleness.mode=fixed",
                "train.staleness.max=3",
                "train.actor_lr=1e-3", "train.total_steps=7", "eval.k=4", "output_dir=/tmp/elsewhere",
                "warm_start.cache_dir=/tmp/other_cache", "rollout.engine_max_batch_size=1",
                "rollout.concurrency=3", "rollout.temperature=0.5"):
-        assert cache_key(load_config(None, [rl])) == key, rl
+        assert cache_key(warm_start_cache_spec(load_config(None, [rl]))) == key, rl
     for ws in ("warm_start.steps=301", "warm_start.seed=1", "model.tiny.hidden_size=64", "train.seed=1",
                "task.env_kwargs={prompt_template: 'Q {problem}'}", "rollout.max_total_tokens=999",
                "task.settings.arithmetic_kinds=[mul]"):
-        assert cache_key(load_config(None, [ws])) != key, ws
+        assert cache_key(warm_start_cache_spec(load_config(None, [ws]))) != key, ws
 
 
 def test_store_is_atomic_and_first_writer_wins(tmp_path):
@@ -72,8 +73,8 @@ def test_two_runs_share_one_warm_start(tmp_path):
     eta_a = {"algorithm.estimator_settings.eta_a": "0.25"}
     second = run_experiment(load_config(None, overrides(tmp_path / "b", "copc", steps=1, **extra, **eta_a)))
     assert "reused_from" not in first["warm_start"]
-    assert Path(second["warm_start"]["reused_from"]) == lookup(cache, cache_key(
-        load_config(None, overrides(tmp_path / "b", "copc", steps=1, **extra))))
+    assert Path(second["warm_start"]["reused_from"]) == lookup(cache, cache_key(warm_start_cache_spec(
+        load_config(None, overrides(tmp_path / "b", "copc", steps=1, **extra)))))
     wa = load_file(tmp_path / "a" / "warm_start_model" / "model.safetensors")
     wb = load_file(tmp_path / "b" / "warm_start_model" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -92,7 +93,7 @@ def test_native_tool_format_with_tag_warm_start_is_a_config_error(tmp_path):
     cfg = load_config(None, overrides(tmp_path / "h", "copc", steps=1, **{
         "warm_start.enabled": "true", "task.train_data": "[]",
         "task.env_kwargs": "{prompt_template: 'Q: {problem}\n', tool_format: hermes}"}))
-    task = build_task(cfg)
+    task = build_task(task_spec(cfg))
     try:
         with pytest.raises(ConfigError, match=r"task\.env_kwargs\.tool_format='hermes': the "
                                               r"'retool_arithmetic' warm-start traces are written in "

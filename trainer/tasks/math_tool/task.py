@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
     from environments.sandbox import Sandbox
 
-    from ...config import ExperimentConfig, WarmStartConfig
+    from ...config import WarmStartConfig
+    from ...config.specs import TaskSpec
     from ...warmstart.traces import Trace
 
 #: Generated-problem kinds when ``task.settings.arithmetic_kinds`` is empty.
@@ -45,8 +46,8 @@ class MathToolTask(Task):
     settings: MathToolSettings
     service_names = "the sandbox pool"
 
-    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
-        super().__init__(cfg, env_id)
+    def __init__(self, spec: TaskSpec, env_id: str | None = None) -> None:
+        super().__init__(spec, env_id)
         #: the shared sandbox pool (started by :meth:`start`; ``None`` before: envs start their own)
         self.sandbox: Sandbox | None = None
 
@@ -60,16 +61,16 @@ class MathToolTask(Task):
         """
         from environments.math_tool import load_math
 
-        cfg, t = self.cfg, self.cfg.task
+        spec, t = self.spec, self.spec.task
         data_dir = str(data_root(t.data_dir))
         if t.train_data:
             train = [r for name in t.train_data for r in load_math(name, data_dir)]
             evals = [r for name in (t.eval_data or ["math500"]) for r in load_math(name, data_dir)]
         else:
             n_train = t.max_train_samples or 2000
-            n_eval = t.max_eval_samples or cfg.eval.num_samples
+            n_eval = t.max_eval_samples or spec.eval_num_samples
             kinds = tuple(self.settings.arithmetic_kinds) or DEFAULT_KINDS
-            train, evals = arithmetic_splits(n_train, n_eval, seed=cfg.train.seed, kinds=kinds)
+            train, evals = arithmetic_splits(n_train, n_eval, seed=spec.seed, kinds=kinds)
         self.train_samples = self.cap_train(train)
         self.eval_samples = self.cap_eval(evals)
         self.start_services()

@@ -32,7 +32,8 @@ from .traces import search_r1_traces
 if TYPE_CHECKING:
     import gymnasium
 
-    from ...config import ExperimentConfig, WarmStartConfig
+    from ...config import WarmStartConfig
+    from ...config.specs import TaskSpec
     from ...warmstart.traces import Trace
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,8 @@ class SearchTask(Task):
     eval_options = (EvalOption("--retriever-url", "retriever_url", "search benchmarks: an existing retriever",
                                service_url=True),)
 
-    def __init__(self, cfg: ExperimentConfig, env_id: str | None = None) -> None:
-        super().__init__(cfg, env_id)
+    def __init__(self, spec: TaskSpec, env_id: str | None = None) -> None:
+        super().__init__(spec, env_id)
         #: base URL of the retriever server (``task.settings.retriever_url`` until :meth:`start` sets it)
         self.retriever_url: str = self.settings.retriever_url
 
@@ -95,7 +96,7 @@ class SearchTask(Task):
         """
         from environments.search.env import load_qa
 
-        t = self.cfg.task
+        t = self.spec.task
         data_dir = str(data_root(t.data_dir))
         names = t.train_data or ["nq", "hotpotqa"]
         per_set = {n: [dict(r, id=f"{n}:{r['id']}", dataset=n) for r in load_qa(n, data_dir)] for n in names}
@@ -130,7 +131,7 @@ class SearchTask(Task):
         s = self.settings
         url = s.retriever_url
         if not url:
-            corpus = corpus_path(s.retriever_corpus, self.cfg.task.data_dir)
+            corpus = corpus_path(s.retriever_corpus, self.spec.task.data_dir)
             if not corpus.is_file():
                 raise FileNotFoundError(f"retriever corpus {str(corpus)!r} not found")
             url, stop = start_retriever(corpus, Path(s.retriever_index_dir).expanduser().resolve())
@@ -164,7 +165,7 @@ class SearchTask(Task):
         from retriever.corpus import iter_corpus
 
         yield from super().tokenizer_texts()
-        for passage in iter_corpus(corpus_path(self.settings.retriever_corpus, self.cfg.task.data_dir)):
+        for passage in iter_corpus(corpus_path(self.settings.retriever_corpus, self.spec.task.data_dir)):
             yield information_block(format_passages([{"document": {"contents": passage.contents}}]))
 
     def drill_plan(self) -> DrillPlan | None:
@@ -188,7 +189,7 @@ class SearchTask(Task):
         """
         from retriever.corpus import iter_corpus
 
-        corpus = corpus_path(self.settings.retriever_corpus, self.cfg.task.data_dir)
+        corpus = corpus_path(self.settings.retriever_corpus, self.spec.task.data_dir)
         if reading_fraction is None:
             reading_fraction = self.settings.reading_drill_fraction
         n_read = round(n * reading_fraction)
