@@ -31,8 +31,8 @@ from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_ou
 from ..evaluate.policy import checkpoint_policy_weights
 from ..learner import DistributedSettings, learner_checkpoint_state
 from ..models.lora import adapter_of
-from ..orchestration.launchers import LaunchSpec, launch
-from ..orchestration.loop import AsyncTrainingLoop, LoopConfig
+from ..orchestration.launchers import launch
+from ..orchestration.loop import AsyncTrainingLoop
 from ..orchestration.rollouts import LoopHooks
 from ..orchestration.samples import step_samples
 from ..orchestration.state import LoopState
@@ -42,6 +42,7 @@ from ..outputs.metrics_log import last_steps_mean, write_summary
 from ..outputs.progress import TrainProgress
 from ..outputs.report import print_report
 from ..outputs.viewer.samples import write_step_samples
+from .assemble import launch_spec, loop_config
 from .context import RunContext, build_context, initial_model_dir
 
 log = logging.getLogger(__name__)
@@ -250,9 +251,9 @@ async def _rl(ctx: RunContext, handle: EngineHandle) -> dict:
     progress = TrainProgress(cfg.train.total_steps, ctx.start_step, enabled=cfg.logging.progress)
     saved = (ctx.resume_state or {}).get("loop")  # step, counters, fixed lag's kept versions
     state = LoopState.resume(saved) if saved else LoopState(step=ctx.start_step, counters=ctx.counters)
-    loop_cfg = LoopConfig.from_config(cfg, pad_token_id=ctx.tokenizer.pad_token_id)
-    spec = LaunchSpec(cfg, ctx.learner, handle, ctx.task, ctx.tokenizer, ctx.model_dir, rollout_sampling(cfg),
-                      ctx.agent_config())
+    loop_cfg = loop_config(cfg, pad_token_id=ctx.tokenizer.pad_token_id)
+    spec = launch_spec(cfg, learner=ctx.learner, engine=handle, task=ctx.task, tokenizer=ctx.tokenizer,
+                       model_dir=ctx.model_dir, sampling=rollout_sampling(cfg))
     t0 = time.time()
     async with launch(spec) as (learner, rollouts):
         # evaluations during RL use the engine the rollouts train with (the local launcher's)

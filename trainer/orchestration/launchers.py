@@ -1,11 +1,13 @@
 """The launcher seam: ``launcher.kind`` names a registered launcher; nothing else branches on it.
 
-A launcher turns a :class:`LaunchSpec` (the config, the driver's restored learner, its started
-engine, the task, ...) into the two objects the training loop needs — the
-:class:`~trainer.learner.base.Learner` to train and the :class:`~.rollouts.Rollouts` to play
-episodes through — as an async context manager: ``async with launcher(spec) as (learner,
-rollouts): ...``. On a clean exit the driver's learner must hold the final state and the driver's
-engine its weights (``copc train`` evaluates with them); on any exit what it started is released.
+A launcher turns a :class:`LaunchSpec` (the driver's restored learner, its started engine, the
+task, the launcher's settings and the typed specs a launcher that starts processes elsewhere
+needs; built from the experiment config by :func:`trainer.app.assemble.launch_spec`) into the two
+objects the training loop needs — the :class:`~trainer.learner.base.Learner` to train and the
+:class:`~.rollouts.Rollouts` to play episodes through — as an async context manager:
+``async with launcher(spec) as (learner, rollouts): ...``. On a clean exit the driver's learner
+must hold the final state and the driver's engine its weights (``copc train`` evaluates with
+them); on any exit what it started is released.
 
 Built in: ``local`` (:func:`launch_local`: the driver's learner, the driver's engine and a pool of
 the task's environments in this process) and ``ray`` (:func:`~.ray_launcher.launch_ray`: a
@@ -28,7 +30,6 @@ The ``ray`` launcher's settings (``launcher: {kind: ray, settings: {...}}``) are
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -40,26 +41,38 @@ from seams.registry import Registry
 from ..ray_util import RayClusterSettings
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..engines.registry import EngineSpec
+    from ..learner.spec import LearnerSpec
     from ..rollout.agent_loop import AgentLoopConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchSpec:
-    """What a launcher gets.
+    """What a launcher gets (built by :func:`trainer.app.assemble.launch_spec`; never the config).
 
     Attributes:
-        cfg: the :class:`~trainer.config.ExperimentConfig`.
+        kind: the launcher's registered name (``launcher.kind``).
+        settings: the launcher's settings (its registered dataclass, from ``launcher.settings``;
+            None for a launcher registered without settings).
         learner: the driver's :class:`~trainer.learner.base.Learner` (restored on resume).
         engine: the driver's started :class:`~trainer.engines.registry.EngineHandle`.
-        task: the started task (``make_env``, ``info``).
+        task: the started task (``make_env``, ``episode()``, ``worker_spec()``, ``info``).
         tokenizer: the policy tokenizer.
         model_dir: ``save_pretrained`` directory of the policy's architecture.
         sampling: rollout sampling parameters. agent_cfg: episode budgets.
-        settings: the launcher's settings (its registered dataclass, from ``launcher.settings``).
+        concurrency: episodes in flight at once per engine (``rollout.concurrency``).
+        engine_kind: the registered engine (``rollout.engine``) a launcher starts elsewhere.
+        engine_spec: that engine's :class:`~trainer.engines.registry.EngineSpec` without the
+            per-process fields (``tokenizer`` None, version 0, no weights / adapter / work_dir):
+            a process that starts its own engine fills those in.
+        learner_spec: the learner backend's :class:`~trainer.learner.spec.LearnerSpec`, for a
+            launcher that hosts the learner elsewhere.
+        plugins: the user's plug-in files / modules, absolute (``plugins``), for a process
+            elsewhere to import before it builds anything.
     """
 
-    cfg: ExperimentConfig
+    kind: str
+    settings: Any
     learner: Any
     engine: Any
     task: Any
@@ -67,7 +80,11 @@ class LaunchSpec:
     model_dir: Path
     sampling: Any
     agent_cfg: AgentLoopConfig
-    settings: Any = None
+    concurrency: int
+    engine_kind: str
+    engine_spec: EngineSpec
+    learner_spec: LearnerSpec
+    plugins: tuple[str, ...] = ()
 
 
 @dataclass
@@ -112,7 +129,7 @@ async def launch_local(spec: LaunchSpec) -> AsyncIterator[tuple[Any, Any]]:
     from .rollouts import LocalRollouts
 
     rollouts = LocalRollouts(spec.engine, spec.task.make_env, spec.tokenizer, spec.sampling, spec.agent_cfg,
-                             spec.cfg.rollout.concurrency, spec.task.episode())
+                             spec.concurrency, spec.task.episode())
     try:
         yield spec.learner, rollouts
     finally:
@@ -129,13 +146,9 @@ def launch_ray(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]
 
 
 def launch(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]:
-    """Start the launcher of ``spec.cfg.launcher.kind`` with its settings (see the module docstring).
+    """Start the launcher ``spec.kind`` (see the module docstring).
 
     Raises:
-        ConfigError: an unregistered launcher or bad ``launcher.settings``
-            (:func:`trainer.config.plugin_settings`).
+        RegistryError: an unregistered launcher (the config's validation refuses it at load).
     """
-    from ..config import plugin_settings
-
-    spec = dataclasses.replace(spec, settings=plugin_settings(spec.cfg, "launcher.kind"))
-    return LAUNCHERS.get(spec.cfg.launcher.kind)(spec)
+    return LAUNCHERS.get(spec.kind)(spec)

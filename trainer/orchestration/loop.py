@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import TrainingError
 from ..learner.allocator import release_free_heap
@@ -46,12 +46,9 @@ from .attestation import SyncAttestor, SyncCheck
 from .group_filter import GroupFilter
 from .prompts import PromptStream
 from .rollouts import LoopHooks, Rollouts, WeightSource
-from .staleness import BoundedAdmission, FixedLag, Staleness, staleness_strategy
+from .staleness import BoundedAdmission, FixedLag, Staleness
 from .state import COUNTER_METRICS, COUNTERS, Group, LoopState
 from .step_metrics import dropped_metrics, rollout_metrics
-
-if TYPE_CHECKING:
-    from ..config import ExperimentConfig
 
 __all__ = ["COUNTERS", "COUNTER_METRICS", "AsyncTrainingLoop", "BoundedAdmission", "FixedLag", "LoopConfig",
            "LoopState", "TrainingError"]
@@ -61,7 +58,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """Loop settings (from :class:`trainer.config.ExperimentConfig` by :meth:`from_config`).
+    """Loop settings (built from the experiment config by :func:`trainer.app.assemble.loop_config`).
 
     Attributes:
         total_steps: train until this many steps (policy versions) are done.
@@ -98,22 +95,6 @@ class LoopConfig:
     eval_every: int = 0
     malloc_trim: bool = False
     group_filter: GroupFilter | None = None
-
-    @classmethod
-    def from_config(cls, exp: ExperimentConfig, *, pad_token_id: int) -> LoopConfig:
-        """From an :class:`~trainer.config.ExperimentConfig` (staleness: ``exp.staleness``, the
-        effective settings, a preset's own staleness included)."""
-        tol = exp.train.sync_check_tolerance
-        check = None if tol is None else SyncCheck(tol, exp.rollout.temperature, exp.model.dtype)
-        return cls(sync_check=check, eval_every=exp.eval.every_steps if exp.eval.enabled else 0,
-                   total_steps=exp.train.total_steps,
-                   prompts_per_step=exp.train.prompts_per_step,
-                   n_samples_per_prompt=exp.rollout.n_samples_per_prompt, pad_token_id=pad_token_id,
-                   staleness=staleness_strategy(exp.staleness), checkpoint_every=exp.checkpoint.every_steps,
-                   max_infra_failure_fraction=exp.train.max_infra_failure_fraction,
-                   malloc_trim=exp.learner.malloc_trim,
-                   group_filter=GroupFilter(exp.train.max_filtered_groups_per_batch)
-                   if exp.train.filter_groups else None)
 
     def __post_init__(self) -> None:
         """Validate the failure threshold and the staleness strategy."""

@@ -26,7 +26,7 @@ Beyond one machine: start a Ray cluster (``ray start --head`` on one node, ``ray
 Workers load the architecture and tokenizer from the model directory, so it must be
 visible at the same path on every node (shared filesystem); the weights themselves
 travel through the object store. A task shares its services with the workers itself
-(:meth:`~trainer.tasks.base.Task.worker_config`); a service it starts listens on 127.0.0.1 of the
+(:meth:`~trainer.tasks.base.Task.worker_spec`); a service it starts listens on 127.0.0.1 of the
 driver, so across nodes give it (in the task's settings) an address every node can reach.
 GPU placement is chosen with Ray's actor options (``RayRolloutSpec.options`` /
 :meth:`RayLearner.start`'s ``options``, e.g. ``{"num_gpus": 1}``).
@@ -55,50 +55,74 @@ from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
 from .lag import WeightSnapshot
-
-if TYPE_CHECKING:
-    from ..config import ExperimentConfig
-    from ..tasks.base import Task
 from .rollouts import WeightSource, push_weights
 
+if TYPE_CHECKING:
+    from ..config.task_spec import TaskSpec
+    from ..engines.registry import EngineSpec
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What each :class:`RolloutWorker` builds its engine and environments from (picklable; built
+    by :func:`worker_spec` on the driver, never the experiment config).
+
+    Attributes:
+        engine_kind: the registered engine (``rollout.engine``).
+        engine: its :class:`~trainer.engines.registry.EngineSpec` without the per-process fields
+            (the worker fills in its tokenizer, version, weights and adapter).
+        task: the :class:`~trainer.config.task_spec.TaskSpec` of the worker's own copy of the
+            driver's task (:meth:`~trainer.tasks.base.Task.worker_spec`: paths absolute, the
+            started services reused), or None when the workers are given an environment factory.
+        plugins: the user's plug-in files / modules, absolute, imported first in the worker.
+    """
+
+    engine_kind: str
+    engine: EngineSpec
+    task: TaskSpec | None = None
+    plugins: tuple[str, ...] = ()
 
 
 class RolloutWorker:
     """Rollout worker (a Ray actor via :func:`ray.remote`): an engine from the registry + envs.
 
     Args:
-        exp_cfg: the :class:`~trainer.config.ExperimentConfig` (engine, model settings, task).
+        worker: the :class:`WorkerSpec` (engine, task, plug-ins).
         model_dir: ``save_pretrained`` directory giving the architecture and tokenizer.
         weights: initial policy weights (Hugging Face names; the driver's current ones); empty with
             ``adapter``.
         version: policy version of ``weights``.
         env_factory: picklable zero-argument environment factory, or ``None`` to build the task
-            from ``exp_cfg`` with :func:`trainer.tasks.build_task` (its services are closed by
+            of ``worker.task`` with :func:`trainer.tasks.build_task` (its services are closed by
             :meth:`close`).
         concurrency: episodes in flight at once on this worker (environments kept).
         adapter: a LoRA policy's adapter (the engine serves ``model_dir``'s weights with it, and
             :meth:`update_adapter` moves adapters only), or None.
     """
 
-    def __init__(self, exp_cfg: ExperimentConfig, model_dir: str, weights: Mapping[str, torch.Tensor],
+    def __init__(self, worker: WorkerSpec, model_dir: str, weights: Mapping[str, torch.Tensor],
                  version: int, env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8,
                  adapter: Any = None) -> None:
-        from ..config.specs import engine_spec
         from ..engines import make_engine
         from ..models.loading import load_tokenizer
         from ..plugins import import_plugins
 
-        import_plugins(exp_cfg.plugins)  # the user's registrations, in this process too
+        import_plugins(list(worker.plugins))  # the user's registrations, in this process too
         self.tok = load_tokenizer(model_dir)
-        spec = engine_spec(exp_cfg, model_dir, self.tok, version=version,
-                           weights=weights.items() if weights else None, adapter=adapter)
-        self.handle = make_engine(exp_cfg.rollout.engine, spec)
+        spec = dataclasses.replace(worker.engine, model_dir=Path(model_dir), tokenizer=self.tok,
+                                   version=version, weights=weights.items() if weights else None,
+                                   adapter=adapter)
+        self.handle = make_engine(worker.engine_kind, spec)
         self.task = None
         episode = None  # a given factory's environments: the tool-environment loop
         if env_factory is None:
             from ..tasks import build_task
-            self.task = build_task(exp_cfg)
+
+            if worker.task is None:
+                raise ValueError("RolloutWorker: WorkerSpec.task is None and no env_factory was given")
+            self.task = build_task(worker.task)
             env_factory, episode = self.task.make_env, self.task.episode()
         self.pool = EnvPool(env_factory, concurrency, episode)
 
@@ -217,20 +241,19 @@ class RayLearner:
         self._with_inputs = with_inputs
 
     @classmethod
-    def start(cls, exp_cfg: ExperimentConfig, model_dir: str | Path, state: dict,
+    def start(cls, spec: LearnerSpec, model_dir: str | Path, state: dict,
               options: dict | None = None) -> RayLearner:
-        """Start a :class:`LearnerActor` of ``exp_cfg``'s backend (its
-        :class:`~trainer.learner.spec.LearnerSpec` built here) from ``state`` (``Learner.state_dict``
-        output); ``options``: Ray actor options (``num_gpus``, ...). Ray must be initialised.
-        With ``logging.samples_per_step > 0`` each step also fetches the actor's step inputs, so
-        the run writes its training samples as the local launcher does."""
+        """Start a :class:`LearnerActor` of the backend of ``spec`` (its
+        :class:`~trainer.learner.spec.LearnerSpec`, :func:`trainer.config.specs.learner_spec`) from
+        ``state`` (``Learner.state_dict`` output); ``options``: Ray actor options (``num_gpus``, ...).
+        Ray must be initialised. With ``spec.keep_step_inputs`` (``logging.samples_per_step > 0``)
+        each step also fetches the actor's step inputs, so the run writes its training samples as
+        the local launcher does."""
         import ray
 
-        from ..config.specs import learner_spec
         from ..learner.algorithm import ActorCriticAlgorithm
 
         actor_cls = ray.remote(LearnerActor).options(**dict(options or {}))
-        spec = learner_spec(exp_cfg)
         algorithm = ActorCriticAlgorithm.from_config(spec.algorithm, spec.step)
         return cls(actor_cls.remote(spec, str(model_dir), state), algorithm, spec.keep_step_inputs)
 
@@ -292,11 +315,10 @@ class RayRolloutSpec:
     """How :class:`RayRollouts` starts its workers.
 
     Attributes:
-        exp_cfg: the :class:`~trainer.config.ExperimentConfig` (engine, model settings, task);
-            :func:`worker_experiment_config` makes the driver's usable by workers.
+        worker: the workers' :class:`WorkerSpec` (engine, task, plug-ins; :func:`worker_spec`).
         model_dir: ``save_pretrained`` directory of the architecture + tokenizer.
         sampling: rollout sampling parameters. agent_cfg: episode budgets.
-        env_factory: how each worker builds environments (None: the task of ``exp_cfg``).
+        env_factory: how each worker builds environments (None: the task of ``worker.task``).
         num_workers: rollout worker actors (``launcher.settings.num_rollout_workers``).
         concurrency: episodes in flight at once per worker.
         options: Ray actor options of the workers (``num_cpus``, ``num_gpus``, ...).
@@ -305,7 +327,7 @@ class RayRolloutSpec:
         ValueError: ``num_workers < 1``.
     """
 
-    exp_cfg: ExperimentConfig
+    worker: WorkerSpec
     model_dir: str | Path
     sampling: SamplingParams
     agent_cfg: AgentLoopConfig
@@ -338,7 +360,7 @@ class RayRollouts:
         adapter = adapter_of(weights)  # a LoRA policy: workers get the adapter, never full weights
         ref = ray.put({} if adapter is not None else dict(weights.export_policy_weights()))
         worker_cls = ray.remote(RolloutWorker).options(**spec.options)
-        self.workers = [worker_cls.remote(spec.exp_cfg, str(spec.model_dir), ref, version, spec.env_factory,
+        self.workers = [worker_cls.remote(spec.worker, str(spec.model_dir), ref, version, spec.env_factory,
                                           concurrency=spec.concurrency, adapter=adapter)
                         for _ in range(spec.num_workers)]
         self._rr = itertools.count()
@@ -376,14 +398,13 @@ class RayRollouts:
             ray.kill(w)
 
 
-def worker_experiment_config(cfg: ExperimentConfig, task: Task) -> ExperimentConfig:
-    """``cfg`` for the workers' own :func:`build_task`: what the driver's started ``task`` hands them
-    (:meth:`~trainer.tasks.base.Task.worker_config`: its services' URLs, absolute task paths) and
-    absolute plug-in paths (workers may run in another working directory)."""
-    from ..plugins import absolute_plugins
-
-    cfg = task.worker_config(cfg)
-    return dataclasses.replace(cfg, plugins=absolute_plugins(cfg.plugins))
+def worker_spec(spec: Any) -> WorkerSpec:
+    """The :class:`WorkerSpec` of a :class:`~trainer.orchestration.launchers.LaunchSpec`: its engine
+    (``engine_kind``, ``engine_spec``), what the driver's started task hands the workers
+    (:meth:`~trainer.tasks.base.Task.worker_spec`: its services' URLs, absolute task paths) and the
+    plug-ins (absolute already: workers may run in another working directory)."""
+    return WorkerSpec(engine_kind=spec.engine_kind, engine=spec.engine_spec, task=spec.task.worker_spec(),
+                      plugins=tuple(spec.plugins))
 
 
 @asynccontextmanager
@@ -392,31 +413,29 @@ async def launch_ray(spec: Any) -> AsyncIterator[tuple[RayLearner, RayRollouts]]
 
     Connects to the settings' ``address`` (or starts a local cluster with ``num_cpus`` CPUs;
     :func:`~trainer.ray_util.connect_ray`), starts the learner actor from the driver's learner state
-    and ``num_rollout_workers`` workers that build their environments from the config
-    (reusing the driver's task's services: :func:`worker_experiment_config`) and their engines
+    and ``num_rollout_workers`` workers that build their environments from the task's spec
+    (reusing the driver's task's services: :func:`worker_spec`) and their engines
     through the registry. After a successful run the driver's learner gets the actor's final state
     and the driver's engine its weights; the actors are stopped in any case (and Ray, if this call
     started it).
 
     Args:
         spec: the :class:`~trainer.orchestration.launchers.LaunchSpec`; ``spec.settings`` its
-            :class:`~trainer.orchestration.launchers.RayLauncherSettings` (set by
-            :func:`~trainer.orchestration.launchers.launch`).
+            :class:`~trainer.orchestration.launchers.RayLauncherSettings`.
     """
     import ray
 
     from ..ray_util import connect_ray
 
-    cfg, settings = spec.cfg, spec.settings
+    settings = spec.settings
     started = connect_ray(settings.address, settings.num_cpus)
     learner: RayLearner | None = None
     rollouts: RayRollouts | None = None
     try:
-        learner = RayLearner.start(cfg, spec.model_dir, spec.learner.state_dict())
-        rollouts = RayRollouts(RayRolloutSpec(worker_experiment_config(cfg, spec.task), spec.model_dir,
-                                              spec.sampling, spec.agent_cfg,
-                                              num_workers=settings.num_rollout_workers,
-                                              concurrency=cfg.rollout.concurrency),
+        learner = RayLearner.start(spec.learner_spec, spec.model_dir, spec.learner.state_dict())
+        rollouts = RayRollouts(RayRolloutSpec(worker_spec(spec), spec.model_dir, spec.sampling,
+                                              spec.agent_cfg, num_workers=settings.num_rollout_workers,
+                                              concurrency=spec.concurrency),
                                spec.learner, spec.learner.policy_version)
         yield learner, rollouts
         spec.learner.load_state_dict(await asyncio.to_thread(learner.state_dict))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import copc
+from trainer.app.assemble import loop_config
 from trainer.app.run import run_experiment
 from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
@@ -166,7 +167,7 @@ def test_config_validation_names_the_key():
         load_config(None, ["train.staleness={mode: fixed, lag: -1}"])
     # a preset that fixes its staleness wins in either mode (ppo is synchronous: lag 0)
     cfg = load_config(None, ["preset=ppo", "train.staleness.mode=fixed", "train.staleness.lag=2"])
-    assert cfg.max_staleness == 0 and LoopConfig.from_config(cfg, pad_token_id=0).staleness == FixedLag(0)
+    assert cfg.max_staleness == 0 and loop_config(cfg, pad_token_id=0).staleness == FixedLag(0)
     cfg = load_config(None, ["train.staleness={mode: fixed, lag: 5}"])
     assert cfg.max_staleness == 5
     with pytest.raises(ConfigError, match=r"train\.staleness\.lag=3: not a setting of train\.staleness\.mode="

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import copc
+from trainer.app.assemble import loop_config
 from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
@@ -136,9 +137,9 @@ def test_group_filter_rule():
 
 def test_config_keys():
     cfg = load_config(None, ["train.filter_groups=true", "rollout.n_samples_per_prompt=4"])
-    loop_cfg = LoopConfig.from_config(cfg, pad_token_id=0)
+    loop_cfg = loop_config(cfg, pad_token_id=0)
     assert loop_cfg.group_filter == GroupFilter(64)
-    assert LoopConfig.from_config(load_config(None, []), pad_token_id=0).group_filter is None
+    assert loop_config(load_config(None, []), pad_token_id=0).group_filter is None
     with pytest.raises(ConfigError) as ei:
         load_config(None, ["train.filter_groups=true"])
     assert str(ei.value).startswith("rollout.n_samples_per_prompt=1: train.filter_groups")
@@ -203,7 +204,7 @@ def test_fixed_lag_with_more_groups_in_flight_trains_full_batches(tiny):
 def test_groups_in_flight_config():
     base = ["train.filter_groups=true", "rollout.n_samples_per_prompt=4"]
     cfg = load_config(None, [*base, "train.staleness={mode: fixed, lag: 2, groups_in_flight: 8}"])
-    assert LoopConfig.from_config(cfg, pad_token_id=0).staleness == FixedLag(2, 8)
+    assert loop_config(cfg, pad_token_id=0).staleness == FixedLag(2, 8)
     with pytest.raises(ConfigError) as ei:
         load_config(None, ["train.staleness={mode: fixed, lag: 2, groups_in_flight: 8}"])
     assert str(ei.value).startswith("train.staleness.groups_in_flight=8: needs train.filter_groups: true")

@@ -11,6 +11,7 @@ import torch
 
 import copc
 from environments.base import RegexTool, ToolEnv
+from trainer.app.assemble import loop_config
 from trainer.config import ConfigError, load_config
 from trainer.engines.base import SamplingParams
 from trainer.engines.embedded import EmbeddedEngine
@@ -142,9 +143,9 @@ def test_malloc_trim_runs_after_every_learner_step_when_on(tiny_small, trim):
 
 
 def test_malloc_trim_is_on_by_default_and_reaches_the_loop():
-    assert LoopConfig.from_config(load_config(None, []), pad_token_id=0).malloc_trim is True
+    assert loop_config(load_config(None, []), pad_token_id=0).malloc_trim is True
     off = load_config(None, ["learner.malloc_trim=false"])
-    assert LoopConfig.from_config(off, pad_token_id=0).malloc_trim is False
+    assert loop_config(off, pad_token_id=0).malloc_trim is False
     with pytest.raises(ConfigError, match=r"^learner\.malloc_trim"):
         load_config(None, ["learner.malloc_trim=sometimes"])
 

@@ -12,6 +12,7 @@ import torch
 
 import copc
 from trainer.config import load_config
+from trainer.config.specs import engine_spec, learner_spec
 from trainer.engines.base import SamplingParams
 from trainer.learner.backends.torch import TorchLearner
 from trainer.learner.settings import LearnerConfig, OptimizerSettings
@@ -19,7 +20,7 @@ from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, FixedLag, LoopConfig
 from trainer.orchestration.prompts import PromptStream
-from trainer.orchestration.ray_launcher import RayLearner, RayRollouts, RayRolloutSpec
+from trainer.orchestration.ray_launcher import RayLearner, RayRollouts, RayRolloutSpec, WorkerSpec
 from trainer.orchestration.rollouts import LoopHooks
 from trainer.rollout.agent_loop import AgentLoopConfig
 from trainer.rollout.groups import episode_sampling
@@ -54,6 +55,11 @@ def _exp(model_dir, **extra):
     return load_config(None, [f"{k}={v}" for k, v in ov.items()])
 
 
+def _worker(exp):
+    """The workers' spec of ``exp`` (engine only: the tests give an environment factory)."""
+    return WorkerSpec(exp.rollout.engine, engine_spec(exp, exp.model.path, None))
+
+
 def _flat(state):
     return torch.cat([v.detach().float().flatten() for _, v in sorted(state.items())])
 
@@ -78,10 +84,11 @@ async def _ray_run(exp, learner, tok, cfg, env_factory, hooks, max_new_tokens=6)
     """Start a Ray-hosted learner from ``learner`` and 2 rollout workers, run the loop, copy the final
     state into ``learner`` (as the ray launcher does); return the loop, the workers' versions and
     engine weights and the learner actor's weights."""
-    ray_learner = RayLearner.start(exp, exp.model.path, learner.state_dict())
+    ray_learner = RayLearner.start(learner_spec(exp), exp.model.path, learner.state_dict())
     sampling = SamplingParams(max_new_tokens=max_new_tokens, seed=0)
-    rollouts = RayRollouts(RayRolloutSpec(exp, exp.model.path, sampling, AgentLoopConfig(max_turns=1),
-                                          env_factory=env_factory, num_workers=2, concurrency=4), learner, 0)
+    rollouts = RayRollouts(RayRolloutSpec(_worker(exp), exp.model.path, sampling,
+                                          AgentLoopConfig(max_turns=1), env_factory=env_factory,
+                                          num_workers=2, concurrency=4), learner, 0)
     hooks.learner = ray_learner
     try:
         loop = AsyncTrainingLoop(ray_learner, rollouts, PromptStream(SAMPLES, 0), cfg, hooks)
@@ -142,8 +149,8 @@ def test_episode_sampling_matches_local_seed_derivation():
 
 def test_bad_worker_count_is_rejected(tiny32):
     with pytest.raises(ValueError, match="num_rollout_workers=0"):
-        RayRolloutSpec(_exp(tiny32), tiny32, SamplingParams(), AgentLoopConfig(), env_factory=lambda: None,
-                       num_workers=0)
+        RayRolloutSpec(_worker(_exp(tiny32)), tiny32, SamplingParams(), AgentLoopConfig(),
+                       env_factory=lambda: None, num_workers=0)
 
 
 @pytest.mark.slow

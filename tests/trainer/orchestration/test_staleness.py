@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from trainer.app.assemble import loop_config
 from trainer.cli import main
 from trainer.config import ConfigError, load_config
 from trainer.orchestration.launchers import LAUNCHERS
-from trainer.orchestration.loop import BoundedAdmission, FixedLag, LoopConfig, LoopState
+from trainer.orchestration.loop import BoundedAdmission, FixedLag, LoopState
 from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.state import Group
 from trainer.rollout.trajectory import Trajectory
@@ -125,9 +126,9 @@ def test_a_new_mode_replaces_the_section_and_the_effective_strategy_follows():
     cfg = load_config(None, ["train.staleness={mode: bounded, max: 3}", "train.staleness.mode=fixed",
                              "train.staleness.lag=1"])
     assert cfg.train.staleness == {"mode": "fixed", "lag": 1}
-    assert LoopConfig.from_config(cfg, pad_token_id=0).staleness == FixedLag(1)
+    assert loop_config(cfg, pad_token_id=0).staleness == FixedLag(1)
     cfg = load_config(None, ["train.staleness.max=3"])
-    assert LoopConfig.from_config(cfg, pad_token_id=0).staleness == BoundedAdmission(3)
+    assert loop_config(cfg, pad_token_id=0).staleness == BoundedAdmission(3)
 
 
 PLUGIN = '''

@@ -135,19 +135,24 @@ def _prompt(make_env, word: str) -> str:
 
 
 def test_workers_reuse_the_service_the_drivers_task_started(lookup, tmp_path, monkeypatch):
-    from trainer.orchestration.ray_launcher import worker_experiment_config
+    from trainer.app.assemble import launch_spec
+    from trainer.config.specs import task_spec
+    from trainer.orchestration.ray_launcher import worker_spec
     from trainer.tasks import build_task
 
     path, rows = lookup
     cfg = load_config(None, [f"plugins=[{path}]", "task.env=lookup", f"task.train_data=[{rows}]"])
-    with build_task(cfg) as driver:
+    with build_task(task_spec(cfg)) as driver:
         url = driver.url
         assert url.startswith("http://127.0.0.1:") and _alive(url) and len(driver._closers) == 1
-        wcfg = worker_experiment_config(cfg, driver)  # what RayRollouts gives each RolloutWorker
-        assert wcfg.task.settings == {"service_url": url} and cfg.task.settings == {}
-        assert wcfg.plugins == [str(path)] and Path(wcfg.task.data_dir).is_absolute()
-        monkeypatch.chdir(tmp_path)  # a worker elsewhere: its task is built from the worker config alone
-        with build_task(wcfg) as worker:
+        launch = launch_spec(cfg, learner=None, engine=None, task=driver, tokenizer=None, model_dir=tmp_path,
+                             sampling=None)
+        ws = worker_spec(launch)  # what RayRollouts gives each RolloutWorker
+        assert ws.task.task.settings == {"service_url": url} and cfg.task.settings == {}
+        assert ws.plugins == (str(path),) and Path(ws.task.task.data_dir).is_absolute()
+        assert ws.engine_kind == cfg.rollout.engine and ws.engine.tokenizer is None
+        monkeypatch.chdir(tmp_path)  # a worker elsewhere: its task is built from the worker's spec alone
+        with build_task(ws.task) as worker:
             assert worker._closers == [] and worker.url == url  # no second server
             assert _prompt(worker.make_env, "hi") == "hi=HI"  # answered by the driver's service
     assert not _alive(url)  # the driver's task stopped it
