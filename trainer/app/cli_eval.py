@@ -134,7 +134,9 @@ def _policy(args: argparse.Namespace, cfg: ExperimentConfig) -> tuple[Path, Any]
     if model_dir is None:
         raise _fail("--checkpoint", args.checkpoint, f"no model architecture next to it ({run_dir}/"
                     "warm_start_model or init_model) and no model.path")
-    return model_dir, checkpoint_policy_weights(cfg, ckpt, model_dir)
+    from ..config.specs import learner_spec
+
+    return model_dir, checkpoint_policy_weights(learner_spec(cfg), ckpt, model_dir)
 
 
 def _experiment_config(args: argparse.Namespace) -> Any:

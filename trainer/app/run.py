@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, ExperimentConfig, plugin_settings
-from ..config.specs import engine_spec, learner_spec, preflight_engine, task_spec
+from ..config.specs import engine_spec, held_out_spec, learner_spec, preflight_engine, task_spec
 from ..engines import EngineHandle, make_engine
 from ..engines.base import SamplingParams
 from ..evaluate.heldout import AFTER_RL, BEFORE_RL, eval_delta, evaluate_held_out
@@ -88,7 +88,7 @@ async def _evaluate_alone(cfg: ExperimentConfig, engine: Any, task: Any, tok: An
 async def _evaluate(cfg: ExperimentConfig, engine: Any, task: Any, tok: Any, name: str) -> dict:
     """Held-out evaluation (:func:`trainer.evaluate.heldout.evaluate_held_out`, the evaluation
     core on ``task.eval_samples``); its records go to ``<output_dir>/eval/<name>.jsonl``."""
-    return await evaluate_held_out(cfg, engine, task, tok, name)
+    return await evaluate_held_out(held_out_spec(cfg), engine, task, tok, name)
 
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
@@ -310,7 +310,7 @@ def _evaluate_path(cfg: ExperimentConfig, path: Path, out: Path, ws: Path) -> di
     weights, model_dir = None, path
     if not (path / "config.json").exists():  # a training checkpoint directory
         model_dir = ws if (ws / "config.json").exists() else initial_model_dir(cfg, out)
-        weights = checkpoint_policy_weights(cfg, path, model_dir)
+        weights = checkpoint_policy_weights(learner_spec(cfg), path, model_dir)
     task = build_task(task_spec(cfg))
     tok = load_tokenizer(model_dir)
     from ..rollout.observation import check_chat_template

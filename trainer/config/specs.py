@@ -76,6 +76,38 @@ def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:
 
 
 @dataclass(frozen=True)
+class HeldOutSpec:
+    """What ``copc train``'s held-out evaluation (:func:`trainer.evaluate.heldout.evaluate_held_out`)
+    needs, read from the experiment config by :func:`held_out_spec`.
+
+    Attributes:
+        k: episodes per held-out question (``eval.k``).
+        temperature: sampling temperature, 0 = greedy (``eval.temperature``).
+        seed: base sampling seed (``train.seed``).
+        max_new_tokens: tokens per model turn (``rollout.max_new_tokens``).
+        agent: the episode budgets (:func:`agent_loop_config`).
+        output_dir: the run's folder; records go to ``<output_dir>/eval/<name>.jsonl``.
+        progress: draw a progress bar while it runs (``logging.progress``).
+    """
+
+    k: int
+    temperature: float
+    seed: int
+    max_new_tokens: int
+    agent: AgentLoopConfig
+    output_dir: Path
+    progress: bool
+
+
+def held_out_spec(cfg: ExperimentConfig) -> HeldOutSpec:
+    """The :class:`HeldOutSpec` of ``cfg`` (``eval.k`` / ``temperature``, ``train.seed``,
+    ``rollout.max_new_tokens`` and budgets, ``output_dir``, ``logging.progress``)."""
+    return HeldOutSpec(k=cfg.eval.k, temperature=cfg.eval.temperature, seed=cfg.train.seed,
+                       max_new_tokens=cfg.rollout.max_new_tokens, agent=agent_loop_config(cfg),
+                       output_dir=Path(cfg.output_dir), progress=bool(cfg.logging.progress))
+
+
+@dataclass(frozen=True)
 class WarmStartCacheSpec:
     """What a supervised warm-start result depends on: the settings hashed into its key in the
     shared warm-start cache (:func:`trainer.warmstart.cache.cache_key`), read from the experiment

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config.specs import agent_loop_config
 from ..engines.base import InferenceEngine
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.trajectory import Trajectory, split_finish
@@ -30,7 +29,7 @@ from .runner import BenchmarkJob, EvalSettings, play_benchmark, run_benchmark, r
 from .stats import paired_bootstrap, proportion_or_mean_interval
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..config.specs import HeldOutSpec
 
 #: An episode counts towards ``accuracy`` when its reward exceeds this (1/0 and DAPO's 1/-1 rewards).
 CORRECT_THRESHOLD = 0.5
@@ -204,26 +203,33 @@ async def evaluate(engine: InferenceEngine, env_factory: Callable[[], Any], toke
     return summarize_records(records, k)
 
 
-async def evaluate_held_out(cfg: ExperimentConfig, engine: InferenceEngine, task: Any, tokenizer: Any,
+async def evaluate_held_out(spec: HeldOutSpec, engine: InferenceEngine, task: Any, tokenizer: Any,
                             name: str) -> dict[str, float]:
-    """``copc train``'s held-out evaluation: ``task.eval_samples`` with ``eval.k`` episodes each
-    at ``eval.temperature``, seed ``train.seed``, the rollout budgets; records written atomically
-    to ``<output_dir>/eval/<name>.jsonl`` (ordered by question, then episode); a progress bar
-    with its ETA (``eval <name>``) while it runs, unless ``logging.progress`` is off.
+    """``copc train``'s held-out evaluation: ``task.eval_samples`` with ``spec.k`` episodes each
+    at ``spec.temperature``, seed ``spec.seed``, the rollout budgets; records (each with the
+    row's gold answer, as ``copc eval``'s) written atomically to
+    ``<spec.output_dir>/eval/<name>.jsonl`` (ordered by question, then episode); a progress bar
+    with its ETA (``eval <name>``) while it runs, unless ``spec.progress`` is off.
+
+    Args:
+        spec: what to run (:func:`trainer.config.specs.held_out_spec` of the experiment config).
+        engine: the policy. task: the started task (``eval_samples``, ``make_env``, ``episode``).
+        tokenizer: the policy's tokenizer. name: the record file's stem (``before_rl``, ...).
 
     Returns:
         :func:`summarize_records` of the records.
+
+    Raises:
+        ValueError: a negative temperature. RuntimeError: the environment raised (a bug).
     """
     job = BenchmarkJob(HELD_OUT, getattr(task, "benchmark_kind", None) or kind_of_rows(task.eval_samples),
-                       list(task.eval_samples), task.make_env, cfg.eval.k, cfg.eval.temperature,
-                       task.episode())
-    settings = EvalSettings(seed=cfg.train.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                            agent=agent_loop_config(cfg), retries=0,
+                       list(task.eval_samples), task.make_env, spec.k, spec.temperature, task.episode())
+    settings = EvalSettings(seed=spec.seed, max_new_tokens=spec.max_new_tokens, agent=spec.agent, retries=0,
                             concurrency=HELD_OUT_CONCURRENCY)
-    records = await run_benchmark_with_bar(engine, tokenizer, job, settings, show=cfg.logging.progress,
+    records = await run_benchmark_with_bar(engine, tokenizer, job, settings, show=spec.progress,
                                            desc=f"eval {name}")  # ordered by question, then episode
-    write_records(Path(cfg.output_dir) / "eval" / f"{name}.jsonl", records)
-    return summarize_records(records, cfg.eval.k)
+    write_records(Path(spec.output_dir) / "eval" / f"{name}.jsonl", records)
+    return summarize_records(records, spec.k)
 
 
 def _per_question(records: Sequence[Mapping[str, Any]], key: str) -> dict[str, float]:

@@ -5,23 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config.specs import learner_spec
 from ..errors import ConfigError
 from ..learner import make_learner, restore_learner
+from ..learner.spec import LearnerSpec
 from ..outputs.checkpoint import CheckpointManager
 
 if TYPE_CHECKING:
     import torch
 
-    from ..config import ExperimentConfig
 
-
-def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
+def checkpoint_policy_weights(learner: LearnerSpec, checkpoint: Path,
                               model_dir: Path) -> dict[str, torch.Tensor]:
     """The policy weights (Hugging Face names) saved in a training checkpoint directory.
 
-    The learner of ``learner.backend`` is built on ``model_dir``'s architecture, its state loaded
-    from ``checkpoint``, and its weights exported (so any backend's checkpoint layout works).
+    The learner of ``learner`` (the run's :func:`trainer.config.specs.learner_spec`) is built on
+    ``model_dir``'s architecture, its state loaded from ``checkpoint``, and its weights exported
+    (so any backend's checkpoint layout works).
 
     Raises:
         ConfigError: ``checkpoint`` is not a complete training checkpoint (names ``--checkpoint``).
@@ -35,12 +34,12 @@ def checkpoint_policy_weights(cfg: ExperimentConfig, checkpoint: Path,
     if state is None:
         raise ConfigError(f"--checkpoint={str(checkpoint)!r}: neither a model directory (config.json) nor "
                           f"a complete training checkpoint{why}")
-    learner = make_learner(learner_spec(cfg), model_dir)
+    built = make_learner(learner, model_dir)
     try:
-        restore_learner(learner, state)
-        return dict(learner.export_policy_weights())
+        restore_learner(built, state)
+        return dict(built.export_policy_weights())
     finally:
-        close = getattr(learner, "close", None)  # distributed backends: stop their processes
+        close = getattr(built, "close", None)  # distributed backends: stop their processes
         if callable(close):
             close()
 

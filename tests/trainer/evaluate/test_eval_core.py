@@ -123,7 +123,8 @@ def test_train_evaluation_and_copc_eval_write_identical_records(tmp_path):
     cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
     task = build_task(task_spec(cfg))
     try:
-        held = _jsonl(tmp_path / "held_out.jsonl", task.eval_samples)  # the file stem names the benchmark
+        held_rows = list(task.eval_samples)
+        held = _jsonl(tmp_path / "held_out.jsonl", held_rows)  # the file stem names the benchmark
     finally:
         task.close()
     summary = run_experiment(cfg)
@@ -143,4 +144,42 @@ def test_train_evaluation_and_copc_eval_write_identical_records(tmp_path):
     assert [{k: v for k, v in r.items() if k not in timing} for r in ev] == \
         [{k: v for k, v in r.items() if k not in timing} for r in train]
     assert {r["benchmark"] for r in train} == {"held_out"} and len({r["seed"] for r in train}) == 6
+    assert [r["gold"] for r in train] == [str(row["answer"]) for row in held_rows for _ in range(2)]
     assert len({r["response"] for r in train}) > 1  # sampled: the episodes differ
+
+
+def test_train_held_out_records_carry_the_gold_answer(tiny_model, tmp_path):
+    """``copc train``'s held-out evaluation (the run's :func:`held_out_spec`, the generated
+    arithmetic rows of ``train.seed`` 0) writes each row's gold answer in its records, as
+    ``copc eval`` does; the spec carries the config's values."""
+    import asyncio
+
+    from trainer.config.specs import engine_spec, held_out_spec
+    from trainer.engines import make_engine
+    from trainer.evaluate.heldout import evaluate_held_out
+    from trainer.models.loading import load_tokenizer
+    from trainer.tasks import build_task
+
+    over = {**TINY, "model.path": str(tiny_model), "task.env": "math_tool",
+            "output_dir": str(tmp_path / "run"), "rollout.max_new_tokens": "4", "rollout.max_turns": "1",
+            "logging.progress": "false", "eval.num_samples": "2", "eval.k": "2", "eval.temperature": "0",
+            "train.seed": "0"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
+    spec = held_out_spec(cfg)
+    assert (spec.k, spec.temperature, spec.seed, spec.max_new_tokens, spec.agent.max_turns, spec.progress,
+            spec.output_dir) == (2, 0.0, 0, 4, 1, False, tmp_path / "run")
+    tok = load_tokenizer(tiny_model)
+    handle = make_engine(cfg.rollout.engine, engine_spec(cfg, tiny_model, tok))
+    task = build_task(task_spec(cfg))
+    try:
+        summary = asyncio.run(evaluate_held_out(spec, handle.engine, task, tok, "before_rl"))
+    finally:
+        task.close()
+        asyncio.run(handle.close())
+    records = read_records(tmp_path / "run" / "eval" / "before_rl.jsonl")
+    assert summary["n"] == 2.0 and len(records) == 4
+    # held-out row 0 of the stream of seed 0: the 2001st problem (2000 training rows come first)
+    first = [r for r in records if r["sample_id"] == "arith-0-2000"]
+    assert [(r["episode"], r["gold"]) for r in first] == [(0, "314132"), (1, "314132")]
+    assert 755 * 425 - 6743 == 314132 and "755 * 425 - 6743" in first[0]["prompt"]
+    assert [r["gold"] for r in records] == [row["answer"] for row in task.eval_samples for _ in range(2)]

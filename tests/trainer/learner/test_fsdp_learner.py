@@ -160,7 +160,7 @@ def test_fsdp_adamw_cpu_offload_step_and_sharded_checkpoint_round_trip(tiny, tmp
         assert {k: v for k, v in m2_again.items() if not k.startswith("perf/")} == \
             {k: v for k, v in m2.items() if not k.startswith("perf/")}
         assert max_diff(dict(lrn.export_policy_weights()), w2) == 0.0
-    assert max_diff(checkpoint_policy_weights(cfg, path, Path(tiny)), w1) == 0.0
+    assert max_diff(checkpoint_policy_weights(learner_spec(cfg), path, Path(tiny)), w1) == 0.0
 
 
 def test_data_parallel_row_split_and_equal_pass_counts():

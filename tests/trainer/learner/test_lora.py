@@ -179,7 +179,7 @@ def test_eval_checkpoint_reads_the_merged_policy(tiny, tmp_path):
     _, tok = load_model_and_tokenizer(tiny)
     learner.step(_batch(tok))
     path = CheckpointManager(tmp_path / "checkpoints").save(1, learner_checkpoint_state(learner))
-    weights = checkpoint_policy_weights(cfg, path, tiny)
+    weights = checkpoint_policy_weights(learner_spec(cfg), path, tiny)
     expected = dict(learner.export_policy_weights())
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
