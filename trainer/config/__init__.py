@@ -208,7 +208,8 @@ def _merge(base: DictConfig, layer: DictConfig, where: str = "") -> DictConfig:
 
     Raises:
         ConfigError: ``layer`` uses a staleness key of before the section (``train.max_staleness``,
-            ``train.staleness_mode``, ``train.fixed_lag``), naming it and the new spelling.
+            ``train.staleness_mode``, ``train.fixed_lag``), naming it and the new spelling; or
+            ``layer`` puts a list where ``base`` has a mapping, or the reverse (``where`` first).
     """
     train = layer.get("train") if isinstance(layer, DictConfig) else None
     if isinstance(train, DictConfig):
@@ -223,7 +224,15 @@ def _merge(base: DictConfig, layer: DictConfig, where: str = "") -> DictConfig:
                 and new.get("mode") != old.get("mode"):
             base = copy.deepcopy(base)
             base.train.staleness = {}
-    return OmegaConf.merge(base, layer)
+    try:
+        return OmegaConf.merge(base, layer)
+    except TypeError as e:  # omegaconf: a list over a mapping (or the reverse) is a bare TypeError
+        raise _ContainerMismatchError(f"{where}{e}: a mapping (e.g. task.settings, launcher.settings) takes "
+                                 "key: value entries, a list takes a list") from None
+
+
+class _ContainerMismatchError(ConfigError):
+    """A config layer puts a list where the config has a mapping, or the reverse."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -244,7 +253,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         cfg = schema
         if path is not None:
-            cfg = _merge(cfg, _compose(Path(path)))
+            cfg = _merge(cfg, _compose(Path(path)), where=f"{path}: ")
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
@@ -256,7 +265,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                     key, _, value = o.partition("=")
                     raise ConfigError(f"{key}={value!r}: not a valid YAML value "
                                       f"({str(e).splitlines()[0]}); quote it") from None
-                cfg = _merge(cfg, dot)
+                try:
+                    cfg = _merge(cfg, dot)
+                except _ContainerMismatchError as e:
+                    raise ConfigError(f"{o.partition('=')[0]}={o.partition('=')[2]}: {e}") from None
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

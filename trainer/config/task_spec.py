@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
 from .sections import TaskConfig
 
 if TYPE_CHECKING:  # typing only: the config package imports the sections this module uses
@@ -36,6 +37,27 @@ class TaskSpec:
     task: TaskConfig = field(default_factory=TaskConfig)
     seed: int = 0
     eval_num_samples: int = 0
+
+    def __getattr__(self, name: str) -> object:
+        """Refuse, in one line, a read of an experiment-config section other than ``task``: a task
+        written for the former ``__init__(self, cfg, env_id)`` now gets this spec as ``cfg``.
+
+        Raises:
+            ConfigError: ``name`` is one of :data:`OTHER_SECTIONS` (``cfg.train.seed`` ...), saying
+                what to read instead.
+            AttributeError: any other missing attribute.
+        """
+        if name in OTHER_SECTIONS:
+            raise ConfigError(f"a task read cfg.{name}: a task gets a TaskSpec, not the experiment config; "
+                              "read spec.task (the task section), spec.seed (train.seed) or "
+                              "spec.eval_num_samples (eval.num_samples); docs/seams.md, Tasks")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+#: The experiment config's sections other than ``task``: what a task written for the former
+#: ``__init__(self, cfg, env_id)`` may still read from the spec it now gets (refused in one line).
+OTHER_SECTIONS = frozenset({"model", "train", "rollout", "learner", "eval", "logging", "checkpoint",
+                            "launcher", "warm_start", "algorithm", "plugins", "output_dir"})
 
 
 def task_spec(cfg: ExperimentConfig) -> TaskSpec:

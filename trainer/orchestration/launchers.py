@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from seams.registry import Registry
 
+from ..errors import ConfigError
 from ..ray_util import RayClusterSettings
 
 if TYPE_CHECKING:
@@ -85,6 +86,17 @@ class LaunchSpec:
     engine_spec: EngineSpec
     learner_spec: LearnerSpec
     plugins: tuple[str, ...] = ()
+
+    @property
+    def cfg(self) -> None:
+        """The former field holding the experiment config: refused in one line.
+
+        Raises:
+            ConfigError: always, naming the fields to read instead.
+        """
+        raise ConfigError(f"launcher {self.kind!r} read spec.cfg: a launcher gets a LaunchSpec without the "
+                          "experiment config; read spec.concurrency, spec.engine_kind / spec.engine_spec, "
+                          "spec.learner_spec, spec.plugins, its own spec.settings (docs/seams.md, Launchers)")
 
 
 @dataclass

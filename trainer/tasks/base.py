@@ -169,6 +169,18 @@ class Task:
         self._closers: list[Callable[[], None]] = []
         self.settings: Any = self.parse_settings(spec.task.settings, self.env_id)
 
+    @property
+    def cfg(self) -> TaskSpec:
+        """The former attribute holding the experiment config: refused in one line.
+
+        Raises:
+            ConfigError: always, saying what to read instead (:attr:`spec`).
+        """
+        raise ConfigError(f"task {self.env_id!r} ({type(self).__qualname__}) read self.cfg: a task has "
+                          "self.spec, a TaskSpec (spec.task: the task section, spec.seed: train.seed, "
+                          "spec.eval_num_samples: eval.num_samples), not the experiment config; "
+                          "docs/seams.md, Tasks")
+
     @classmethod
     def parse_settings(cls, values: Mapping[str, Any] | None, env_id: str) -> Any:
         """This task class's settings from the ``task.settings`` mapping (also run at load, by
