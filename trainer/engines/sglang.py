@@ -20,6 +20,7 @@ from typing import Any, Literal
 import httpx
 
 from trainer.engines.base import EngineError, GenerationResult, SamplingParams
+from trainer.engines.http_retry import request_with_retries
 from trainer.engines.sglang_lora import SGLangAdapters
 from trainer.engines.sglang_protocol import build_generate_payload, parse_generate_response
 
@@ -137,33 +138,9 @@ class SGLangEngine:
                 the message names the endpoint, the attempts and the last error/answer.
         """
         cfg = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.request_timeout_s
-        last, tried = "", 0
-        for attempt in range(cfg.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(min(cfg.backoff_s * 2 ** (attempt - 1), max(0.0, deadline - loop.time())))
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            tried += 1
-            try:
-                resp = await asyncio.wait_for(self._client.request(method, path, json=json), timeout=left)
-            except TimeoutError:
-                raise EngineError(f"SGLang {method} {path} at {cfg.base_url}: no complete answer within "
-                                  f"request_timeout_s={cfg.request_timeout_s:g} s (attempt {attempt + 1}; "
-                                  f"last error: {last or 'none'})") from None
-            except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}: {resp.text[:500]}"
-                continue
-            if resp.status_code >= 400:
-                raise EngineError(f"SGLang {method} {path} -> HTTP {resp.status_code}: {resp.text[:500]}")
-            return resp
-        raise EngineError(f"SGLang {method} {path} at {cfg.base_url} failed after {tried} attempt(s); "
-                          f"last error: {last} (deadline request_timeout_s={cfg.request_timeout_s:g} s)")
+        return await request_with_retries(self._client, method, path, json, label="SGLang",
+                                          base_url=cfg.base_url, request_timeout_s=cfg.request_timeout_s,
+                                          max_retries=cfg.max_retries, backoff_s=cfg.backoff_s)
 
     async def _post_json(self, path: str, body: Any) -> Any:
         """POST ``body`` and decode the JSON answer (EngineError if it is not JSON)."""

@@ -10,21 +10,15 @@ Flags follow SGLang's ``server_args`` (https://docs.sglang.io/advanced_features/
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import weakref
-from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-import httpx
+from .server_launcher import ServerLauncher, ServerLaunchError, free_port
+
+__all__ = ["FORBIDDEN_ENV", "SGLangLaunchError", "SGLangLauncher", "SGLangLauncherConfig", "build_command",
+           "free_port"]
 
 #: Server environment variables that would change which distribution SGLang reports
 #: log-probs under (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: ``log_softmax(logits)`` at T=1,
@@ -35,18 +29,11 @@ _DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _SAMPLING_BACKENDS = ("flashinfer", "pytorch")
 
 
-class SGLangLaunchError(RuntimeError):
-    """The server exited during start-up or did not become healthy in time.
+class SGLangLaunchError(ServerLaunchError):
+    """The SGLang server exited during start-up or did not become healthy in time.
 
     The message carries the exit status (if any) and the tail of the server log.
     """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago (OS-assigned)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -208,39 +195,10 @@ def build_command(cfg: SGLangLauncherConfig, port: int) -> list[str]:
     return cmd + list(cfg.extra_args)
 
 
-def _wait_group_gone(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` seconds for every process of ``proc``'s group to end."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        proc.poll()  # reap the leader so it does not keep the group alive as a zombie
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-
-
-def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group led by ``proc``, SIGKILL it after ``grace_s`` seconds.
-
-    Signals the whole group even if the leader already exited (its children may live on).
-    """
-    pgid = proc.pid  # start_new_session=True: the leader's pid is the group id
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        if _wait_group_gone(proc, wait_s):
-            break
-    with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL was sent; reap if we can
-        proc.wait(timeout=5)
-
-
-class SGLangLauncher:
-    """Runs one SGLang server subprocess; use as a context manager.
+class SGLangLauncher(ServerLauncher):
+    """Runs one SGLang server subprocess (:class:`~trainer.engines.server_launcher.ServerLauncher`:
+    its own process group, health poll, log tail, killed on close / exit / garbage collection);
+    use as a context manager.
 
     Example::
 
@@ -251,128 +209,35 @@ class SGLangLauncher:
         SGLangLaunchError: from :meth:`start` if the server dies or times out.
     """
 
-    def __init__(self, config: SGLangLauncherConfig) -> None:
-        """Keep ``config``; nothing starts until :meth:`start`."""
-        self.config = config
-        self.port: int | None = None
-        self.proc: subprocess.Popen | None = None
-        self.log_path: Path | None = None
-        self._finalizer: weakref.finalize | None = None
+    label = "SGLang server"
+    error_cls = SGLangLaunchError
+    log_prefix = "sglang-server-"
+    config: SGLangLauncherConfig
 
-    @property
-    def url(self) -> str:
-        """Base URL of the server, e.g. ``http://127.0.0.1:30000``.
+    def build_argv(self, port: int) -> list[str]:
+        """:func:`build_command` of this launcher's config."""
+        return build_command(self.config, port)
 
-        Raises:
-            RuntimeError: before :meth:`start`.
-        """
-        if self.port is None:
-            raise RuntimeError("SGLangLauncher.url: the server has not been started")
-        return f"http://{self.config.host}:{self.port}"
-
-    @property
-    def command(self) -> list[str]:
-        """The command line of the running (or last started) server."""
-        if self.port is None:
-            raise RuntimeError("SGLangLauncher.command: the server has not been started")
-        return build_command(self.config, self.port)
+    def build_env(self) -> dict[str, str]:
+        """This process's environment without :data:`FORBIDDEN_ENV`, plus ``extra_env``."""
+        env = {k: v for k, v in os.environ.items() if k not in FORBIDDEN_ENV}
+        env.update(self.config.extra_env)
+        return env
 
     def start(self) -> SGLangLauncher:
-        """Start the server and wait until ``health_path`` answers 200.
+        """Start the server and wait until ``health_path`` answers 200 (see
+        :meth:`ServerLauncher.start`).
 
         Returns:
             self.
 
         Raises:
-            ValueError: ``model_path`` is not a directory.
-            RuntimeError: already started.
-            SGLangLaunchError: the process exited, or no healthy answer within
-                ``startup_timeout_s`` (the process group is killed first); the message
-                quotes the last ``log_tail_lines`` lines of the server log.
+            ValueError: ``model_path`` is not a directory. RuntimeError: already started.
+            SGLangLaunchError: the process exited or stayed unhealthy (with the log's tail).
         """
-        cfg = self.config
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError("SGLangLauncher.start: already running")
-        if not Path(cfg.model_path).is_dir():
-            raise ValueError(f"SGLangLauncherConfig.model_path={cfg.model_path!r}: not a directory")
-        self.port = cfg.port if cfg.port is not None else free_port(cfg.host)
-        if cfg.log_path is not None:
-            self.log_path = Path(cfg.log_path)
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        env = {k: v for k, v in os.environ.items() if k not in FORBIDDEN_ENV}
-        env.update(cfg.extra_env)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self._finalizer = weakref.finalize(self, _kill_group, self.proc, cfg.shutdown_grace_s)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.close()
-            raise
+        super().start()
         return self
-
-    def _wait_healthy(self) -> None:
-        """Poll ``health_path`` until 200, the process exits, or the timeout passes."""
-        from tqdm import tqdm
-
-        cfg = self.config
-        assert self.proc is not None
-        url = self.url + cfg.health_path
-        start = time.monotonic()
-        bar = tqdm(total=round(cfg.startup_timeout_s), desc="SGLang server start-up", unit="s",
-                   disable=not cfg.show_progress, leave=False)
-        try:
-            with httpx.Client(timeout=httpx.Timeout(30.0, connect=2.0)) as client:
-                while True:
-                    rc = self.proc.poll()
-                    if rc is not None:
-                        raise SGLangLaunchError(
-                            f"SGLang server exited with status {rc} during start-up "
-                            f"(command: {' '.join(self.command)}); last log lines "
-                            f"({self.log_path}):\n{self.log_tail()}")
-                    try:
-                        if client.get(url).status_code == 200:
-                            return
-                    except httpx.TransportError:
-                        pass
-                    elapsed = time.monotonic() - start
-                    bar.n = min(round(elapsed), bar.total)
-                    bar.refresh()
-                    if elapsed > cfg.startup_timeout_s:
-                        raise SGLangLaunchError(
-                            f"SGLang server not healthy at {url} after {cfg.startup_timeout_s:.0f} s "
-                            f"(command: {' '.join(self.command)}); last log lines "
-                            f"({self.log_path}):\n{self.log_tail()}")
-                    time.sleep(cfg.poll_interval_s)
-        finally:
-            bar.close()
-
-    def log_tail(self, lines: int | None = None) -> str:
-        """The last ``lines`` (default ``log_tail_lines``) lines of the server log."""
-        if self.log_path is None or not self.log_path.exists():
-            return "<no log>"
-        with open(self.log_path, errors="replace") as f:
-            return "".join(deque(f, maxlen=lines or self.config.log_tail_lines))
-
-    @property
-    def running(self) -> bool:
-        """Whether the server's leader process is alive."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def close(self) -> None:
-        """Kill the server's whole process group (SIGTERM, then SIGKILL); idempotent."""
-        if self._finalizer is not None:
-            self._finalizer()  # runs _kill_group once and detaches it from atexit
 
     def __enter__(self) -> SGLangLauncher:
         """Start the server (see :meth:`start`)."""
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        """Kill the server."""
-        self.close()

@@ -46,12 +46,22 @@ class SGLangAdapters:
             (raises :class:`EngineError` otherwise).
         cond: the engine's condition (guards admission; the counts here are changed under it).
         initial: the adapter the server was started with (``--lora-paths``), or None.
+        keep: adapters kept loaded, the active one included (>= 1): a load retires the adapters
+            older than the last ``keep`` (each once no request of this client uses it). 1 (SGLang's
+            default): only the active one; the vLLM engine keeps the k + 1 versions of a fixed lag k.
+        on_unloaded: ``on_unloaded(name)`` after an adapter was unloaded (e.g. remove its directory).
     """
 
     def __init__(self, post: Callable[[str, Any], Awaitable[Any]], cond: asyncio.Condition,
-                 initial: str | None = None) -> None:
+                 initial: str | None = None, *, keep: int = 1,
+                 on_unloaded: Callable[[str], None] | None = None) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r}: must be an int >= 1")
         self._post, self._cond = post, cond
+        self._keep, self._on_unloaded = keep, on_unloaded
         self.active: str | None = initial
+        #: the adapters loaded (oldest first), the active one last
+        self.loaded: list[str] = [initial] if initial is not None else []
         self.inflight: Counter[str] = Counter()
         self._seq = itertools.count(1)
         self._retiring: set[asyncio.Task] = set()
@@ -70,7 +80,8 @@ class SGLangAdapters:
     async def load(self, path: str | os.PathLike, version: int, switch: Callable[[], None]) -> str:
         """Load the PEFT adapter directory ``path`` as policy ``version`` and make new requests use it
         (``switch()`` runs in the same critical section: the engine moves its version there); the
-        previous adapter is unloaded once its requests are done. Returns the new name.
+        adapters older than the last ``keep`` are unloaded once their requests are done. Returns the
+        new name.
 
         Raises:
             EngineError: the server refused the adapter (the previous one stays active).
@@ -78,9 +89,11 @@ class SGLangAdapters:
         name = adapter_name(next(self._seq), version)
         await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": os.fspath(path)})
         async with self._cond:
-            old, self.active = self.active, name
+            self.active = name
+            self.loaded.append(name)
             switch()
-        if old is not None:
+            retired, self.loaded = self.loaded[:-self._keep], self.loaded[-self._keep:]
+        for old in retired:
             task = asyncio.create_task(self._retire(old))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
@@ -95,7 +108,10 @@ class SGLangAdapters:
         try:
             await self._post("/unload_lora_adapter", {"lora_name": name})
         except EngineError as e:
-            log.warning("SGLang: could not unload LoRA adapter %s: %s", name, e)
+            log.warning("could not unload LoRA adapter %s: %s", name, e)
+            return
+        if self._on_unloaded is not None:
+            self._on_unloaded(name)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Wait up to ``timeout_s`` seconds for the pending unloads (before the HTTP client closes),
