@@ -2,34 +2,40 @@
 
 Spec: ``docs/algorithm.md``. Everything here takes ``(B, T)`` tensors aligned on
 response tokens plus a ``loss_mask`` (1 = action token, 0 = observation/padding).
+
+The configuration half (:func:`get_preset`, :class:`AlgorithmConfig`, the registries with their
+built-ins' names, metadata and settings, :func:`margins`) imports no tensor library, so a config is
+validated without torch; the tensor functions (:func:`compute_advantages`, the estimators, losses
+and metrics) are imported on first access (``copc.compute_advantages``, ``from copc import
+value_loss``), PEP 562.
 """
 
-from .advantages import clipped_ratio, coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
-from .aggregation import LOSS_AGG_MODES, Denominators, aggregate_loss, batch_denominators
-from .analysis import TabularMDP, corrected_return_operator, solve_value, target_policy
-from .brace import BraceSettings, brace_advantage_return
-from .coupling import CouplingGrid, CouplingTerms, coordination_reversal, coupling_grid, coupling_terms
+from seams.lazy import lazy_exports
+
+from ._scalars import LOSS_AGG_MODES
+from .component_settings import BraceSettings
 from .margins import margins
-from .metrics import advantage_channel_metrics, interval_fractions, ratio_statistics, staleness_metrics
-from .outcome import (
-    batch_normalized_advantages,
-    broadcast_to_tokens,
-    group_relative_advantages,
-    masked_whiten,
-)
-from .policy_losses import (
-    decoupled_ppo_policy_loss,
-    dis_policy_loss,
-    icepop_policy_loss,
-    ppo_clip_policy_loss,
-    ppo_token_loss,
-    tis_policy_loss,
-)
 from .presets import PRESET_NAMES, AlgorithmConfig, get_preset
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from .registry import AdvantageInputs, PolicyLossInputs, compute_advantages, compute_policy_loss
-from .token_tree import TokenTree
-from .value_loss import value_loss
+
+#: The torch-backed public names, by the submodule that defines them (imported on first access).
+_LAZY: dict[str, tuple[str, ...]] = {
+    "advantages": ("clipped_ratio", "coupled_advantage_return", "gae_advantage_return",
+                   "vtrace_advantage_return"),
+    "aggregation": ("Denominators", "aggregate_loss", "batch_denominators"),
+    "analysis": ("TabularMDP", "corrected_return_operator", "solve_value", "target_policy"),
+    "brace": ("brace_advantage_return",),
+    "coupling": ("CouplingGrid", "CouplingTerms", "coordination_reversal", "coupling_grid", "coupling_terms"),
+    "metrics": ("advantage_channel_metrics", "interval_fractions", "ratio_statistics", "staleness_metrics"),
+    "outcome": ("batch_normalized_advantages", "broadcast_to_tokens", "group_relative_advantages",
+                "masked_whiten"),
+    "policy_losses": ("decoupled_ppo_policy_loss", "dis_policy_loss", "icepop_policy_loss",
+                      "ppo_clip_policy_loss", "ppo_token_loss", "tis_policy_loss"),
+    "registry": ("AdvantageInputs", "PolicyLossInputs", "compute_advantages", "compute_policy_loss"),
+    "token_tree": ("TokenTree",),
+    "value_loss": ("value_loss",),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ._scalars import check_number, check_unit_interval  # noqa: F401 - re-exported (defined without torch)
+
 Tensor = torch.Tensor
 
 
@@ -77,23 +79,6 @@ def check_1d(name: str, x: Tensor, batch: int, *, floating: bool = True) -> None
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() != 1 or x.shape[0] != batch:
         raise ValueError(f"{name} must have shape ({batch},), got {tuple(x.shape)}")
-
-
-def check_number(name: str, value: object) -> float:
-    """Return ``value`` as a float if it is a real number (not a bool or a string).
-
-    Raises:
-        ValueError: naming ``name`` and the value otherwise.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def check_unit_interval(name: str, value: object) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is a number with ``0 <= value <= 1``."""
-    if not (0.0 <= check_number(name, value) <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
 def first_bad(name: str, x: Tensor, where: Tensor) -> str | None:

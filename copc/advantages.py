@@ -35,13 +35,11 @@ from ._checks import (
     check_unit_interval,
     raise_if_not_finite,
 )
+from ._scalars import OBS_DISCOUNT_MODES  # defined without torch (config validation reads it)
 from .margins import EPS_HIGH, EPS_LOW, margins
 from .scan import action_block_bounds, reverse_action_scan, td_residuals
 
 Tensor = torch.Tensor
-
-
-OBS_DISCOUNT_MODES = ("skip", "per_token")
 
 
 def length_adaptive_lambda(loss_mask: Tensor, alpha: float) -> Tensor:

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import as_bool_mask, check_2d_float
+from ._scalars import LOSS_AGG_MODES  # defined without torch (config validation reads it)
 
 Tensor = torch.Tensor
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def check_loss_agg_mode(mode: str) -> None:

@@ -25,48 +25,18 @@ longest row's count), each one fused multiply-add: no Python loop over tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ._checks import check_number, raise_if_not_finite
 from .advantages import check_row_lambda, prepare_estimator_inputs
-from .component_settings import VTraceSettings
+from .component_settings import (  # noqa: F401 - BraceSettings re-exported (defined without torch)
+    DEFAULT_HORIZON,
+    BraceSettings,
+    check_horizon,
+)
 from .scan import action_block_bounds, reverse_action_scan, td_residuals
 
 Tensor = torch.Tensor
-
-#: The paper's reported correction horizon (policy tokens).
-DEFAULT_HORIZON = 100
-
-
-@dataclass(frozen=True)
-class BraceSettings(VTraceSettings):
-    """The BRACE estimator's own knobs (``algorithm.estimator_settings`` of ``brace``): V-trace's
-    ρ̄ and c̄ (:class:`copc.component_settings.VTraceSettings`; the ``brace`` preset writes the
-    paper's 1.2 and 1.1) and the horizon.
-
-    Attributes:
-        horizon: ``k`` ≥ 1, the number of policy tokens after ``t`` whose V-trace weights and
-            traces enter the target of ``t`` (paper: 100).
-
-    Raises:
-        ValueError: ``horizon`` not an int ≥ 1; ``rho_clip`` / ``c_clip`` not > 0.
-    """
-
-    horizon: int = DEFAULT_HORIZON
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_horizon(self.horizon)
-
-
-def check_horizon(k: object) -> int:
-    """``k`` if it is an int ≥ 1 (not a bool); else ``ValueError`` naming ``horizon``."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"horizon must be an int >= 1 (policy tokens), got {k!r}")
-    return k
-
 
 def _pack(x: Tensor, mask: Tensor, pos: Tensor, L: int) -> Tensor:
     """Action tokens of ``x`` packed to the left: ``(B, L)``, 0 after each row's last one."""

@@ -10,7 +10,7 @@ clip, observation handling, samples per prompt).
 
 The PPO-clip family (``ppo``, ``decoupled_ppo``, ``tis``, ``icepop``) shares :class:`PPOClip`;
 ``brace`` extends :class:`VTraceSettings` (its ρ̄, c̄) with its horizon
-(:class:`copc.brace.BraceSettings`). Every class validates its ranges at construction and
+(:class:`BraceSettings`). Every class validates its ranges at construction and
 raises ``ValueError`` naming the field and the value.
 """
 
@@ -77,6 +77,38 @@ class VTraceSettings:
     def __post_init__(self) -> None:
         for n in ("rho_clip", "c_clip"):
             _above_zero(n, getattr(self, n))
+
+
+#: The paper's reported correction horizon (policy tokens).
+DEFAULT_HORIZON = 100
+
+
+@dataclass(frozen=True)
+class BraceSettings(VTraceSettings):
+    """The BRACE estimator's own knobs (``algorithm.estimator_settings`` of ``brace``): V-trace's
+    ρ̄ and c̄ (:class:`VTraceSettings`; the ``brace`` preset writes the
+    paper's 1.2 and 1.1) and the horizon.
+
+    Attributes:
+        horizon: ``k`` ≥ 1, the number of policy tokens after ``t`` whose V-trace weights and
+            traces enter the target of ``t`` (paper: 100).
+
+    Raises:
+        ValueError: ``horizon`` not an int ≥ 1; ``rho_clip`` / ``c_clip`` not > 0.
+    """
+
+    horizon: int = DEFAULT_HORIZON
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_horizon(self.horizon)
+
+
+def check_horizon(k: object) -> int:
+    """``k`` if it is an int ≥ 1 (not a bool); else ``ValueError`` naming ``horizon``."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"horizon must be an int >= 1 (policy tokens), got {k!r}")
+    return k
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._checks import check_number, check_unit_interval
+from ._scalars import check_number, check_unit_interval
 
 #: Paper defaults (spec, "Margins"): ε_ℓ = 0.4, ε_h = 0.56, η_P = η_A = 0.5.
 EPS_LOW = 0.4

@@ -18,9 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._checks import check_number
-from .advantages import OBS_DISCOUNT_MODES
-from .aggregation import LOSS_AGG_MODES
+from ._scalars import LOSS_AGG_MODES, OBS_DISCOUNT_MODES, check_number
 from .margins import EPS_HIGH, EPS_LOW
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 

@@ -1,6 +1,5 @@
-"""Pick an advantage estimator or a policy loss by name from an :class:`AlgorithmConfig`.
-
-Two :class:`Registry` instances map names to adapters with one uniform signature:
+"""The built-in advantage estimators and policy losses as adapters with one uniform signature,
+and the two calls that pick one by name from an :class:`AlgorithmConfig`:
 
 * advantage estimators: ``fn(inputs: AdvantageInputs, cfg) -> (advantages, returns)``
 * policy losses: ``fn(logp, inputs: PolicyLossInputs, cfg) -> (loss, metrics)``
@@ -19,9 +18,11 @@ An advantage estimator carries metadata, read by config validation (here and in 
 * ``needs_groups`` (bool, default False): it compares samples of the same prompt (``grpo``),
   so a run needs ``n_samples_per_prompt >= 2``.
 
-The two (empty) registries, instances of :class:`seams.registry.Registry`, live in
-:mod:`copc.registries` (which :mod:`copc.presets` reads to validate names); this module fills
-them with the built-in adapters when ``copc`` is imported, so the import graph stays one-way
+The two registries, instances of :class:`seams.registry.Registry`, live in
+:mod:`copc.registries`, which registers the adapters below by reference
+(:class:`seams.registry.LazyRef`, with their metadata and settings dataclasses): validating a
+config reads the names, metadata and settings without importing this module (torch); the first
+:meth:`~seams.registry.Registry.get` of a built-in imports it. The import graph stays one-way
 (``registry -> presets -> registries``).
 """
 
@@ -33,18 +34,8 @@ import torch
 
 from .advantages import coupled_advantage_return, gae_advantage_return, vtrace_advantage_return
 from .aggregation import Denominators
-from .brace import BraceSettings, brace_advantage_return
-from .component_settings import (
-    CopcSettings,
-    DecoupledPpoSettings,
-    DisSettings,
-    GrpoSettings,
-    IcePopSettings,
-    PPOClip,
-    TisSettings,
-    VTraceSettings,
-)
-from .margins import margins
+from .brace import brace_advantage_return
+from .component_settings import PPOClip
 from .outcome import (
     batch_normalized_advantages,
     broadcast_to_tokens,
@@ -62,6 +53,7 @@ from .presets import AlgorithmConfig
 from .registries import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 Tensor = torch.Tensor
+
 
 @dataclass
 class AdvantageInputs:
@@ -103,21 +95,6 @@ class PolicyLossInputs:
     denominators: Denominators | None = None
 
 
-#: Advantage estimators, with metadata ``needs_critic`` (bool, required) and ``needs_groups``
-#: (bool, default False); see the module docstring.
-
-def _advantage_margins(cfg: AlgorithmConfig) -> tuple[float, float]:
-    """(ℓ_A, u_A) of the COPC advantage channel (η_A = 0: ρ̄ ≡ 1, ``copc_wo_rc``)."""
-    return margins(cfg.estimator_settings.eta_a, cfg.eps_low, cfg.eps_high)
-
-
-def _policy_margins(cfg: AlgorithmConfig) -> tuple[float, float]:
-    """(ℓ_P, u_P) of the DIS policy channel."""
-    return margins(cfg.policy_loss_settings.eta_p, cfg.eps_low, cfg.eps_high)
-
-
-@ADVANTAGE_ESTIMATORS.register("copc", needs_critic=True, channel_margins=_advantage_margins,
-                               settings=CopcSettings)
 def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'copc'")
     return coupled_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
@@ -127,7 +104,6 @@ def _copc(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
                                     obs_discount=cfg.obs_discount)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True)
 def _gae(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("values", who="advantage estimator 'gae'")
     return gae_advantage_return(x.rewards, x.values, x.loss_mask, gamma=cfg.gamma, lam=cfg.lam,
@@ -145,8 +121,6 @@ def _vtrace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) 
                                    obs_reward=cfg.obs_reward)
 
 
-@ADVANTAGE_ESTIMATORS.register("vtrace", needs_critic=True, per_token_obs_discount=False,
-                               lambda_rows=_vtrace_rows, settings=VTraceSettings)
 def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return _vtrace_rows(x, cfg, cfg.lam)
 
@@ -161,13 +135,10 @@ def _brace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) -
                                   obs_reward=cfg.obs_reward)
 
 
-@ADVANTAGE_ESTIMATORS.register("brace", needs_critic=True, per_token_obs_discount=False,
-                               lambda_rows=_brace_rows, settings=BraceSettings)
 def _brace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return _brace_rows(x, cfg, cfg.lam)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", needs_critic=False, needs_groups=True, settings=GrpoSettings)
 def _grpo(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("scores", "group_ids", who="advantage estimator 'grpo'")
     std_normalize = cfg.estimator_settings.std_normalize
@@ -176,7 +147,6 @@ def _grpo(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     return adv, adv.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("batch_norm", needs_critic=False)
 def _batch_norm(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     x.require("scores", who="advantage estimator 'batch_norm'")
     adv = broadcast_to_tokens(batch_normalized_advantages(x.scores), x.loss_mask)
@@ -199,7 +169,6 @@ def compute_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[T
     return adv, ret
 
 
-@POLICY_LOSSES.register("dis", channel_margins=_policy_margins, settings=DisSettings)
 def _dis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
     s = cfg.policy_loss_settings
     return dis_policy_loss(logp, x.logp_mu, x.advantages, x.loss_mask, eta_p=s.eta_p,
@@ -213,14 +182,12 @@ def _clip(s: PPOClip) -> dict:
     return dict(clip_low=s.clip_low, clip_high=s.clip_high, dual_clip_c=s.dual_clip_c)
 
 
-@POLICY_LOSSES.register("ppo", settings=PPOClip)
 def _ppo(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
     return ppo_clip_policy_loss(logp, x.logp_old, x.advantages, x.loss_mask,
                                 **_clip(cfg.policy_loss_settings),
                                 loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("decoupled_ppo", settings=DecoupledPpoSettings)
 def _decoupled(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
     s = cfg.policy_loss_settings
     return decoupled_ppo_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
@@ -229,7 +196,6 @@ def _decoupled(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple
                                      loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("tis", settings=TisSettings)
 def _tis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
     s = cfg.policy_loss_settings
     return tis_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,
@@ -237,7 +203,6 @@ def _tis(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tenso
                            loss_agg_mode=cfg.loss_agg_mode, denominators=x.denominators)
 
 
-@POLICY_LOSSES.register("icepop", settings=IcePopSettings)
 def _icepop(logp: Tensor, x: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict]:
     s = cfg.policy_loss_settings
     return icepop_policy_loss(logp, x.logp_old, x.logp_mu, x.advantages, x.loss_mask,

@@ -7,12 +7,17 @@ dataclass: the plug-in's own knobs, validated from the config's ``…_settings``
 :meth:`Registry.build_settings` (:func:`seams.settings.build_settings`). Every registry
 (estimators, losses, engines, learner backends, rank learners, tasks, environments, launchers,
 benchmark kinds, pullable models) is an instance of it, and all of them raise one error type,
-:class:`RegistryError`. Pure standard library: every package of the house may import it.
+:class:`RegistryError`. An entry (or a function in its metadata) may be a :class:`LazyRef`, a
+``"package.module:attribute"`` reference imported on first use: a built-in is then registered
+(its name, metadata and settings dataclass, which validation reads) without importing its
+implementation (torch, transformers), so a config is validated on light modules only. Pure
+standard library: every package of the house may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
@@ -43,6 +48,52 @@ def _type_name(typ: type | tuple[type, ...]) -> str:
     return getattr(typ, "__name__", repr(typ))
 
 
+class LazyRef:
+    """An entry, or a function in an entry's metadata, named by ``"package.module:attribute"``
+    (the attribute may be dotted: ``"pkg.mod:Class.from_spec"``) and imported on first use.
+
+    :meth:`Registry.get` returns the object it names (imported once, then kept in the registry);
+    in metadata it stays a reference and calling it imports and calls the target, so a built-in's
+    registration (name, capability metadata, settings dataclass) costs no import of its code.
+
+    Args:
+        ref: ``"package.module:attribute"``.
+
+    Raises:
+        RegistryError: ``ref`` is not of that form.
+    """
+
+    __slots__ = ("_target", "ref")
+
+    def __init__(self, ref: str) -> None:
+        module, sep, attr = ref.partition(":") if isinstance(ref, str) else ("", "", "")
+        if not (module and sep and attr):
+            raise RegistryError(f"LazyRef({ref!r}): must be 'package.module:attribute'")
+        self.ref = ref
+        self._target: Any = _MISSING
+
+    def load(self) -> Any:
+        """The object named by :attr:`ref` (its module imported on the first call).
+
+        Raises:
+            ImportError: the module cannot be imported. AttributeError: it has no such attribute.
+        """
+        if self._target is _MISSING:
+            module, _, attr = self.ref.partition(":")
+            obj: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            self._target = obj
+        return self._target
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the named object (imported on the first call) with the given arguments."""
+        return self.load()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LazyRef({self.ref!r})"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry(Generic[E]):
     entry: E
@@ -70,6 +121,7 @@ class Registry(Generic[E]):
         def make_mine(spec): ...
 
         ENGINES.register("other", make_other)            # the call form
+        ENGINES.register("big", LazyRef("pkg.big:make"))  # imported when first fetched
     """
 
     def __init__(self, kind: str, metadata: Mapping[str, tuple[Any, Any]] | None = None, *,
@@ -108,7 +160,8 @@ class Registry(Generic[E]):
 
         Args:
             name: a non-empty string, not yet registered (unless ``overwrite``).
-            entry: the function / factory / class / spec; omitted: return a decorator.
+            entry: the function / factory / class / spec, or a :class:`LazyRef` to it (imported
+                by the first :meth:`get`); omitted: return a decorator.
             settings: the plug-in's settings dataclass type (its own knobs, validated from the
                 config's ``…_settings`` section by :meth:`build_settings`), or None (no knobs).
             overwrite: replace an existing registration instead of raising.
@@ -147,22 +200,34 @@ class Registry(Generic[E]):
             raise RegistryError(f"{where}unknown {self.kind} {name!r}; known: {self.names()}") from None
 
     def unregister(self, name: str) -> E:
-        """Remove ``name`` (e.g. a test's temporary entry) and return its entry.
+        """Remove ``name`` (e.g. a test's temporary entry) and return its entry (a
+        :class:`LazyRef` entry imported, as :meth:`get`).
 
         Raises:
             RegistryError: for an unknown name, listing the known ones.
         """
-        entry = self._get_entry(name).entry
+        entry = self.get(name)
         del self._entries[name]
         return entry
 
     def get(self, name: str) -> E:
-        """Return the entry registered as ``name``.
+        """Return the entry registered as ``name`` (a :class:`LazyRef` entry is imported now and
+        kept: later calls return the same object).
 
         Raises:
-            RegistryError: for an unknown name, listing the known ones.
+            RegistryError: for an unknown name, listing the known ones; a :class:`LazyRef` entry
+                that is not callable in a registry of callables.
+            ImportError, AttributeError: a :class:`LazyRef` entry whose target cannot be imported.
         """
-        return self._get_entry(name).entry
+        e = self._get_entry(name)
+        if not isinstance(e.entry, LazyRef):
+            return e.entry
+        obj = e.entry.load()
+        if self.callable_entries and not callable(obj):
+            raise RegistryError(f"{self.kind} {name!r}: {e.entry.ref} is {obj!r}, not callable")
+        if self._entries.get(name) is e:  # loading may have re-registered it (overwrite): keep that
+            self._entries[name] = dataclasses.replace(e, entry=obj)
+        return obj
 
     def metadata(self, name: str) -> Mapping[str, Any]:
         """Read-only capability metadata of ``name`` (every schema key, defaults filled in).

@@ -75,7 +75,8 @@ class Seam:
 #: registry is imported by name when a config is validated). A new seam is one row here.
 SEAMS: tuple[Seam, ...] = (
     Seam("engine", "rollout.engine", "trainer.engines.registry:ENGINES", "rollout.engine_settings"),
-    Seam("learner backend", "learner.backend", "trainer.learner.base:LEARNERS", "learner.backend_settings"),
+    Seam("learner backend", "learner.backend", "trainer.learner.registry:LEARNERS",
+         "learner.backend_settings"),
     Seam("task", "task.env", "trainer.tasks:TASKS", "task.settings", resolve="environments:resolve",
          optional=True),
     Seam("launcher", "launcher.kind", "trainer.orchestration.launchers:LAUNCHERS", "launcher.settings"),

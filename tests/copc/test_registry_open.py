@@ -3,11 +3,15 @@ validation and is dispatched to; the metadata (needs_critic, needs_groups) drive
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import copc
-from seams.registry import REQUIRED, Registry
+from seams.registry import REQUIRED, LazyRef, Registry, RegistryError
 
 BUILTIN_ESTIMATORS = ["batch_norm", "brace", "copc", "gae", "grpo", "vtrace"]
 BUILTIN_LOSSES = ["decoupled_ppo", "dis", "icepop", "ppo", "tis"]
@@ -197,3 +201,41 @@ def test_generic_registry_with_defaults():
     with pytest.raises(ValueError, match=r"unknown thing 'c'; known: \['a', 'b'\]"):
         reg.metadata("c")
     assert [] not in reg  # unhashable: not a member, no TypeError
+
+
+def test_lazy_entries_are_imported_on_first_get(tmp_path, monkeypatch):
+    """A LazyRef entry is registered (name, metadata, settings) without importing its module; the
+    first get imports it and keeps the object; a metadata LazyRef calls through."""
+    (tmp_path / "lazy_mod_for_test.py").write_text("def double(x):\n    return 2 * x\n\nVALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("thing", metadata={"hook": ((type(None), Callable), None)})
+    reg.register("d", LazyRef("lazy_mod_for_test:double"), hook=LazyRef("lazy_mod_for_test:double"))
+    reg.register("v", LazyRef("lazy_mod_for_test:VALUE"))
+    assert reg.names() == ["d", "v"] and "lazy_mod_for_test" not in sys.modules
+    assert repr(reg.metadata("d")["hook"]) == "LazyRef('lazy_mod_for_test:double')"
+    assert reg.metadata("d")["hook"](21) == 42  # imports the module now
+    fn = reg.get("d")
+    assert fn is sys.modules["lazy_mod_for_test"].double and reg.get("d") is fn and fn(5) == 10
+    with pytest.raises(RegistryError, match=r"thing 'v': lazy_mod_for_test:VALUE is 3, not callable"):
+        reg.get("v")
+    specs = Registry("spec", callable_entries=False)
+    specs.register("v", LazyRef("lazy_mod_for_test:VALUE"))
+    assert specs.get("v") == 3
+    with pytest.raises(RegistryError, match=r"LazyRef\('no_colon'\): must be 'package.module:attribute'"):
+        LazyRef("no_colon")
+    reg.register("gone", LazyRef("lazy_mod_for_test:missing"))
+    with pytest.raises(AttributeError):
+        reg.get("gone")
+
+
+def test_builtins_are_registered_without_torch():
+    """Validating an algorithm config (names, metadata, settings of the built-ins) imports no torch."""
+    code = ("import sys, copc\n"
+            "cfg = copc.get_preset('brace', estimator_settings={'horizon': 5})\n"
+            "assert copc.ADVANTAGE_ESTIMATORS.metadata('vtrace')['per_token_obs_discount'] is False\n"
+            "print(cfg.estimator_settings.horizon, 'torch' in sys.modules)\n"
+            "copc.compute_advantages\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split() == ["5", "False", "True"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..models.lora import DEFAULT_TARGET_MODULES, LoraSettings
+from ..models.settings import DEFAULT_TARGET_MODULES, LoraSettings
 
 
 def _settings(key: str, **values) -> LoraSettings:

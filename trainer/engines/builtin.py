@@ -1,7 +1,7 @@
 """Factories of the built-in engines, registered under ``embedded`` and ``sglang``.
 
 See :mod:`trainer.engines.registry` for the protocol. Heavy imports happen inside the
-factories, so registering costs nothing.
+factories, so registering costs nothing (a config is validated without torch).
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..models.lora import AdapterWeights
 from .registry import EngineHandle, EngineSpec, Weights
+
+if TYPE_CHECKING:
+    from ..models.lora import AdapterWeights
 
 
 def embedded_engine(spec: EngineSpec) -> EngineHandle:

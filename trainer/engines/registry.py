@@ -18,17 +18,19 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from seams.registry import Registry
 
-from ..models.lora import AdapterWeights
 from .base import InferenceEngine
 
+if TYPE_CHECKING:  # the registry is read when a config is validated: no torch at import
+    import torch
+
+    from ..models.lora import AdapterWeights
+
 #: ``(name, tensor)`` pairs in Hugging Face names (what ``Learner.export_policy_weights`` yields).
-Weights = Iterable[tuple[str, torch.Tensor]]
+Weights = Iterable[tuple[str, "torch.Tensor"]]
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+from ..models.settings import DEFAULT_CHUNK_TOKENS
 from .settings import AUTOCAST_DTYPES
 
 #: ``launch`` values of :class:`DistributedSettings`.

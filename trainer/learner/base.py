@@ -7,7 +7,9 @@ experiment config). The loop (:mod:`trainer.orchestration.loop`), the Ray launch
 and ``run.py`` use only this protocol. The RL maths a backend reuses lives in
 :mod:`trainer.learner.algorithm` (which calls :mod:`copc`).
 
-Adding a backend = one file defining the class + one :func:`register_learner` call.
+Adding a backend = one file defining the class + one :func:`register_learner` call. The registry
+(:data:`LEARNERS`, :func:`register_learner`) lives in :mod:`trainer.learner.registry`, which
+registers the built-ins without importing them (re-exported here).
 
 A backend whose state is sharded over processes (``fsdp``, ``megatron``) also implements
 :class:`ShardedCheckpoint`: its ranks write the state into a directory of the checkpoint being
@@ -23,11 +25,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from seams.registry import Registry
-
 from ..errors import ConfigError
 from ..outputs.checkpoint import DirectoryState
 from ..rollout.batch import RolloutBatch
+from .registry import (  # noqa: F401 - re-exported: the registry and its built-ins are defined without torch
+    LEARNER_METADATA,
+    LEARNERS,
+    register_learner,
+)
 from .spec import LearnerSpec
 
 #: Checkpoint key of a :class:`ShardedCheckpoint` learner's directory (next to ``learner``).
@@ -72,44 +77,6 @@ class Learner(Protocol):
 #: ``spec.settings``), ``model_dir`` a ``save_pretrained`` directory with the actor's architecture
 #: and initial weights.
 LearnerFactory = Callable[[LearnerSpec, Path], Learner]
-
-
-#: Capability metadata of a learner backend (checked against the config's ``learner`` section by
-#: :meth:`~trainer.config.learner_section.LearnerSection.check_plugin`): ``distributed`` (it runs on
-#: ``learner.backend_settings.world_size`` rank processes; set by
-#: :func:`~trainer.learner.distributed.registry.register_rank_learner`), ``tensor_parallel`` and
-#: ``pipeline_parallel`` (it accepts a ``tensor_parallel_size`` / ``pipeline_parallel_size`` > 1 in
-#: its :class:`~trainer.learner.backend_settings.DistributedSettings`), ``lora`` (it trains
-#: ``learner.lora`` / ``learner.critic_lora`` adapters and has ``export_adapter()``). A backend's
-#: other features are its settings dataclass's fields (``settings=``): a setting it lacks is refused.
-LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
-                    "pipeline_parallel": (bool, False), "lora": (bool, False)}
-
-#: The learner-backend registry, ``learner.backend`` → factory (``torch`` and ``fsdp`` are
-#: registered by :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`);
-#: a :class:`seams.registry.Registry`.
-LEARNERS: Registry[LearnerFactory] = Registry("learner backend", LEARNER_METADATA, key="learner.backend")
-
-
-def register_learner(name: str, factory: LearnerFactory, overwrite: bool = False, *,
-                     settings: type | None = None, **metadata: Any) -> LearnerFactory:
-    """Register a learner backend in :data:`LEARNERS`.
-
-    Args:
-        name: the value of ``learner.backend``.
-        factory: ``factory(spec, model_dir) -> Learner`` (:data:`LearnerFactory`).
-        overwrite: replace an existing registration.
-        settings: the backend's settings dataclass (``learner.backend_settings``), or None.
-        **metadata: capability metadata of :data:`LEARNER_METADATA`.
-
-    Returns:
-        ``factory``.
-
-    Raises:
-        seams.registry.RegistryError: (a ``ValueError``) empty name, or ``name`` taken and
-            ``overwrite`` is False.
-    """
-    return LEARNERS.register(name, factory, overwrite=overwrite, settings=settings, **metadata)
 
 
 def make_learner(spec: LearnerSpec, model_dir: str | Path) -> Learner:

@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..models.chunked_logprobs import DEFAULT_CHUNK_TOKENS
-from ..models.lora import LoraSettings
+from ..models.settings import DEFAULT_CHUNK_TOKENS, LoraSettings
 
 #: ``learner.optimizer`` values.
 OPTIMIZERS = ("adamw", "sgd")

@@ -82,7 +82,7 @@ class LearnerSpec:
         """
         if isinstance(self.settings, cls):
             return self.settings
-        learners = registry("learner.backend")  # trainer.learner.base.LEARNERS (base imports this module)
+        learners = registry("learner.backend")  # trainer.learner.registry.LEARNERS
         # read the section as the backend registered with ``cls`` would (same checks, same messages)
         owner = next((n for n in learners.names() if learners.settings_type(n) is cls), None)
         if owner is None:

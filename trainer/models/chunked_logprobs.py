@@ -24,11 +24,9 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-Tensor = torch.Tensor
+from .settings import DEFAULT_CHUNK_TOKENS  # defined without torch (the learner's settings read it)
 
-#: Default tokens per chunk (``learner.backend_settings.logprob_chunk_tokens``): with a 49k vocabulary
-#: a chunk's float32 logits are 100 MB; with 151k, 310 MB.
-DEFAULT_CHUNK_TOKENS = 512
+Tensor = torch.Tensor
 
 
 def chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, temperature: float) -> Tensor:

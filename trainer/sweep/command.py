@@ -28,7 +28,7 @@ import yaml
 
 from trainer.errors import ConfigError
 
-from .grid import SweepSpec, format_value, load_spec, parse_grid_arg, parse_seeds
+from .grid import SweepSpec, format_value, heatmap_axes, load_spec, parse_grid_arg, parse_seeds
 
 EXIT_FAILED_RUNS = 1
 EXIT_CONFIG_ERROR = 2
@@ -123,7 +123,6 @@ def sweep_command(args: argparse.Namespace) -> int:
         0 (every run finished), 1 (a run failed), 2 (bad spec/config), 130 (Ctrl-C).
     """
     from .plan import build_plan
-    from .plots import heatmap_axes
 
     try:
         spec = spec_from_args(args)

@@ -272,7 +272,7 @@ class SweepSpec:
         base config's seed). out: sweep directory (None: ``runs/sweeps/<config name>``).
         overrides: ``key=value`` applied to every cell. metric: eval metric (None: ``em`` for the
         search task, else ``accuracy``, i.e. avg@k). x_key / y_key / panel_key: heatmap axes
-        (None: defaults, see :func:`trainer.sweep.plots.heatmap_axes`). parallel: runs at once.
+        (None: defaults, see :func:`heatmap_axes`). parallel: runs at once.
         eval_checkpoints: evaluate every kept checkpoint post hoc.
     """
 
@@ -349,3 +349,28 @@ def load_spec(path: str | Path) -> SweepSpec:
         spec.parallel = raw["parallel"]
     spec.eval_checkpoints = bool(raw.get("eval_checkpoints", False))
     return spec
+
+
+def heatmap_axes(keys: list[str], x_key: str | None = None, y_key: str | None = None,
+                 panel_key: str | None = None) -> tuple[str, str | None, str | None, list[str]]:
+    """``(x, y, panel, rest)`` keys: given ones first, then the grid keys in order fill
+    y, x, panel (so ``eta_p, eta_a, fixed_lag`` → y = eta_p, x = eta_a, panels = fixed_lag).
+
+    Raises:
+        ConfigError: a given key that is not a grid key, or the same key twice.
+    """
+    given = {"x_key": x_key, "y_key": y_key, "panel_key": panel_key}
+    for name, k in given.items():
+        if k is not None and k not in keys:
+            raise ConfigError(f"--{name.replace('_', '-')} {k!r}: not a grid key; grid keys: {keys}")
+    chosen = [k for k in given.values() if k is not None]
+    if len(set(chosen)) != len(chosen):
+        raise ConfigError(f"heatmap axes must be distinct grid keys, got x={x_key}, y={y_key}, "
+                          f"panel={panel_key}")
+    free = [k for k in keys if k not in chosen]
+    y = y_key or (free.pop(0) if len(free) >= 2 or (free and x_key) else None)
+    if x_key is None and not free:
+        raise ConfigError(f"heatmap: no grid key left for the x axis (y={y}, panel={panel_key})")
+    x = x_key or free.pop(0)
+    panel = panel_key or (free.pop(0) if free else None)
+    return x, y, panel, free

@@ -25,7 +25,6 @@ import yaml
 
 from trainer.config import ExperimentConfig, load_config, plugin_metadata, to_yaml
 from trainer.errors import ConfigError
-from trainer.outputs.checkpoint import CheckpointManager
 from trainer.outputs.metrics_log import SUMMARY_FILE
 
 from .grid import Cell, SweepSpec, check_key, format_value
@@ -114,6 +113,8 @@ class RunPlan:
     def checkpoints_to_evaluate(self) -> list[Path]:
         """Kept checkpoints before the last step (the last step's weights are the ones the run's
         own after-RL evaluation scored), oldest first; empty without ``eval_checkpoints``."""
+        from trainer.outputs.checkpoint import CheckpointManager  # torch: not needed to validate a sweep
+
         d = self.run_dir / "checkpoints"
         if not self.eval_checkpoints or not d.is_dir():
             return []

@@ -25,12 +25,11 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from trainer.errors import ConfigError
 from trainer.outputs.checkpoint import CheckpointManager
 from trainer.outputs.metrics_log import read_metrics
 
 from .collect import CellAgg
-from .grid import Grid, format_value, short_names
+from .grid import Grid, format_value, heatmap_axes, short_names
 from .plan import RunPlan
 
 #: metrics.jsonl key of the mean training reward per step (:mod:`trainer.orchestration.loop`).
@@ -63,31 +62,6 @@ def cell_text(mean: float, sd: float, digits: int = 3) -> str:
     if math.isnan(mean):
         return "n/a"
     return f"{mean:.{digits}f}" if math.isnan(sd) else f"{mean:.{digits}f}\n± {sd:.{digits}f}"
-
-
-def heatmap_axes(keys: list[str], x_key: str | None = None, y_key: str | None = None,
-                 panel_key: str | None = None) -> tuple[str, str | None, str | None, list[str]]:
-    """``(x, y, panel, rest)`` keys: given ones first, then the grid keys in order fill
-    y, x, panel (so ``eta_p, eta_a, fixed_lag`` → y = eta_p, x = eta_a, panels = fixed_lag).
-
-    Raises:
-        ConfigError: a given key that is not a grid key, or the same key twice.
-    """
-    given = {"x_key": x_key, "y_key": y_key, "panel_key": panel_key}
-    for name, k in given.items():
-        if k is not None and k not in keys:
-            raise ConfigError(f"--{name.replace('_', '-')} {k!r}: not a grid key; grid keys: {keys}")
-    chosen = [k for k in given.values() if k is not None]
-    if len(set(chosen)) != len(chosen):
-        raise ConfigError(f"heatmap axes must be distinct grid keys, got x={x_key}, y={y_key}, "
-                          f"panel={panel_key}")
-    free = [k for k in keys if k not in chosen]
-    y = y_key or (free.pop(0) if len(free) >= 2 or (free and x_key) else None)
-    if x_key is None and not free:
-        raise ConfigError(f"heatmap: no grid key left for the x axis (y={y}, panel={panel_key})")
-    x = x_key or free.pop(0)
-    panel = panel_key or (free.pop(0) if free else None)
-    return x, y, panel, free
 
 
 def _draw(aggs: dict[tuple, CellAgg], grid: Grid, axes_keys: tuple, fixed: dict[str, str], value: str,

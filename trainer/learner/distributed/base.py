@@ -38,9 +38,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from seams.registry import Registry
-
 from ...rollout.batch import RolloutBatch
+from ..registry import RANK_LEARNERS  # noqa: F401 - re-exported: the rank-learner registry (defined without torch)
 from ..spec import LearnerSpec
 
 
@@ -155,10 +154,3 @@ class MemoryProbe(Protocol):
 #: ``torch.distributed`` is initialised (``spec``: the :class:`~trainer.learner.spec.LearnerSpec` the
 #: driver pickled to the rank; the backend's own settings are ``spec.settings``).
 RankLearnerFactory = Callable[[LearnerSpec, Path, RankContext], RankLearner]
-
-#: The rank-learner registry, ``learner.backend`` → per-rank factory (``fsdp`` registered by
-#: :mod:`trainer.learner`, ``megatron`` by :mod:`trainer.learner.backends.megatron`, both through
-#: :func:`~trainer.learner.distributed.registry.register_rank_learner`); a :class:`seams.registry.Registry`.
-#: It lives here, beside the protocol, so the driver and the rank processes read it without
-#: importing the registration module (which imports the driver).
-RANK_LEARNERS: Registry[RankLearnerFactory] = Registry("distributed rank learner", key="learner.backend")

@@ -107,7 +107,7 @@ class DistributedLearner:
     def __init__(self, spec: LearnerSpec, model_dir: str | Path) -> None:
         from .base import RANK_LEARNERS
 
-        RANK_LEARNERS.get(spec.backend)  # RegistryError naming learner.backend
+        RANK_LEARNERS.metadata(spec.backend)  # RegistryError naming learner.backend (imports nothing)
         #: the backend's rank layout, launch and timeout
         self.settings = spec.settings_as(DistributedSettings)
         check_launch(self.settings)

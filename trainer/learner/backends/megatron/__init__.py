@@ -1,6 +1,7 @@
 """The Megatron-core learner backend (``learner.backend: megatron``): tensor + data parallel.
 
-Importing this package registers the backend and imports nothing heavy: Megatron-core and
+The backend is registered by :mod:`trainer.learner.registry` (by reference to
+:func:`build_rank_learner`); importing this package imports nothing heavy: Megatron-core and
 mbridge (~10 s of imports) load inside the rank processes, when the factory runs. Modules:
 :mod:`.shims` (CPU/compat shims), :mod:`.bridge` (Hugging Face ↔ ``GPTModel`` through mbridge),
 :mod:`.logprobs` (vocab-parallel log-probs), :mod:`.optim` (optimizers),
@@ -12,8 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...backend_settings import DistributedSettings
-from ...distributed.registry import RANK_LEARNERS, register_rank_learner
 from ...spec import LearnerSpec
 
 
@@ -23,8 +22,5 @@ def build_rank_learner(spec: LearnerSpec, model_dir: Path, ctx: Any) -> Any:
 
     return build_megatron_rank_learner(spec, model_dir, ctx)
 
-
-if "megatron" not in RANK_LEARNERS:
-    register_rank_learner("megatron", build_rank_learner, settings=DistributedSettings, tensor_parallel=True)
 
 __all__ = ["build_rank_learner"]
