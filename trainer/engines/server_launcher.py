@@ -23,8 +23,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 
 class ServerLaunchError(RuntimeError):
     """The server exited during start-up or did not become healthy in time.
@@ -168,6 +166,7 @@ class ServerLauncher:
 
     def _wait_healthy(self) -> None:
         """Poll ``health_path`` until 200, the process exits, or the timeout passes."""
+        import httpx  # here, not at import: engines are registered when a config is validated
         from tqdm import tqdm
 
         cfg = self.config

@@ -29,7 +29,7 @@ class VLLMEngineConfig:
 
     Attributes:
         base_url: e.g. ``http://127.0.0.1:8000`` (``VLLMLauncher.url``).
-        model: the served base model's name (``--served-model-name``).
+        served_model_name: the served base model's name (``--served-model-name``).
         request_timeout_s: deadline of one call in seconds, retries and back-off included.
         connect_timeout_s: seconds to open a connection.
         max_retries: retries after a connection error or a 5xx answer (0: none).
@@ -45,7 +45,7 @@ class VLLMEngineConfig:
     """
 
     base_url: str
-    model: str = "policy"
+    served_model_name: str = "policy"
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     max_retries: int = 3
@@ -128,13 +128,13 @@ class VLLMEngine:
             ValueError: bad ``prompt_ids``, or top_p < 1 / top_k > 0 (refused: see :mod:`.vllm_protocol`).
             EngineError: HTTP failure after retries, or a malformed answer.
         """
-        build_completion_payload(prompt_ids, params, self.config.model)  # refuse before waiting
+        build_completion_payload(prompt_ids, params, self.config.served_model_name)  # refuse before waiting
         async with self._cond:
             await self._cond.wait_for(lambda: not self._paused)
             self._inflight += 1
             version, lora = self._version, self.adapters.acquire()
         try:
-            payload = build_completion_payload(prompt_ids, params, lora or self.config.model)
+            payload = build_completion_payload(prompt_ids, params, lora or self.config.served_model_name)
             resp = await self._request("POST", "/v1/completions", json=payload)
             try:
                 body = resp.json()

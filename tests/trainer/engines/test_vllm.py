@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from trainer.engines.base import EngineError, SamplingParams
-from trainer.engines.registry import EngineSpec
+from trainer.engines.registry import EngineSpec, make_engine
 from trainer.engines.vllm_factory import VLLMSettings, vllm_engine
 from trainer.engines.vllm_launcher import (
     DEFAULT_VLLM_PYTHON,
@@ -101,7 +101,8 @@ def _adapter(model: torch.nn.Module, seed: int) -> AdapterWeights:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
-    """(handle, learner model with LoRA, tokenizer, loop, {version: adapter}) of one started server."""
+    """(handle, learner model with LoRA, tokenizer, loop, {version: adapter}) of one server started
+    through the engine registry (``rollout.engine: vllm``)."""
     tmp = tmp_path_factory.mktemp("vllm")
     ckpt = save_tiny_checkpoint(tmp / "tiny", TINY)
     model, tok = load_model_and_tokenizer(ckpt)
@@ -109,7 +110,7 @@ def vllm_server(tmp_path_factory):
     adapters = {0: _adapter(model, 0)}
     settings = VLLMSettings(enforce_eager=True, max_model_len=1024, kv_cache_gib=1, startup_timeout_s=900,
                             keep_adapters=2, max_retries=2)
-    handle = vllm_engine(EngineSpec(model_dir=ckpt, tokenizer=tok, version=0, work_dir=tmp / "work",
+    handle = make_engine("vllm", EngineSpec(model_dir=ckpt, tokenizer=tok, version=0, work_dir=tmp / "work",
                                     settings=settings, adapter=adapters[0]))
     loop = _Loop()
     yield handle, model, tok, loop, adapters
