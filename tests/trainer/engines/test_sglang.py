@@ -1,5 +1,5 @@
-"""SGLang engine: the real launcher + HTTP client end to end against a PROTOCOL STAND-IN server (tests/trainer/
-sglang_protocol_standin/sglang/launch_server.py). The stand-in is started by our
+"""SGLang engine: the real launcher + HTTP client end to end against a PROTOCOL STAND-IN server
+(tests/trainer/sglang_protocol_standin/sglang/launch_server.py). The stand-in is started by our
 SGLangLauncher as ``python -m sglang.launch_server`` (stand-in first on PYTHONPATH); it
 answers SGLang's native endpoints in the documented shapes. It is not SGLang and not a mock
 of our code. The live test against real SGLang is marked ``gpu``. The request/response mapping
@@ -325,9 +325,10 @@ def test_launcher_crash_surfaces_log_tail(tmp_path):
 
 
 def test_launcher_timeout_kills_group(tmp_path):
-    launcher = SGLangLauncher(_standin_cfg(tmp_path, startup_timeout_s=3.0,
+    # 10 s: the stand-in must have printed its "hanging" line by then, also on a loaded machine
+    launcher = SGLangLauncher(_standin_cfg(tmp_path, startup_timeout_s=10.0,
                                            extra_env={"STANDIN_MODE": "hang"}))
-    with pytest.raises(SGLangLaunchError, match=r"(?s)not healthy .* after 3 s.*hanging before serving"):
+    with pytest.raises(SGLangLaunchError, match=r"(?s)not healthy .* after 10 s.*hanging before serving"):
         launcher.start()
     assert _wait_dead(launcher.proc.pid) and _wait_dead(_child_pid(launcher.log_tail()))
 

