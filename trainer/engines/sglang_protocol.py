@@ -25,6 +25,12 @@ from typing import Any
 
 from trainer.engines.base import EngineError, GenerationResult, SamplingParams, StopReason
 
+#: SGLang's ``_SAMPLING_EPS`` (``srt/sampling/sampling_params.py``): a temperature below it is greedy.
+SGLANG_SAMPLING_EPS = 1e-6
+#: the "stop string" SGLang reports when a sampled id falls outside the vocabulary (NaN logits:
+#: ``Req._check_vocab_boundary_finish`` in ``srt/managers/schedule_batch.py``).
+SGLANG_NAN_MATCH = "NaN happened"
+
 
 def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
                            forward_seed: bool = False) -> dict[str, Any]:
@@ -43,8 +49,9 @@ def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
         "top_logprobs_num": 0, "stream": False}``.
 
     Raises:
-        ValueError: bad ``prompt_ids``; ``top_k == 1`` with ``temperature != 1`` (SGLang
-            samples greedily and reports log-probs at temperature 1 then).
+        ValueError: bad ``prompt_ids``; ``top_k == 1`` with ``temperature != 1``, or a temperature
+            below :data:`SGLANG_SAMPLING_EPS` (SGLang samples greedily and reports log-probs at
+            temperature 1 then).
     """
     if isinstance(prompt_ids, (str, bytes)) or not len(prompt_ids):
         raise ValueError(f"prompt_ids={prompt_ids!r}: must be a non-empty sequence of token ids")
@@ -57,6 +64,10 @@ def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
         raise ValueError(
             f"SamplingParams.top_k=1 with temperature={params.temperature!r}: SGLang treats top_k=1 "
             "as greedy and reports log-probs at temperature 1; use temperature=1.0 with top_k=1")
+    if params.temperature < SGLANG_SAMPLING_EPS:
+        raise ValueError(
+            f"SamplingParams.temperature={params.temperature!r}: below SGLang's {SGLANG_SAMPLING_EPS:g} it "
+            "samples greedily and reports log-probs at temperature 1; use top_k=1 with temperature=1.0")
     sampling: dict[str, Any] = {
         "temperature": float(params.temperature),
         "top_p": float(params.top_p),
@@ -79,6 +90,9 @@ def _finish_reason(fr: object) -> tuple[StopReason, dict[str, Any]]:
     SGLang: ``{"type": "stop", "matched": <int token id>}`` (EOS / stop token),
     ``{"type": "stop", "matched": <str>}`` (stop string), ``{"type": "length", "length": n}``,
     ``{"type": "abort", "message": ...}``.
+
+    Raises:
+        EngineError: an unknown shape, or ``matched`` :data:`SGLANG_NAN_MATCH` (NaN logits on the server).
     """
     if not isinstance(fr, dict) or fr.get("type") not in ("stop", "length", "abort"):
         raise EngineError(f"SGLang response: meta_info.finish_reason={fr!r} is not "
@@ -89,6 +103,9 @@ def _finish_reason(fr: object) -> tuple[StopReason, dict[str, Any]]:
         if isinstance(matched, bool) or not isinstance(matched, (int, str)):
             raise EngineError(f"SGLang response: meta_info.finish_reason={fr!r}: 'matched' must be "
                               "a token id (EOS) or a stop string")
+        if matched == SGLANG_NAN_MATCH:
+            raise EngineError(f"SGLang response: meta_info.finish_reason={fr!r}: the server sampled a token "
+                              "outside the vocabulary (NaN logits), not a stop string")
         return ("eos" if isinstance(matched, int) else "stop"), {"matched": matched}
     if kind == "abort":
         return "abort", {"abort_message": fr.get("message")}
