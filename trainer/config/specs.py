@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engines.registry import ENGINES, EngineSpec, Weights
+from ..engines.base import SamplingParams
+from ..engines.registry import ENGINES, EngineCheck, EngineSpec, Weights
 from ..errors import ConfigError
 from ..learner.settings import LearnerConfig, OptimizerSettings, step_fields
 from ..learner.spec import LearnerSpec
@@ -24,6 +25,7 @@ from ..rollout.agent_loop import AgentLoopConfig
 from . import plugin_settings
 from .sections import ModelConfig, RolloutConfig, TaskConfig, WarmStartConfig
 from .task_spec import TaskSpec, task_spec  # noqa: F401 - re-exported: a task's spec and builder
+from .train_section import FixedStaleness
 
 if TYPE_CHECKING:  # typing only: the config package imports this module
     from . import ExperimentConfig
@@ -49,18 +51,28 @@ def engine_spec(cfg: ExperimentConfig, model_dir: Path | str, tokenizer: Any, *,
 
 
 def preflight_engine(cfg: ExperimentConfig) -> None:
-    """Run the preflight check ``cfg.rollout.engine`` was registered with (no-op without one).
+    """Run the preflight check ``cfg.rollout.engine`` was registered with (no-op without one) on the
+    run's :class:`~trainer.engines.registry.EngineCheck`: the engine's settings, the rollouts'
+    sampling (``rollout.temperature`` / ``top_p`` / ``top_k`` / ``max_new_tokens``), whether the
+    policy is a LoRA adapter (``learner.lora``) and the fixed lag of ``train.staleness`` (the
+    effective one, :attr:`~trainer.config.ExperimentConfig.staleness`).
 
     Raises:
         ConfigError: unknown engine (naming ``rollout.engine`` and the registered ones), or from
-            the check (e.g. SGLang without a GPU).
+            the check (e.g. SGLang without a GPU, ``vllm`` with ``rollout.top_p < 1``).
     """
     try:
         check = ENGINES.metadata(cfg.rollout.engine)["preflight"]
     except KeyError as e:  # RegistryError: one line naming rollout.engine
         raise ConfigError(str(e)) from None
-    if check is not None:
-        check(cfg)
+    if check is None:
+        return
+    r, staleness = cfg.rollout, cfg.staleness
+    check(EngineCheck(settings=plugin_settings(cfg, "rollout.engine"),
+                      sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                              max_new_tokens=r.max_new_tokens),
+                      lora=cfg.learner.lora_settings()[0] is not None,
+                      fixed_lag=staleness.lag if isinstance(staleness, FixedStaleness) else None))
 
 
 def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:

@@ -74,8 +74,9 @@ class SGLangSettings:
             raise ValueError(f"mem_fraction={self.mem_fraction!r}: must be in (0, 1]")
 
 
-def sglang_preflight(exp: object) -> None:
-    """SGLang needs a CUDA GPU and the ``sglang`` package.
+def sglang_preflight(check: object) -> None:
+    """SGLang needs a CUDA GPU and the ``sglang`` package (``check``, an
+    :class:`~trainer.engines.registry.EngineCheck`, is not read).
 
     Raises:
         ConfigError: naming ``rollout.engine`` and how to fix it.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from seams.registry import Registry
 
-from .base import InferenceEngine
+from .base import InferenceEngine, SamplingParams
 
 if TYPE_CHECKING:  # the registry is read when a config is validated: no torch at import
     import torch
@@ -91,9 +91,31 @@ class EngineHandle:
 EngineFactory = Callable[[EngineSpec], EngineHandle]
 
 
-#: Capability metadata of an engine registration: ``preflight`` (``preflight(exp_cfg)`` raising
-#: :class:`~trainer.errors.ConfigError` when the engine cannot run with this config on this
-#: machine, checked before any work by :func:`trainer.config.specs.preflight_engine`; None: no check).
+@dataclass(frozen=True)
+class EngineCheck:
+    """What an engine's ``preflight`` gets: the run's settings that decide whether the engine can
+    serve it, built once by :func:`trainer.config.specs.preflight_engine` (never the config).
+
+    Attributes:
+        settings: the engine's own settings (its registered dataclass, from
+            ``rollout.engine_settings``), or None for an engine without settings.
+        sampling: the rollouts' sampling parameters (``rollout.temperature`` / ``top_p`` /
+            ``top_k`` / ``max_new_tokens``).
+        lora: the policy is a LoRA adapter (``learner.lora``): syncs move the adapter only.
+        fixed_lag: the exact staleness ``k`` of ``train.staleness: {mode: fixed}`` (the engine then
+            generates with version ``n - k`` while the learner is at ``n``), or None (bounded mode).
+    """
+
+    settings: Any = None
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    lora: bool = False
+    fixed_lag: int | None = None
+
+
+#: Capability metadata of an engine registration: ``preflight`` (``preflight(check)``, ``check`` an
+#: :class:`EngineCheck`, raising :class:`~trainer.errors.ConfigError` when the engine cannot run
+#: this run on this machine, checked before any work by
+#: :func:`trainer.config.specs.preflight_engine`; None: no check).
 ENGINE_METADATA = {"preflight": ((type(None), Callable), None)}
 
 #: The engine registry, ``rollout.engine`` → factory (``embedded`` and ``sglang`` are registered
@@ -108,8 +130,9 @@ def register_engine(name: str, factory: EngineFactory, *, preflight: Callable[..
     Args:
         name: the value of ``rollout.engine``.
         factory: ``factory(spec) -> EngineHandle`` (may block while a server starts).
-        preflight: ``preflight(exp_cfg)`` raising :class:`~trainer.config.ConfigError` when
-            the engine cannot run with this config on this machine (checked before any work).
+        preflight: ``preflight(check)`` (an :class:`EngineCheck`) raising
+            :class:`~trainer.config.ConfigError` when the engine cannot run this run on this
+            machine (checked before any work).
         settings: the engine's settings dataclass (``rollout.engine_settings``), or None.
         overwrite: replace an existing registration.
         **metadata: further capability metadata of :data:`ENGINE_METADATA`.

@@ -164,8 +164,8 @@ def test_a_registered_engine_is_used_by_copc_train(tmp_path):
 
         return EngineHandle(inner.engine, sync, inner.close)
 
-    def preflight(exp):
-        if exp.rollout.temperature > 5:
+    def preflight(check):  # an EngineCheck: the engine's settings, the rollouts' sampling, LoRA, fixed lag
+        if check.sampling.temperature > 5:
             raise ConfigError("rollout.temperature: too hot for the counting engine")
 
     register_engine("counting", counting_engine, preflight=preflight)

@@ -1,0 +1,65 @@
+"""The ``vllm`` engine's preflight (issue 43): what the engine cannot serve exactly is refused in one
+line before any work — top_p / top_k (vLLM's log-probs would be renormalised over the kept tokens),
+a missing server virtualenv, too few adapters kept for a fixed lag — through the real config and
+the real ``copc train`` command. No server is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.config.specs import preflight_engine
+from trainer.engines.vllm_launcher import DEFAULT_VLLM_PYTHON
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIG = str(ROOT / "configs" / "math_tool" / "cpu_tiny.yaml")
+HAVE_VENV = Path(DEFAULT_VLLM_PYTHON).exists()
+LORA = ["learner.lora.rank=4", "learner.lora.alpha=8"]
+
+
+def _check(*overrides: str) -> None:
+    preflight_engine(load_config(CONFIG, ["rollout.engine=vllm", *overrides]))
+
+
+def test_top_p_and_top_k_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p=0\.9 with rollout\.engine=vllm: .*use top_p=1 "
+                                          r"and top_k=-1"):
+        _check("rollout.top_p=0.9")
+    with pytest.raises(ConfigError, match=r"^rollout\.top_k=20 with rollout\.engine=vllm: "):
+        _check("rollout.top_k=20")
+
+
+def test_a_missing_server_venv_names_the_setup_command(tmp_path):
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    with pytest.raises(ConfigError) as ei:
+        _check(f"rollout.engine_settings.python={missing}")
+    assert str(ei.value) == (f"rollout.engine_settings.python={str(missing)!r}: no vLLM interpreter there "
+                             "(the server's own virtualenv); create it with `bash scripts/setup.sh --vllm` "
+                             "(~7 min, 3.5 GB)")
+
+
+@pytest.mark.skipif(not HAVE_VENV, reason=f"{DEFAULT_VLLM_PYTHON} missing: bash scripts/setup.sh --vllm")
+def test_a_fixed_lag_needs_its_adapters_kept():
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_settings\.keep_adapters=2 with train\.staleness "
+                                          r"fixed lag 2: the adapters of 3 policy versions must stay loaded; "
+                                          r"set keep_adapters >= 3$"):
+        _check(*LORA, "train.staleness={mode: fixed, lag: 2}")
+    _check(*LORA, "train.staleness={mode: fixed, lag: 2}", "rollout.engine_settings.keep_adapters=3")
+    _check(*LORA, "train.staleness={mode: fixed, lag: 1}")  # k + 1 = 2 = the default
+    _check("train.staleness={mode: fixed, lag: 2}")  # full weights: no adapters to keep
+    _check(*LORA, "train.staleness={mode: bounded, max: 4}")  # bounded staleness: the default keeps 2
+
+
+def test_copc_train_refuses_before_any_work(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", CONFIG,
+                           f"output_dir={out}", "rollout.engine=vllm", "rollout.top_p=0.95"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "copc train: config error: rollout.top_p=0.95 with rollout.engine=vllm: "), proc.stderr
+    assert not (out / "init_model").exists() and not (out / "checkpoints").exists()  # nothing was built

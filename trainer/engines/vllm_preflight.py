@@ -1,0 +1,43 @@
+"""The ``vllm`` engine's preflight: what can be refused before any work (no server started, no
+model loaded), in one line naming the key: a sampling setting under which vLLM's log-probs are not
+the learner's convention, a missing server virtualenv, and too few adapters kept for a fixed lag.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import ConfigError
+from .registry import EngineCheck
+from .vllm_launcher import DEFAULT_VLLM_PYTHON, SETUP_HINT
+from .vllm_protocol import check_sampling
+
+
+def vllm_preflight(check: EngineCheck) -> None:
+    """Refuse a run the ``vllm`` engine cannot serve exactly (registered as its ``preflight``).
+
+    Args:
+        check: the run's :class:`~trainer.engines.registry.EngineCheck` (``settings`` a
+            :class:`~trainer.engines.vllm_factory.VLLMSettings` or None for the defaults).
+
+    Raises:
+        ConfigError: ``rollout.top_p < 1`` or ``rollout.top_k > 0`` (vLLM's processed log-probs are
+            then renormalised over the kept tokens: :func:`~.vllm_protocol.check_sampling`); no
+            interpreter at ``rollout.engine_settings.python`` (naming ``scripts/setup.sh --vllm``);
+            ``keep_adapters`` below ``k + 1`` for a LoRA policy under a fixed lag ``k`` (the adapter
+            of a version still generating would be unloaded).
+    """
+    try:
+        check_sampling(check.sampling)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    python = getattr(check.settings, "python", None) or DEFAULT_VLLM_PYTHON
+    if not os.access(python, os.X_OK):
+        raise ConfigError(f"rollout.engine_settings.python={python!r}: no vLLM interpreter there (the "
+                          f"server's own virtualenv); {SETUP_HINT}")
+    keep = getattr(check.settings, "keep_adapters", None)
+    need = None if check.fixed_lag is None else check.fixed_lag + 1
+    if check.lora and need is not None and keep is not None and keep < need:
+        raise ConfigError(f"rollout.engine_settings.keep_adapters={keep} with train.staleness fixed lag "
+                          f"{check.fixed_lag}: the adapters of {need} policy versions must stay loaded; "
+                          f"set keep_adapters >= {need}")
