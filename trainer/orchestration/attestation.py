@@ -13,9 +13,10 @@ counter), µ is not that version and the run looks merely stale. So:
    probe prompt, and its reported log-prob of that token is compared with the reference of the
    version it reports, ``ref_v[i, token]``;
 3. ``sync/probe_max_abs_logp_diff`` (nats, max over the K tokens and the checks that finished
-   since the previous step) and ``sync/probe_version`` are logged; a difference above
-   ``train.sync_check_tolerance``, or an engine still on an older version than the sync's, stops
-   the run with one line naming the version.
+   since the previous step), ``sync/probe_version`` (the newest of them) and ``sync/probe_checks``
+   (how many: summed over the steps and the final collection, the number of syncs checked) are
+   logged; a difference above ``train.sync_check_tolerance``, or an engine still on an older
+   version than the sync's, stops the run with one line naming the version.
 
 Because the reference is taken before the sync, the engine's side runs entirely beside training
 (nothing waits for it; the loop collects finished checks at each step and awaits the rest only
@@ -294,8 +295,8 @@ class SyncAttestor:
 
     async def collect(self, wait: bool = False, timeout_s: float | None = None) -> dict[str, float]:
         """The finished checks' metrics (all outstanding ones with ``wait``, for at most
-        ``timeout_s`` seconds): ``sync/probe_max_abs_logp_diff`` (max) and ``sync/probe_version``
-        (the newest checked), ``{}`` when none.
+        ``timeout_s`` seconds): ``sync/probe_max_abs_logp_diff`` (max), ``sync/probe_version``
+        (the newest checked) and ``sync/probe_checks`` (how many finished), ``{}`` when none.
 
         Raises:
             TrainingError: a check failed (module docstring).
@@ -321,6 +322,7 @@ class SyncAttestor:
                 raise failure(version, diff, self.tolerance, self._basis)
             out["sync/probe_max_abs_logp_diff"] = max(diff, out.get("sync/probe_max_abs_logp_diff", 0.0))
             out["sync/probe_version"] = max(float(version), out.get("sync/probe_version", 0.0))
+            out["sync/probe_checks"] = out.get("sync/probe_checks", 0.0) + 1.0
         return out
 
     def cancel(self) -> None:
