@@ -198,6 +198,58 @@ def test_one_adapter_per_version_under_concurrent_syncs(vllm_server):
     assert sorted(d.name for d in work.iterdir()) == ["v2", "v3"]
 
 
+def test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent(vllm_server):
+    """32 requests always in flight while 10 adapters are synced one after another (each sync once
+    3 requests of the previous version have finished): every request returns, all its tokens carry
+    the version of the adapter it named, and its log-probs are that adapter's (transformers + peft)."""
+    handle, model, _, loop, adapters = vllm_server
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    first = handle.engine.version + 1
+    versions = list(range(first, first + 10))
+    for v in versions:
+        adapters[v] = _adapter(model, v)
+
+    async def go():
+        results, launched, done = [], [0], asyncio.Event()
+        inflight, at_sync = [0], []
+
+        async def worker(w: int) -> None:
+            while not done.is_set():
+                p = PROMPTS[(w + launched[0]) % len(PROMPTS)]
+                launched[0] += 1
+                inflight[0] += 1
+                r = await handle.engine.generate(p, params)
+                inflight[0] -= 1
+                results.append((p, r))
+
+        async def finished_on(v: int, n: int) -> None:
+            while sum(r.versions[0] == v for _, r in results) < n:
+                await asyncio.sleep(0.02)
+
+        workers = [asyncio.create_task(worker(w)) for w in range(32)]
+        for v in versions:
+            await finished_on(handle.engine.version, 3)
+            at_sync.append(inflight[0])
+            await handle.sync_adapter(adapters[v], v)
+        await finished_on(versions[-1], 3)
+        done.set()
+        await asyncio.gather(*workers)
+        return results, launched[0], at_sync
+
+    results, launched, at_sync = loop.run(go())
+    assert at_sync == [32] * 10  # every sync happened with 32 requests in flight
+    assert len(results) == launched  # no request lost
+    by_version: dict[int, int] = {}
+    for p, r in results:
+        v = r.versions[0]
+        assert r.versions == [v] * 8 and r.meta["adapter"].endswith(f"-v{v}")  # not mixed
+        by_version[v] = by_version.get(v, 0) + 1
+        ref = _learner_logprobs(model, adapters[v], p, r.token_ids, 1.0)
+        assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-4, rtol=0), (v, r.logprobs, ref)
+    assert set(versions) <= set(by_version) and all(by_version[v] >= 3 for v in versions), by_version
+    assert handle.engine.version == versions[-1]
+
+
 def test_zz_server_killed_mid_generation_is_one_engine_error(vllm_server):
     """Runs last (name): it ends the shared server."""
     handle, _, _, loop, _ = vllm_server
@@ -219,6 +271,7 @@ def test_zz_server_killed_mid_generation_is_one_engine_error(vllm_server):
 
 for _name in ("test_ids_and_logprobs_equal_the_learners", "test_seed_and_stop_string",
               "test_one_adapter_per_version_under_concurrent_syncs",
+              "test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent",
               "test_zz_server_killed_mid_generation_is_one_engine_error"):
     for _m in needs_vllm:
         globals()[_name] = _m(globals()[_name])
