@@ -22,6 +22,9 @@ from .http_retry import request_with_retries
 from .sglang_lora import SGLangAdapters
 from .vllm_protocol import build_completion_payload, parse_completion_response
 
+#: The worker-extension method a full-weight sync calls through ``/collective_rpc``.
+RELOAD_METHOD = "copc_reload_weights"
+
 
 @dataclass(frozen=True)
 class VLLMEngineConfig:
@@ -81,8 +84,9 @@ class VLLMEngine:
 
     Versions: a LoRA policy serves one adapter per policy version (:meth:`load_adapter`); a request
     names the adapter of the version current when it is admitted, so all its tokens, and its
-    log-probs, come from that version, and no request waits for a sync. Full-weight updates are not
-    supported (:meth:`update_weights` raises; see docs/engines.md).
+    log-probs, come from that version, and no request waits for a sync. A full-weight policy is
+    reloaded in place (:meth:`update_weights`): admission pauses while in-flight requests drain, so
+    every request is generated, and tagged, with one version.
 
     Raises:
         EngineError: from every call, after the last retry or on a malformed answer.
@@ -167,14 +171,43 @@ class VLLMEngine:
             return await self.adapters.load(source, version, lambda: setattr(self, "_version", version))
 
     async def update_weights(self, source: object, version: int) -> None:
-        """Not supported: vLLM 0.32's in-place reload keeps the old output head of a tied-embedding
-        model, so full-weight sync is refused (the factory refuses it at start).
+        """Serve the full weights in directory ``source`` (``*.safetensors`` in the model's Hugging Face
+        names) as policy ``version``, reloaded in place with every request drained.
+
+        This client stops admitting requests and waits for its in-flight ones (each is generated
+        entirely by the weights it was admitted with, and tagged with their version); then
+        ``POST /pause?mode=wait`` drains the server's (the default mode would abort them), ``POST
+        /collective_rpc`` runs :data:`RELOAD_METHOD` (vLLM's ``reload_weights`` and the repack of a tied
+        output head: ``trainer/engines/vllm_ext/copc_vllm_ext.py``; the server needs
+        ``VLLMLauncherConfig.reload_weights``), ``POST /resume``, and requests are admitted again as
+        ``version``.
 
         Raises:
-            EngineError: always.
+            ValueError: ``version`` is not an int >= 0.
+            EngineError: the server refused or failed (the version is then unchanged).
         """
-        raise EngineError("rollout.engine=vllm syncs LoRA adapters only (learner.lora); full-weight "
-                          "update_weights is not supported")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version={version!r}: must be an int >= 0")
+        async with self._update_lock:
+            await self.pause()
+            try:
+                await self._request("POST", "/pause?mode=wait")
+                try:
+                    body = {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(source)}}
+                    r = await self._request("POST", "/collective_rpc", json=body)
+                finally:
+                    await self._request("POST", "/resume")
+                results = r.json().get("results") if r.content else None
+                if not results or not all(isinstance(x, dict) for x in results):
+                    raise EngineError(f"vLLM POST /collective_rpc {RELOAD_METHOD}: unexpected answer "
+                                      f"{r.text[:300]!r} (is the server started with reload_weights?)")
+                bad = [x for x in results if x.get("tied") and not x.get("repacked")]
+                if bad:
+                    raise EngineError(f"vLLM {RELOAD_METHOD}: the model ties its embeddings but its output "
+                                      f"head could not be repacked ({bad[0]}): it would keep the old head")
+                self._version = version
+            finally:
+                await self.resume()
 
     async def pause(self) -> None:
         """Stop admitting requests and wait for this client's in-flight ones to finish."""

@@ -1,6 +1,7 @@
 """The ``vllm`` engine's settings (:class:`VLLMSettings`, ``rollout.engine_settings`` with
 ``rollout.engine: vllm``) and factory (:func:`vllm_engine`): a vLLM server launched from ``.venv-vllm``
-and an HTTP client for it, weights synced as one LoRA adapter per policy version.
+and an HTTP client for it, weights synced as one LoRA adapter per policy version (a policy without
+LoRA: full weights reloaded in place, :mod:`.vllm_full_sync`).
 
 Registering costs nothing: the launcher and the client are imported inside the factory.
 """
@@ -8,12 +9,12 @@ Registering costs nothing: the launcher and the client are imported inside the f
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .registry import EngineHandle, EngineSpec, Weights
+from .vllm_full_sync import vllm_full_weight_engine
 from .vllm_launcher import DEFAULT_VLLM_PYTHON
 
 if TYPE_CHECKING:
@@ -85,34 +86,17 @@ class VLLMSettings:
             raise ValueError(f"max_loras={self.max_loras!r}: must be >= keep_adapters={self.keep_adapters}")
 
 
-def _refuse_full_weights(spec: EngineSpec) -> None:
-    """Full-weight sync into vLLM is refused: one line (naming tied embeddings when the model has them).
-
-    Raises:
-        ValueError: always (called for a spec without a LoRA adapter).
-    """
-    try:
-        tied = json.loads((spec.model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
-    except (OSError, ValueError):
-        tied = False
-    if tied:
-        raise ValueError("rollout.engine=vllm needs learner.lora (full-weight sync into vLLM keeps the old "
-                         "output head of a tied-embedding model)")
-    raise ValueError("rollout.engine=vllm needs learner.lora (full-weight sync into vLLM is not implemented: "
-                     "weights are synced as one LoRA adapter per policy version)")
-
-
 def vllm_engine(spec: EngineSpec) -> EngineHandle:
     """A vLLM server launched from ``settings.python`` (its own process group) and an HTTP client.
 
     The server serves ``model_dir`` with LoRA enabled and the initial adapter
     (``work_dir/vllm_adapters/v<N>``, PEFT layout) loaded under a name carrying its version; each
     ``sync_adapter`` writes the new adapter there and loads it; the oldest beyond ``keep_adapters``
-    are unloaded (once no request uses them) and their directories removed.
+    are unloaded (once no request uses them) and their directories removed. Without an adapter:
+    :func:`~.vllm_full_sync.vllm_full_weight_engine` (full weights, reloaded in place).
 
     Raises:
-        ValueError: no LoRA adapter (full-weight sync refused) or initial weights other than
-            ``model_dir``'s.
+        ValueError: a LoRA adapter with initial weights other than ``model_dir``'s.
         VLLMLaunchError: the venv is missing or the server cannot start (with its log's tail).
     """
     import httpx
@@ -124,7 +108,7 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
 
     s: VLLMSettings = spec.settings
     if spec.adapter is None:
-        _refuse_full_weights(spec)
+        return vllm_full_weight_engine(spec)
     if spec.weights is not None:
         raise ValueError("rollout.engine=vllm serves model.path's base weights with LoRA adapters; "
                          "initial full weights (a resumed full fine-tune) are not supported")

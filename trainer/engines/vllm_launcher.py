@@ -21,6 +21,10 @@ from .server_launcher import ServerLauncher, ServerLaunchError
 DEFAULT_VLLM_PYTHON = str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
 #: How to create it (quoted in errors).
 SETUP_HINT = "create it with `bash scripts/setup.sh --vllm` (~7 min, 3.5 GB)"
+#: The directory put on the server's ``PYTHONPATH`` for full-weight reloads (it holds only
+#: ``copc_vllm_ext.py``, the worker extension) and the extension's qualified name.
+WORKER_EXT_DIR = str(Path(__file__).resolve().parent / "vllm_ext")
+WORKER_EXT_CLS = "copc_vllm_ext.COPCWorkerExtension"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -44,6 +48,9 @@ class VLLMLauncherConfig:
         max_lora_rank: serve LoRA adapters up to this rank (``--enable-lora``, runtime loading
             allowed); None: no LoRA.
         max_loras: adapters one batch may mix (``--max-loras``).
+        reload_weights: allow in-place full-weight reloads: ``VLLM_SERVER_DEV_MODE=1`` (for
+            ``/collective_rpc``) and our worker extension (``--worker-extension-cls``, its directory
+            :data:`WORKER_EXT_DIR` on ``PYTHONPATH``), which repacks a tied output head after the reload.
         seed: ``--seed`` of the server, or None.
         extra_args / extra_env: appended to the command line / the environment.
         health_path, startup_timeout_s, poll_interval_s, shutdown_grace_s, log_path, log_tail_lines,
@@ -64,6 +71,7 @@ class VLLMLauncherConfig:
     enforce_eager: bool = False
     max_lora_rank: int | None = None
     max_loras: int = 3
+    reload_weights: bool = False
     seed: int | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -105,6 +113,8 @@ class VLLMLauncherConfig:
                                     "convention")
         if not isinstance(self.log_tail_lines, int) or self.log_tail_lines < 1:
             raise bad("log_tail_lines", "must be an int >= 1")
+        if not isinstance(self.reload_weights, bool):
+            raise bad("reload_weights", "must be true or false")
 
 
 def build_command(cfg: VLLMLauncherConfig, port: int) -> list[str]:
@@ -113,7 +123,8 @@ def build_command(cfg: VLLMLauncherConfig, port: int) -> list[str]:
     Returns:
         ``[python, "-m", "vllm.entrypoints.openai.api_server", "--model", ..., "--served-model-name",
         ..., "--host", ..., "--port", ..., "--dtype", ..., "--max-model-len", ...,
-        "--logprobs-mode", "processed_logprobs", (optional flags), *extra_args]``.
+        "--logprobs-mode", "processed_logprobs", (optional flags), *extra_args]``; with
+        ``reload_weights`` the flags include ``--worker-extension-cls`` :data:`WORKER_EXT_CLS`.
     """
     cmd = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path,
            "--served-model-name", cfg.served_model_name, "--host", cfg.host, "--port", str(port),
@@ -125,6 +136,8 @@ def build_command(cfg: VLLMLauncherConfig, port: int) -> list[str]:
         cmd += ["--seed", str(cfg.seed)]
     if cfg.max_lora_rank is not None:
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", str(cfg.max_loras)]
+    if cfg.reload_weights:
+        cmd += ["--worker-extension-cls", WORKER_EXT_CLS]
     return cmd + list(cfg.extra_args)
 
 
@@ -148,13 +161,16 @@ class VLLMLauncher(ServerLauncher):
     def build_env(self) -> dict[str, str]:
         """This process's environment (without ``PYTHONPATH`` / ``PYTHONHOME``, which would mix in the
         learner's packages) plus ``HF_HUB_OFFLINE=1``, ``VLLM_CPU_KVCACHE_SPACE``, runtime LoRA
-        loading when LoRA is on, and ``extra_env``."""
+        loading when LoRA is on, ``VLLM_SERVER_DEV_MODE=1`` and ``PYTHONPATH`` = :data:`WORKER_EXT_DIR`
+        (only) with ``reload_weights``, and ``extra_env``."""
         cfg = self.config
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib))
         if cfg.max_lora_rank is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if cfg.reload_weights:
+            env.update(VLLM_SERVER_DEV_MODE="1", PYTHONPATH=WORKER_EXT_DIR)
         env.update(cfg.extra_env)
         return env
 

@@ -3,7 +3,8 @@ shut down after its tests (tiny Qwen2 with head_dim 64 — vLLM's CPU attention 
 kernel — float32, ``--enforce-eager``, LoRA on), started through the registered factory. Marked
 ``vllm``: skipped, with the reason, where ``.venv-vllm`` is missing (``bash scripts/setup.sh
 --vllm``; ``make test`` makes it).
-The first tests need no server: settings, refusals and the missing-venv error.
+The first tests need no server: settings, refusals and the missing-venv error. Full-weight sync (no
+LoRA) has its own server: test_vllm_full_sync.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.registry import EngineSpec, make_engine
-from trainer.engines.vllm_factory import VLLMSettings, vllm_engine
+from trainer.engines.vllm_factory import VLLMSettings
 from trainer.engines.vllm_launcher import (
     DEFAULT_VLLM_PYTHON,
     VLLMLauncher,
@@ -67,14 +68,6 @@ def test_missing_venv_is_one_clear_error(tmp_path):
     cfg = VLLMLauncherConfig(model_path=str(tmp_path), python=str(tmp_path / "nope" / "python"))
     with pytest.raises(VLLMLaunchError, match=r"no vLLM interpreter at .*scripts/setup.sh --vllm"):
         VLLMLauncher(cfg).start()
-
-
-def test_full_weight_sync_of_a_tied_model_is_refused(tmp_path):
-    ckpt = save_tiny_checkpoint(tmp_path / "m", TINY)
-    _, tok = load_model_and_tokenizer(ckpt)
-    with pytest.raises(ValueError, match=r"^rollout.engine=vllm needs learner.lora \(full-weight sync into "
-                                         r"vLLM keeps the old output head of a tied-embedding model\)$"):
-        vllm_engine(EngineSpec(model_dir=ckpt, tokenizer=tok, settings=VLLMSettings()))
 
 
 # ------------------------------------------------------------------ one shared server
