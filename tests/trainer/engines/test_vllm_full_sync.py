@@ -157,6 +157,8 @@ def test_naive_reload_keeps_the_old_head(server):
     hybrid.load_state_dict(new.state_dict())
     hybrid.lm_head.weight = torch.nn.Parameter(models[old_v].lm_head.weight.detach().clone())
     assert hybrid.lm_head.weight is not hybrid.model.embed_tokens.weight
+    print(f"\nnaive reload: max gap {_gap(new, results, 0.8):.3f} to the new model, "
+          f"{_gap(hybrid, results, 0.8):.1e} to new body + old head")
     assert _gap(new, results, 0.8) > 1e-2, _gap(new, results, 0.8)  # naive: wrong
     assert _gap(hybrid, results, 0.8) <= 1e-4, _gap(hybrid, results, 0.8)  # ...because the head is old
     loop.run(handle.sync(list(new.state_dict().items()), v))
