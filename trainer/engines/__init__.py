@@ -2,7 +2,7 @@
 registry (:mod:`trainer.engines.registry`): ``rollout.engine`` names the factory.
 
 Built in: ``embedded`` (in-process; CPU default), ``sglang`` (GPU server) and ``vllm`` (a vLLM server
-from ``.venv-vllm``, CPU or GPU; LoRA policies).
+from ``.venv-vllm``, CPU or GPU; LoRA adapters or full weights reloaded in place).
 """
 
 from .builtin import SGLangSettings, embedded_engine, sglang_engine, sglang_preflight
