@@ -3,7 +3,7 @@
 Usage::
 
     copc eval --model DIR|NAME --benchmarks aime2025,nq [--k 32] [--temperature 1.0] [--max-samples N]
-              [--out DIR] [--resume] [--engine embedded|sglang] [task options] [key=value ...]
+              [--out DIR] [--resume] [--engine embedded|sglang|vllm] [task options] [key=value ...]
     copc eval --checkpoint RUN/checkpoints/step_N --benchmarks nq
     copc eval --endpoint http://host:30000 --tokenizer DIR --benchmarks hotpotqa
 
@@ -173,7 +173,7 @@ async def _open_engine(args: argparse.Namespace, cfg: ExperimentConfig, out: Pat
     from ..config.specs import engine_spec, preflight_engine
     from ..engines import make_engine
 
-    preflight_engine(cfg)  # ConfigError naming rollout.engine
+    preflight_engine(cfg, evaluation=True)  # ConfigError naming rollout.engine
     model_dir, weights = await asyncio.to_thread(_policy, args, cfg)
     tok = load_tokenizer(model_dir)
     from ..rollout.observation import check_chat_template

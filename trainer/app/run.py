@@ -277,7 +277,7 @@ def run_evaluation(cfg: ExperimentConfig, checkpoint: str | None = None) -> dict
         ConfigError: no model to evaluate, a bad ``--checkpoint``, or another copc process
             writing into ``output_dir``.
     """
-    preflight_engine(cfg)  # ConfigError naming rollout.engine
+    preflight_engine(cfg, evaluation=True)  # ConfigError naming rollout.engine
     out = Path(cfg.output_dir)
     latest = CheckpointManager(out / "checkpoints").latest() if (out / "checkpoints").is_dir() else None
     ws, init = out / "warm_start_model", out / "init_model"

@@ -50,12 +50,16 @@ def engine_spec(cfg: ExperimentConfig, model_dir: Path | str, tokenizer: Any, *,
                       max_batch_size=cfg.rollout.engine_max_batch_size)
 
 
-def preflight_engine(cfg: ExperimentConfig) -> None:
+def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None:
     """Run the preflight check ``cfg.rollout.engine`` was registered with (no-op without one) on the
     run's :class:`~trainer.engines.registry.EngineCheck`: the engine's settings, the rollouts'
     sampling (``rollout.temperature`` / ``top_p`` / ``top_k`` / ``max_new_tokens``), whether the
     policy is a LoRA adapter (``learner.lora``) and the fixed lag of ``train.staleness`` (the
     effective one, :attr:`~trainer.config.ExperimentConfig.staleness`).
+
+    With ``evaluation`` (``copc eval``: no weight sync, and its own sampling, top_p 1, greedy or at
+    ``eval.temperature``) the check gets the engine's settings only: default sampling, no LoRA, no
+    fixed lag (a run's ``rollout.top_p`` or ``keep_adapters`` does not concern its evaluation).
 
     Raises:
         ConfigError: unknown engine (naming ``rollout.engine`` and the registered ones), or from
@@ -66,6 +70,9 @@ def preflight_engine(cfg: ExperimentConfig) -> None:
     except KeyError as e:  # RegistryError: one line naming rollout.engine
         raise ConfigError(str(e)) from None
     if check is None:
+        return
+    if evaluation:
+        check(EngineCheck(settings=plugin_settings(cfg, "rollout.engine")))
         return
     r, staleness = cfg.rollout, cfg.staleness
     check(EngineCheck(settings=plugin_settings(cfg, "rollout.engine"),

@@ -21,8 +21,9 @@ def vllm_preflight(check: EngineCheck) -> None:
             :class:`~trainer.engines.vllm_factory.VLLMSettings` or None for the defaults).
 
     Raises:
-        ConfigError: ``rollout.top_p < 1`` or ``rollout.top_k > 0`` (vLLM's processed log-probs are
-            then renormalised over the kept tokens: :func:`~.vllm_protocol.check_sampling`); no
+        ConfigError: ``rollout.top_p < 1`` or ``rollout.top_k > 1`` (vLLM's processed log-probs are
+            then renormalised over the kept tokens), or greedy ``rollout.top_k = 1`` at a temperature
+            other than 1 (:func:`~.vllm_protocol.check_sampling`); no
             interpreter at ``rollout.engine_settings.python`` (naming ``scripts/setup.sh --vllm``);
             ``keep_adapters`` below ``k + 1`` for a LoRA policy under a fixed lag ``k`` (the adapter
             of a version still generating would be unloaded).

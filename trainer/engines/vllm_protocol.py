@@ -7,7 +7,14 @@ server started with ``--logprobs-mode processed_logprobs`` reports the log-probs
 samples from, after temperature *and* top-k / top-p. Without top-k / top-p that is
 ``log softmax(logits / T)[token]``, the convention of :mod:`trainer.logprobs`; with them it is
 renormalised over the kept tokens (off by ~0.1 nats at top_p 0.9), which the learner cannot recompute.
-So :func:`check_sampling` refuses top_p < 1 and top_k > 0 in one line.
+So :func:`check_sampling` refuses top_p < 1 and top_k > 1 in one line.
+
+Greedy decoding (``top_k = 1`` at temperature 1, how evaluation encodes ``temperature = 0``: see
+:func:`trainer.evaluate.runner.eval_sampling_params`) is sent as ``temperature: 0``, vLLM's greedy:
+the arg-max token, and its processed log-probs are ``log softmax(logits)`` (vLLM 0.32's sampler takes
+a greedy request's temperature as 1 and applies no top-k / top-p to it, alone or in a mixed batch),
+the log-probs the embedded engine reports for the same request. Greedy at another temperature is
+refused (vLLM would report them at temperature 1).
 """
 
 from __future__ import annotations
@@ -22,15 +29,27 @@ from .base import EngineError, GenerationResult, SamplingParams, StopReason
 def check_sampling(params: SamplingParams) -> None:
     """Refuse sampling settings under which vLLM's log-probs are not :mod:`trainer.logprobs`'s.
 
+    Greedy (``top_k == 1``) is accepted at temperature 1 only (:func:`is_greedy`).
+
     Raises:
-        ValueError: ``top_p < 1`` or ``top_k > 0``, naming the ``rollout`` key and value.
+        ValueError: ``top_p < 1``, ``top_k > 1``, or ``top_k == 1`` at a temperature other than 1,
+            naming the ``rollout`` key and value.
     """
     why = ("vLLM reports log-probs renormalised over the kept tokens, not the learner's convention "
            "(untruncated log softmax(logits / T)); use top_p=1 and top_k=-1 with rollout.engine=vllm")
     if params.top_p < 1:
         raise ValueError(f"rollout.top_p={params.top_p!r} with rollout.engine=vllm: {why}")
-    if params.top_k > 0:
+    if params.top_k == 1 and params.temperature != 1.0:
+        raise ValueError(f"rollout.top_k=1 (greedy) with rollout.temperature={params.temperature!r} and "
+                         "rollout.engine=vllm: vLLM's greedy decoding reports log-probs at temperature 1, "
+                         "not log softmax(logits / T); use temperature=1 or top_k=-1")
+    if params.top_k > 1:
         raise ValueError(f"rollout.top_k={params.top_k!r} with rollout.engine=vllm: {why}")
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether ``params`` asks for greedy decoding (``top_k == 1``), sent to vLLM as ``temperature: 0``."""
+    return params.top_k == 1
 
 
 def build_completion_payload(prompt_ids: Sequence[int], params: SamplingParams, model: str) -> dict[str, Any]:
@@ -38,8 +57,9 @@ def build_completion_payload(prompt_ids: Sequence[int], params: SamplingParams, 
 
     Args:
         prompt_ids: prompt token ids (non-empty, ints >= 0), sent as ``prompt`` (no BOS is added).
-        params: sampling parameters (checked by :func:`check_sampling`); stop strings are kept in the
-            text (``include_stop_str_in_output``) as the completing token is kept in the ids.
+        params: sampling parameters (checked by :func:`check_sampling`; greedy is sent as
+            ``temperature`` 0); stop strings are kept in the text (``include_stop_str_in_output``) as
+            the completing token is kept in the ids.
         model: the served base model's name or a loaded LoRA adapter's name.
 
     Returns:
@@ -61,7 +81,8 @@ def build_completion_payload(prompt_ids: Sequence[int], params: SamplingParams, 
         ids.append(int(t))
     body: dict[str, Any] = {
         "model": model, "prompt": ids, "max_tokens": int(params.max_new_tokens),
-        "temperature": float(params.temperature), "top_p": 1.0, "top_k": -1, "logprobs": 0,
+        "temperature": 0.0 if is_greedy(params) else float(params.temperature),
+        "top_p": 1.0, "top_k": -1, "logprobs": 0,
         "return_tokens_as_token_ids": True, "return_token_ids": True, "stop": list(params.stop),
         "include_stop_str_in_output": True, "ignore_eos": bool(params.ignore_eos),
         "skip_special_tokens": False, "stream": False}

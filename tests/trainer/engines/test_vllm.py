@@ -64,6 +64,18 @@ def test_top_p_and_top_k_are_refused():
     assert body["prompt"] == [1, 2] and body["logprobs"] == 0 and body["seed"] == 3 and body["top_p"] == 1.0
 
 
+def test_greedy_is_sent_as_temperature_0_and_only_at_temperature_1():
+    """Evaluation's greedy (``top_k=1`` at temperature 1) is vLLM's ``temperature: 0`` (its log-probs
+    are then log softmax(logits), those at temperature 1); greedy at another temperature is refused."""
+    body = build_completion_payload([1, 2], SamplingParams(top_k=1, seed=5), "policy")
+    assert body["temperature"] == 0.0 and body["top_k"] == -1 and body["top_p"] == 1.0 and body["seed"] == 5
+    assert build_completion_payload([1], SamplingParams(temperature=1.0), "p")["temperature"] == 1.0
+    with pytest.raises(ValueError, match=r"^rollout.top_k=1 \(greedy\) with rollout.temperature=0.6 and "
+                                         r"rollout.engine=vllm: .*temperature 1") as e:
+        build_completion_payload([1, 2], SamplingParams(temperature=0.6, top_k=1), "policy")
+    assert "\n" not in str(e.value)
+
+
 def test_missing_venv_is_one_clear_error(tmp_path):
     cfg = VLLMLauncherConfig(model_path=str(tmp_path), python=str(tmp_path / "nope" / "python"))
     with pytest.raises(VLLMLaunchError, match=r"no vLLM interpreter at .*scripts/setup.sh --vllm"):
@@ -153,6 +165,34 @@ def test_seed_and_stop_string(vllm_server):
                                                                          ignore_eos=True, stop=(texts[k],))))
     assert stopped.finish_reason == "stop" and stopped.meta["matched"] == texts[k]
     assert stopped.token_ids == base.token_ids[:k + 1] and stopped.text.endswith(texts[k])
+
+
+def test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch(vllm_server):
+    """Greedy requests (evaluation's ``top_k=1``) beside sampled ones at T = 0.7 in the same batches:
+    every greedy token is the arg-max of the learner's logits (teacher-forced) and its log-prob is
+    log softmax(logits) there (temperature 1, as the embedded engine reports greedy), within 1e-4."""
+    handle, model, _, loop, adapters = vllm_server
+    greedy = SamplingParams(top_k=1, max_new_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.7, max_new_tokens=16, ignore_eos=True)
+
+    async def go():
+        return await asyncio.gather(*(handle.engine.generate(p, params) for p in PROMPTS
+                                      for params in (greedy, sampled)))
+
+    results = loop.run(go())
+    load_adapter_tensors(model, adapters[handle.engine.version].tensors)
+    for p, r in zip(PROMPTS, results[::2], strict=True):
+        ids = torch.tensor([p + r.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(p) - 1:-1].float()
+        ref = torch.log_softmax(logits, -1)
+        assert r.token_ids == logits.argmax(-1).tolist()
+        got = torch.tensor(r.logprobs)
+        assert torch.allclose(got, ref.gather(1, ids[0, len(p):, None])[:, 0], atol=1e-4, rtol=0), got
+        assert (got - torch.log_softmax(logits / 0.7, -1).max(-1).values).abs().max() > 1e-3  # not at T=0.7
+    for p, r in zip(PROMPTS, results[1::2], strict=True):  # the sampled neighbours keep their T = 0.7
+        ref = _learner_logprobs(model, adapters[handle.engine.version], p, r.token_ids, 0.7)
+        assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-4, rtol=0)
 
 
 def test_one_adapter_per_version_under_concurrent_syncs(vllm_server):
@@ -263,6 +303,7 @@ def test_zz_server_killed_mid_generation_is_one_engine_error(vllm_server):
 
 
 for _name in ("test_ids_and_logprobs_equal_the_learners", "test_seed_and_stop_string",
+              "test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch",
               "test_one_adapter_per_version_under_concurrent_syncs",
               "test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent",
               "test_zz_server_killed_mid_generation_is_one_engine_error"):
