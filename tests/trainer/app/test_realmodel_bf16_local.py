@@ -19,27 +19,14 @@ import re
 from pathlib import Path
 
 import pytest
+from local_search_job import local_search_job
 
 from trainer.app.run import run_experiment
 from trainer.config import load_config, plugin_settings
 
 REPO = Path(__file__).resolve().parents[3]
-JOB = REPO / "configs" / "search" / "cpu_smollm.yaml"
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 ROWS = ("test_2051", "test_3107", "test_2493", "test_2721")  # NQ questions SmolLM2 answers (training rows)
-
-
-def _local_job(tmp_path: Path) -> Path:
-    """The committed job's YAML with ``launcher: {kind: local}`` (an override cannot drop the Ray
-    launcher's settings) and its ``defaults`` made absolute."""
-    text = JOB.read_text()
-    start, end = text.index("\nlauncher:"), text.index("\nwarm_start:")
-    text = text[:start] + "\nlauncher:\n  kind: local" + text[end:]
-    tasks = REPO / "configs" / "tasks" / "search.yaml"
-    text = text.replace("defaults: [../tasks/search.yaml]", f"defaults: [{tasks}]")
-    path = tmp_path / "cpu_smollm_local.yaml"
-    path.write_text(text)
-    return path
 
 
 def test_two_steps_of_the_bf16_search_job_with_the_local_launcher(realmodel_path, tmp_path, caplog):
@@ -47,7 +34,7 @@ def test_two_steps_of_the_bf16_search_job_with_the_local_launcher(realmodel_path
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in nq if r["id"] in ROWS))
     out = tmp_path / "run"
-    cfg = load_config(str(_local_job(tmp_path)), [
+    cfg = load_config(str(local_search_job(tmp_path)), [
         f"model.path={realmodel_path}", f"output_dir={out}", f"task.train_data=[{data}]",
         f"task.eval_data=[{data}]", "eval.enabled=false", "train.total_steps=2", "train.prompts_per_step=2",
         "train.micro_batch_size=4", "train.max_filtered_groups_per_batch=2",
