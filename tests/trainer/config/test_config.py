@@ -240,7 +240,7 @@ def test_dotted_overrides():
     (["preset=nope"], "preset"),                           # unknown preset
     (["train.total_steps=0"], "train.total_steps=0"),      # bad range
     (["train.staleness.max=-1"], "train.staleness.max=-1"),
-    (["rollout.engine=vllm"], "rollout.engine='vllm'"),
+    (["rollout.engine=tensorrt"], "rollout.engine='tensorrt'"),  # not a registered engine
     (["eval.temperature=-0.5"], "eval.temperature"),
     (["algorithm.estimator_settings.eta_a=2"],
      "algorithm.estimator_settings.eta_a=2.0: must be a number in [0, 1]"),
