@@ -18,8 +18,10 @@ CONFIG = "configs/math_tool/cpu_tiny.yaml"
 
 def test_sigterm_after_the_first_step_prints_the_resume_hint(tmp_path):
     out = tmp_path / "run"
+    # 100000 steps: the run must still be training when the signal comes (500 steps of this tiny
+    # config finished in 108 s, before a starved test process had sent it)
     args = [a if a != "train.staleness.max=2" else "train.staleness.lag=1"  # cpu_tiny: fixed lag
-            for a in overrides(out, "copc", steps=500)]
+            for a in overrides(out, "copc", steps=100_000)]
     cmd = [sys.executable, "-m", "trainer.cli", "train", "--config", CONFIG, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
