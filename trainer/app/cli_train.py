@@ -49,8 +49,10 @@ def sigterm_as_interrupt() -> Iterator[SigtermState]:
     hint): the handler records it and raises SIGINT in this process, so an ``asyncio.run`` in
     progress cancels its main task through its own SIGINT handling (raising ``Terminated``
     directly inside asyncio's machinery left a task's exception unretrieved and printed its
-    traceback). Yields the :class:`SigtermState` to read after a ``KeyboardInterrupt``. The
-    earlier handler is restored on exit; outside the main thread this does nothing."""
+    traceback). A process started with SIGINT ignored gets Python's default SIGINT handler for the
+    block (else that SIGINT would be ignored). Yields the :class:`SigtermState` to read after a
+    ``KeyboardInterrupt``. The earlier handlers are restored on exit; outside the main thread this
+    does nothing."""
     state = SigtermState()
 
     def handler(signum: int, frame: object) -> None:
@@ -61,10 +63,18 @@ def sigterm_as_interrupt() -> Iterator[SigtermState]:
         yield state
         return
     previous = signal.signal(signal.SIGTERM, handler)
+    # started with SIGINT ignored (in the background of a non-interactive shell, e.g. a CI script's
+    # `cmd &`): Python installs no KeyboardInterrupt handler, asyncio.run none of its own, and the
+    # SIGINT raised above would be ignored: the run went on training after SIGTERM
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield state
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
