@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from loop_thread import LoopThread
 
 from trainer.engines.base import EngineError, SamplingParams
 from trainer.engines.registry import EngineSpec, make_engine
@@ -84,18 +84,6 @@ def test_missing_venv_is_one_clear_error(tmp_path):
 
 # ------------------------------------------------------------------ one shared server
 
-class _Loop:
-    """One event loop in a thread for the module (the engine's client and condition live on it)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 600.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-
 def _adapter(model: torch.nn.Module, seed: int) -> AdapterWeights:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -118,7 +106,7 @@ def vllm_server(tmp_path_factory):
                             keep_adapters=2, max_retries=2)
     handle = make_engine("vllm", EngineSpec(model_dir=ckpt, tokenizer=tok, version=0, work_dir=tmp / "work",
                                     settings=settings, adapter=adapters[0]))
-    loop = _Loop()
+    loop = LoopThread()
     yield handle, model, tok, loop, adapters
     loop.run(handle.close())
     loop.loop.call_soon_threadsafe(loop.loop.stop)

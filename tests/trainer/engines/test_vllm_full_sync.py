@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 
 import pytest
 import torch
+from loop_thread import LoopThread
 
 from trainer.engines.base import SamplingParams
 from trainer.engines.registry import EngineSpec, make_engine
@@ -54,18 +54,6 @@ def test_reload_weights_launches_the_worker_extension(tmp_path):
 
 # ------------------------------------------------------------------ one shared server
 
-class _Loop:
-    """One event loop in a thread for the module (the engine's client and condition live on it)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 600.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(handle, {version: float32 transformers model}, loop) of one full-weight server."""
@@ -76,7 +64,7 @@ def server(tmp_path_factory):
     settings = VLLMSettings(enforce_eager=True, max_model_len=1024, kv_cache_gib=1, max_retries=2)
     handle = make_engine("vllm", EngineSpec(model_dir=ckpt, tokenizer=tok, version=0, work_dir=tmp / "work",
                                             settings=settings))
-    loop = _Loop()
+    loop = LoopThread()
     yield handle, {0: model.eval()}, loop, ckpt
     loop.run(handle.close())
     loop.loop.call_soon_threadsafe(loop.loop.stop)
