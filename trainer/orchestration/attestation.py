@@ -43,9 +43,13 @@ is then ``max(train.sync_check_tolerance, CALIBRATION_MARGIN × measured gap)``,
 line (a weaker check: a sync that moves the probe's log-probs by less is not detected; a sync that
 did not happen is still caught by its version). A float32 engine keeps the configured tolerance.
 
+Ray rollout workers are each checked: their probe returns one result per worker, every one
+compared with the reference (so a worker that missed a sync stops the run like a single engine),
+and the Ray learner actor computes the reference.
+
 Off (:attr:`SyncAttestor.enabled` False, logged once) when the rollouts cannot sample one request
-directly (no ``probe``: Ray rollouts) or the learner cannot give its next-token distribution (no
-``next_token_logprobs``: a distributed or remote learner), or the vocabulary is smaller than the
+directly (no ``probe``) or the learner cannot give its next-token distribution (no
+``next_token_logprobs``: a distributed learner), or the vocabulary is smaller than the
 probe's ids.
 """
 
@@ -112,12 +116,19 @@ def failure(version: int, diff: float, tolerance: float, basis: str = "") -> Tra
                          "policy is not the recorded version, so COPC's ratios would be wrong")
 
 
+def replicas(results: list) -> list[tuple[int, Any]]:
+    """``(probe index, result)`` pairs of the probes' results, a probe that returned one result per
+    engine replica (Ray rollout workers: a list) giving one pair per replica, so each is checked."""
+    return [(i, r) for i, res in enumerate(results) for r in (res if isinstance(res, list) else [res])]
+
+
 class SyncAttestor:
     """The loop's attestation of every weight sync (module docstring).
 
     Args:
         check: the settings, or None (off).
-        rollouts: needs ``async probe(prompt_ids, SamplingParams) -> GenerationResult``.
+        rollouts: needs ``async probe(prompt_ids, SamplingParams) -> GenerationResult`` (or a list
+            of them, one per engine replica: each is checked).
         learner: needs ``next_token_logprobs(prompt_ids (K, P) int64, temperature) -> (K, V)``.
         keep: references kept (versions; the staleness number + 2).
 
@@ -213,7 +224,7 @@ class SyncAttestor:
                             type(failed).__name__, failed)
                 self.enabled = False
                 return 0.0
-            for i, res in enumerate(results[:k]):
+            for i, res in replicas(results[:k]):
                 if not res.token_ids:
                     continue
                 if res.versions[0] != version:
@@ -281,7 +292,7 @@ class SyncAttestor:
             self._probe(list(p), SamplingParams(temperature=self.check.temperature, max_new_tokens=1,
                                                 seed=version * k + i)) for i, p in enumerate(PROBE_PROMPTS)))
         worst, at = 0.0, version
-        for i, res in enumerate(results):
+        for i, res in replicas(results):
             if not res.token_ids:
                 continue
             got = res.versions[0]
@@ -290,7 +301,8 @@ class SyncAttestor:
             ref = self._refs.get(got)
             if ref is None:  # a later sync overtook this check and its reference is gone
                 return None
-            worst, at = max(worst, abs(float(ref[i, res.token_ids[0]]) - float(res.logprobs[0]))), got
+            worst = max(worst, abs(float(ref[i, res.token_ids[0]]) - float(res.logprobs[0])))
+            at = max(at, got)
         return at, worst
 
     async def collect(self, wait: bool = False, timeout_s: float | None = None) -> dict[str, float]:

@@ -38,8 +38,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,14 +46,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engines.base import SamplingParams
-from ..learner.allocator import release_free_heap
-from ..learner.spec import LearnerSpec
+from ..engines.base import GenerationResult, SamplingParams
 from ..models.lora import adapter_of
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.groups import EnvPool, run_group
 from ..rollout.trajectory import Trajectory
 from .lag import WeightSnapshot
+from .ray_learner import RayLearner
 from .rollouts import WeightSource, push_weights
 
 if TYPE_CHECKING:
@@ -100,20 +98,24 @@ class RolloutWorker:
         concurrency: episodes in flight at once on this worker (environments kept).
         adapter: a LoRA policy's adapter (the engine serves ``model_dir``'s weights with it, and
             :meth:`update_adapter` moves adapters only), or None.
+        index: the worker's number: its engine writes under ``<work_dir>/rollout_worker_<index>``
+            (a server engine's log and synced weights; never a file of another worker or the driver).
     """
 
     def __init__(self, worker: WorkerSpec, model_dir: str, weights: Mapping[str, torch.Tensor],
                  version: int, env_factory: Callable[[], Any] | None = None, *, concurrency: int = 8,
-                 adapter: Any = None) -> None:
+                 adapter: Any = None, index: int = 0) -> None:
         from ..engines import make_engine
         from ..models.loading import load_tokenizer
         from ..plugins import import_plugins
 
         import_plugins(list(worker.plugins))  # the user's registrations, in this process too
         self.tok = load_tokenizer(model_dir)
+        work = worker.engine.work_dir
         spec = dataclasses.replace(worker.engine, model_dir=Path(model_dir), tokenizer=self.tok,
                                    version=version, weights=weights.items() if weights else None,
-                                   adapter=adapter)
+                                   adapter=adapter,
+                                   work_dir=None if work is None else work / f"rollout_worker_{index}")
         self.handle = make_engine(worker.engine_kind, spec)
         self.task = None
         episode = None  # a given factory's environments: the tool-environment loop
@@ -135,6 +137,11 @@ class RolloutWorker:
                         agent_cfg: AgentLoopConfig) -> list[Trajectory]:
         """Play the ``n`` episodes of prompt draw ``uid`` (:func:`trainer.rollout.groups.run_group`)."""
         return await run_group(self.engine, self.pool, self.tok, sample, n, sampling, agent_cfg, uid=uid)
+
+    async def probe(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """One request straight to the engine (the weight-sync attestation's probe,
+        :mod:`.attestation`)."""
+        return await self.engine.generate(prompt_ids, params)
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> int:
         """Make the engine generate with ``weights`` as policy ``version``; returns the engine's version.
@@ -165,149 +172,6 @@ class RolloutWorker:
         await self.handle.close()
         if self.task is not None:
             await asyncio.to_thread(self.task.close)
-
-
-class LearnerActor:
-    """The learner as a Ray actor: any backend of ``learner.backend``, started from a state.
-
-    Args:
-        spec: the backend's :class:`~trainer.learner.spec.LearnerSpec`
-            (:func:`trainer.config.specs.learner_spec`; its plug-ins are imported in this process
-            when Ray unpickles it).
-        model_dir: ``save_pretrained`` directory of the actor (architecture, initial weights).
-        state: :meth:`Learner.state_dict` output to start from (models, optimizers, counters).
-    """
-
-    def __init__(self, spec: LearnerSpec, model_dir: str, state: dict) -> None:
-        from ..learner import make_learner
-        from ..plugins import import_plugins
-
-        import_plugins(spec.plugins)  # the user's registrations, in this process too
-        self.learner = make_learner(spec, model_dir)
-        self.learner.load_state_dict(state)
-        self.malloc_trim = spec.malloc_trim
-
-    def step(self, batch: Any, with_inputs: bool = False) -> tuple[dict, Any]:
-        """:meth:`Learner.step`: ``(metrics, step inputs)`` in one reply, the step inputs the
-        learner's ``last_step_inputs`` on the CPU (``(B, T)`` log-probs and advantages, for the
-        run's training samples) when ``with_inputs``, else None. With ``learner.malloc_trim`` this
-        process's free C heap is then returned to the OS
-        (:func:`~trainer.learner.allocator.release_free_heap`), as the local loop and every
-        distributed rank do, and ``perf/learner_malloc_trim_s`` is added."""
-        metrics = self.learner.step(batch)
-        if self.malloc_trim:
-            t0 = time.perf_counter()
-            release_free_heap()
-            metrics["perf/learner_malloc_trim_s"] = time.perf_counter() - t0
-        x = getattr(self.learner, "last_step_inputs", None) if with_inputs else None
-        return metrics, None if x is None else x.to(torch.device("cpu"))
-
-    def state_dict(self) -> dict:
-        """:meth:`Learner.state_dict` (everything needed to resume)."""
-        return self.learner.state_dict()
-
-    def policy_weights(self) -> dict[str, torch.Tensor]:
-        """:meth:`Learner.export_policy_weights` as a dict (what the rollout workers need)."""
-        return dict(self.learner.export_policy_weights())
-
-    def adapter(self) -> Any:
-        """The learner's LoRA adapter (a copy; :func:`~trainer.models.lora.adapter_of`), or None."""
-        a = adapter_of(self.learner)
-        return None if a is None else a.copy("cpu")
-
-    def load_state_dict(self, state: dict) -> None:
-        """:meth:`Learner.load_state_dict`."""
-        self.learner.load_state_dict(state)
-
-    def policy_version(self) -> int:
-        """:attr:`Learner.policy_version`."""
-        return self.learner.policy_version
-
-
-class RayLearner:
-    """A :class:`~trainer.learner.base.Learner` hosted in a Ray actor: every method calls it.
-
-    Args:
-        actor: a :class:`LearnerActor` handle (:meth:`start` makes one).
-    """
-
-    def __init__(self, actor: Any, algorithm: Any = None, with_inputs: bool = False) -> None:
-        self.actor = actor
-        #: the preset's algorithm (its channel intervals, for the run's samples; it trains nothing
-        #: here), or None
-        self.algorithm = algorithm
-        #: the last step's per-token inputs fetched from the actor (``logging.samples_per_step > 0``)
-        self.last_step_inputs: Any = None
-        self._with_inputs = with_inputs
-
-    @classmethod
-    def start(cls, spec: LearnerSpec, model_dir: str | Path, state: dict,
-              options: dict | None = None) -> RayLearner:
-        """Start a :class:`LearnerActor` of the backend of ``spec`` (its
-        :class:`~trainer.learner.spec.LearnerSpec`, :func:`trainer.config.specs.learner_spec`) from
-        ``state`` (``Learner.state_dict`` output); ``options``: Ray actor options (``num_gpus``, ...).
-        Ray must be initialised. With ``spec.keep_step_inputs`` (``logging.samples_per_step > 0``)
-        each step also fetches the actor's step inputs, so the run writes its training samples as
-        the local launcher does."""
-        import ray
-
-        from ..learner.algorithm import ActorCriticAlgorithm
-
-        actor_cls = ray.remote(LearnerActor).options(**dict(options or {}))
-        algorithm = ActorCriticAlgorithm.from_config(spec.algorithm, spec.step)
-        return cls(actor_cls.remote(spec, str(model_dir), state), algorithm, spec.keep_step_inputs)
-
-    @property
-    def policy_version(self) -> int:
-        """The actor's policy version."""
-        import ray
-
-        return int(ray.get(self.actor.policy_version.remote()))
-
-    def step(self, batch: Any) -> dict[str, float]:
-        """:meth:`Learner.step` on the actor (blocks until it is done; the loop calls it in a thread)."""
-        import ray
-
-        metrics, inputs = ray.get(self.actor.step.remote(batch, self._with_inputs))
-        if self._with_inputs:
-            self.last_step_inputs = inputs
-        return metrics
-
-    def policy_weights_ref(self) -> Any:
-        """An object reference to the actor's policy weights (produced once, pulled by each worker)."""
-        return self.actor.policy_weights.remote()
-
-    def export_policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The actor's policy weights, fetched to this process."""
-        import ray
-
-        yield from ray.get(self.policy_weights_ref()).items()
-
-    def export_adapter(self) -> Any:
-        """The actor's LoRA adapter, fetched to this process (None without LoRA)."""
-        import ray
-
-        return ray.get(self.actor.adapter.remote())
-
-    def state_dict(self) -> dict[str, Any]:
-        """The actor's :meth:`Learner.state_dict` (everything needed to resume)."""
-        import ray
-
-        return ray.get(self.actor.state_dict.remote())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """:meth:`Learner.load_state_dict` on the actor."""
-        import ray
-
-        ray.get(self.actor.load_state_dict.remote(state))
-
-    def close(self) -> None:
-        """Kill the actor (idempotent)."""
-        import ray
-
-        if self.actor is not None:
-            ray.kill(self.actor)
-            self.actor = None
 
 
 @dataclass
@@ -361,14 +225,20 @@ class RayRollouts:
         ref = ray.put({} if adapter is not None else dict(weights.export_policy_weights()))
         worker_cls = ray.remote(RolloutWorker).options(**spec.options)
         self.workers = [worker_cls.remote(spec.worker, str(spec.model_dir), ref, version, spec.env_factory,
-                                          concurrency=spec.concurrency, adapter=adapter)
-                        for _ in range(spec.num_workers)]
+                                          concurrency=spec.concurrency, adapter=adapter, index=i)
+                        for i in range(spec.num_workers)]
         self._rr = itertools.count()
 
     async def run_group(self, uid: int, sample: Mapping[str, Any], n: int) -> list[Trajectory]:
         """Play prompt draw ``uid`` on the next worker (round-robin)."""
         worker = self.workers[next(self._rr) % len(self.workers)]
         return await worker.run_group.remote(uid, dict(sample), n, self.spec.sampling, self.spec.agent_cfg)
+
+    async def probe(self, prompt_ids: list[int], params: SamplingParams) -> list[GenerationResult]:
+        """The weight-sync attestation's probe (:mod:`.attestation`) on EVERY worker: one
+        :class:`~trainer.engines.base.GenerationResult` per worker, in worker order (each worker's
+        engine is checked against the learner's reference, so one that missed a sync is caught)."""
+        return list(await asyncio.gather(*(w.probe.remote(list(prompt_ids), params) for w in self.workers)))
 
     async def sync(self, source: WeightSource, version: int) -> None:
         """Push ``version`` to every worker: a LoRA source's adapter only; a :class:`RayLearner`'s

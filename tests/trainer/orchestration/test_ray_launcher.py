@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -14,10 +15,12 @@ import copc
 from trainer.config import load_config
 from trainer.config.specs import engine_spec, learner_spec
 from trainer.engines.base import SamplingParams
+from trainer.errors import TrainingError
 from trainer.learner.backends.torch import TorchLearner
 from trainer.learner.settings import LearnerConfig, OptimizerSettings
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.orchestration.attestation import SyncCheck
 from trainer.orchestration.loop import AsyncTrainingLoop, BoundedAdmission, FixedLag, LoopConfig
 from trainer.orchestration.prompts import PromptStream
 from trainer.orchestration.ray_launcher import RayLearner, RayRollouts, RayRolloutSpec, WorkerSpec
@@ -55,9 +58,11 @@ def _exp(model_dir, **extra):
     return load_config(None, [f"{k}={v}" for k, v in ov.items()])
 
 
-def _worker(exp):
-    """The workers' spec of ``exp`` (engine only: the tests give an environment factory)."""
-    return WorkerSpec(exp.rollout.engine, engine_spec(exp, exp.model.path, None))
+def _worker(exp, kind=None, plugins=(), work_dir=None):
+    """The workers' spec of ``exp`` (engine only: the tests give an environment factory); ``kind``
+    another registered engine (from ``plugins``), ``work_dir`` the engines' work directory."""
+    spec = dataclasses.replace(engine_spec(exp, exp.model.path, None), work_dir=work_dir)
+    return WorkerSpec(kind or exp.rollout.engine, spec, plugins=tuple(plugins))
 
 
 def _flat(state):
@@ -80,13 +85,14 @@ class _Hooks(LoopHooks):
         return True
 
 
-async def _ray_run(exp, learner, tok, cfg, env_factory, hooks, max_new_tokens=6):
-    """Start a Ray-hosted learner from ``learner`` and 2 rollout workers, run the loop, copy the final
-    state into ``learner`` (as the ray launcher does); return the loop, the workers' versions and
-    engine weights and the learner actor's weights."""
+async def _ray_run(exp, learner, tok, cfg, env_factory, hooks, max_new_tokens=6, worker=None):
+    """Start a Ray-hosted learner from ``learner`` and 2 rollout workers (``worker``: their
+    :class:`WorkerSpec`, default :func:`_worker`), run the loop, copy the final state into ``learner``
+    (as the ray launcher does); return the loop, the workers' versions and engine weights and the
+    learner actor's weights."""
     ray_learner = RayLearner.start(learner_spec(exp), exp.model.path, learner.state_dict())
     sampling = SamplingParams(max_new_tokens=max_new_tokens, seed=0)
-    rollouts = RayRollouts(RayRolloutSpec(_worker(exp), exp.model.path, sampling,
+    rollouts = RayRollouts(RayRolloutSpec(worker or _worker(exp), exp.model.path, sampling,
                                           AgentLoopConfig(max_turns=1), env_factory=env_factory,
                                           num_workers=2, concurrency=4), learner, 0)
     hooks.learner = ray_learner
@@ -250,3 +256,60 @@ def test_ray_lora_syncs_adapters_to_the_workers(ray_cluster, tiny32):
         assert served.keys() == final.tensors.keys()
         assert all(torch.equal(served[n], final.tensors[n]) for n in served)
     assert all(loop.state.history.get(v).export_adapter() is not None for v in loop.state.history.versions())
+
+
+#: A plug-in engine: the embedded engine, except that the engine of rollout worker 1 (its work
+#: directory ``rollout_worker_1``) loads its initial weights at every sync and reports the new version.
+STALE_PLUGIN = """
+import dataclasses
+from trainer.engines import register_engine
+from trainer.engines.builtin import embedded_engine
+
+def stale_on_worker_1(spec):
+    handle = embedded_engine(spec)
+    if spec.work_dir is None or spec.work_dir.name != "rollout_worker_1":
+        return handle
+    initial = {k: v.clone() for k, v in handle.engine.model.state_dict().items()}
+
+    async def stale(weights, version):
+        await handle.engine.update_weights(initial, version)
+    return dataclasses.replace(handle, sync=stale)
+
+register_engine("stale_on_worker_1", stale_on_worker_1, overwrite=True)
+"""
+
+
+def _attested_run(envs, tiny32, tmp_path, worker_kind=None):
+    """4 steps, bounded staleness 1, 2 Ray workers, ``train.sync_check_tolerance=1e-4``: the loop."""
+    plugin = tmp_path / "stale_plugin.py"
+    plugin.write_text(STALE_PLUGIN)
+    exp = _exp(tiny32)
+    actor, tok = load_model_and_tokenizer(tiny32)
+    learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
+        optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-3), micro_batch_size=4))
+    cfg = LoopConfig(total_steps=4, prompts_per_step=2, n_samples_per_prompt=2, pad_token_id=tok.pad_token_id,
+                     staleness=BoundedAdmission(1), sync_check=SyncCheck(1e-4, 1.0))
+    worker = _worker(exp, worker_kind, [str(plugin)] if worker_kind else (), tmp_path / "work")
+    hooks = _Hooks()
+    return asyncio.run(_ray_run(exp, learner, tok, cfg, envs.EchoEnvFactory(0.0, dense=True),
+                                hooks, worker=worker))[0], hooks
+
+
+def test_ray_workers_syncs_are_attested_on_every_worker(ray_cluster, tiny32, tmp_path):
+    """The attestation runs with Ray rollout workers: the learner actor takes the reference, every
+    worker's engine answers the probe, every synced version is checked within float32 noise."""
+    loop, hooks = _attested_run(ray_cluster, tiny32, tmp_path)
+    assert loop.attestor.enabled and sorted(loop.attestor.checked) == [1, 2, 3, 4], loop.attestor.checked
+    assert all(0.0 <= d <= 1e-5 for d in loop.attestor.checked.values()), loop.attestor.checked
+    assert all(m["actor/grad_norm"] > 0 for m in hooks.seen)  # the policy moved: new weights were compared
+
+
+def test_a_ray_worker_that_keeps_its_old_weights_stops_the_run_naming_the_version(ray_cluster, tiny32,
+                                                                                   tmp_path):
+    """Worker 0 syncs honestly, worker 1 keeps its initial weights under the new version: the probe
+    reaches every worker, so the first sync (version 1) fails its check, in one line."""
+    with pytest.raises(TrainingError) as e:
+        _attested_run(ray_cluster, tiny32, tmp_path, worker_kind="stale_on_worker_1")
+    msg = str(e.value)
+    assert msg.startswith("weight sync check failed: after the sync the engine log-probs differ by ")
+    assert "at policy version 1 (train.sync_check_tolerance=0.0001)" in msg and "\n" not in msg
