@@ -58,7 +58,9 @@ def launch_spec(cfg: ExperimentConfig, *, learner: Any, engine: EngineHandle, ta
 
     Args:
         cfg: the validated experiment config (``launcher``, ``rollout.concurrency`` /
-            ``rollout.engine`` and the engine's spec, the learner's spec, ``plugins``).
+            ``rollout.engine`` and the engine's spec, its work directory ``output_dir`` (a Ray
+            worker's engine writes under ``<output_dir>/rollout_worker_<i>``), the learner's spec,
+            ``plugins``).
         learner: the driver's (restored) learner. engine: its started engine.
         task: the started task. tokenizer: the policy tokenizer.
         model_dir: the policy's ``save_pretrained`` directory. sampling: rollout sampling.
@@ -70,5 +72,6 @@ def launch_spec(cfg: ExperimentConfig, *, learner: Any, engine: EngineHandle, ta
                       learner=learner, engine=engine, task=task, tokenizer=tokenizer,
                       model_dir=Path(model_dir), sampling=sampling, agent_cfg=agent_loop_config(cfg),
                       concurrency=cfg.rollout.concurrency, engine_kind=cfg.rollout.engine,
-                      engine_spec=engine_spec(cfg, model_dir, None), learner_spec=learner_spec(cfg),
+                      engine_spec=engine_spec(cfg, model_dir, None, work_dir=Path(cfg.output_dir).absolute()),
+                      learner_spec=learner_spec(cfg),
                       plugins=tuple(absolute_plugins(cfg.plugins)))

@@ -38,7 +38,8 @@ def engine_spec(cfg: ExperimentConfig, model_dir: Path | str, tokenizer: Any, *,
 
     Args:
         cfg: the validated experiment config (``model.dtype``, ``model.attn_implementation``,
-            ``rollout.engine_max_batch_size`` and the engine's ``rollout.engine_settings`` are read).
+            ``rollout.engine_max_batch_size``, ``train.staleness`` and the engine's
+            ``rollout.engine_settings`` are read).
         model_dir, tokenizer, version, weights, work_dir, adapter: as the spec's fields.
 
     Raises:
@@ -47,7 +48,13 @@ def engine_spec(cfg: ExperimentConfig, model_dir: Path | str, tokenizer: Any, *,
     return EngineSpec(model_dir=Path(model_dir), tokenizer=tokenizer, version=version, weights=weights,
                       work_dir=work_dir, adapter=adapter, settings=plugin_settings(cfg, "rollout.engine"),
                       dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-                      max_batch_size=cfg.rollout.engine_max_batch_size)
+                      max_batch_size=cfg.rollout.engine_max_batch_size, fixed_lag=fixed_lag(cfg))
+
+
+def fixed_lag(cfg: ExperimentConfig) -> int | None:
+    """The fixed lag k of ``train.staleness`` (the effective one,
+    :attr:`~trainer.config.ExperimentConfig.staleness`), None under bounded staleness."""
+    return cfg.staleness.lag if isinstance(cfg.staleness, FixedStaleness) else None
 
 
 def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None:
@@ -74,12 +81,12 @@ def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None
     if evaluation:
         check(EngineCheck(settings=plugin_settings(cfg, "rollout.engine")))
         return
-    r, staleness = cfg.rollout, cfg.staleness
+    r = cfg.rollout
     check(EngineCheck(settings=plugin_settings(cfg, "rollout.engine"),
                       sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                               max_new_tokens=r.max_new_tokens),
                       lora=cfg.learner.lora_settings()[0] is not None,
-                      fixed_lag=staleness.lag if isinstance(staleness, FixedStaleness) else None))
+                      fixed_lag=fixed_lag(cfg)))
 
 
 def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:

@@ -53,6 +53,8 @@ class EngineSpec:
         dtype: the policy's parameter dtype, ``float32`` | ``bfloat16`` | ``float16`` (``model.dtype``).
         attn_implementation: ``eager`` | ``sdpa`` | ``flash_attention_2`` (``model.attn_implementation``).
         max_batch_size: sequences an in-process engine decodes at once (``rollout.engine_max_batch_size``).
+        fixed_lag: the run's fixed lag k (``train.staleness`` mode ``fixed``), None under bounded
+            staleness (a server engine keeps the k + 1 versions a batch may still use).
     """
 
     model_dir: Path
@@ -65,6 +67,7 @@ class EngineSpec:
     dtype: str = "float32"
     attn_implementation: str = "eager"
     max_batch_size: int = 32
+    fixed_lag: int | None = None
 
 
 @dataclass

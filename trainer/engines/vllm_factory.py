@@ -35,9 +35,10 @@ class VLLMSettings:
         kv_cache_gib: whole GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE`` on CPU; an int >= 1).
         enforce_eager: skip vLLM's compile (``--enforce-eager``: ~77 s start on 2 cores instead of 3.5-6 min).
         dtype: ``float32`` (default; bf16 log-probs are off by up to 0.17 nats), ``bfloat16``, ``float16``.
-        max_loras: adapters one batch may mix (>= keep_adapters).
+        max_loras: adapters one batch may mix (0: the adapters kept; else >= them).
         max_lora_rank: the largest adapter rank served (0: the policy adapter's rank).
-        keep_adapters: policy versions' adapters kept loaded (k + 1 for a fixed lag k; >= 1).
+        keep_adapters: policy versions' adapters kept loaded (0: derived from the run's staleness,
+            :func:`adapters_kept`: k + 1 under a fixed lag k, else 2; set: >= k + 1).
         startup_timeout_s: seconds to wait for a healthy server.
         log_tail_lines: lines of the server log quoted when it cannot start.
         request_timeout_s: deadline of one request, retries included. max_retries: retries of a
@@ -53,9 +54,9 @@ class VLLMSettings:
     kv_cache_gib: int = 1
     enforce_eager: bool = False
     dtype: str = "float32"
-    max_loras: int = 3
+    max_loras: int = 0
     max_lora_rank: int = 0
-    keep_adapters: int = 2
+    keep_adapters: int = 0
     startup_timeout_s: float = 900.0
     log_tail_lines: int = 40
     request_timeout_s: float = 600.0
@@ -69,10 +70,10 @@ class VLLMSettings:
             raise ValueError(f"port={self.port!r}: must be 0 (a free port) or in 1..65535")
         if not isinstance(self.python, str) or not self.python:
             raise ValueError(f"python={self.python!r}: must be the path of the vLLM venv's interpreter")
-        for k in ("max_model_len", "kv_cache_gib", "max_loras", "keep_adapters", "log_tail_lines"):
+        for k in ("max_model_len", "kv_cache_gib", "log_tail_lines"):
             if not is_int(getattr(self, k)) or getattr(self, k) < 1:
                 raise ValueError(f"{k}={getattr(self, k)!r}: must be an int >= 1")
-        for k in ("max_lora_rank", "max_retries"):
+        for k in ("max_loras", "keep_adapters", "max_lora_rank", "max_retries"):
             if not is_int(getattr(self, k)) or getattr(self, k) < 0:
                 raise ValueError(f"{k}={getattr(self, k)!r}: must be an int >= 0")
         for k in ("startup_timeout_s", "request_timeout_s"):
@@ -82,8 +83,26 @@ class VLLMSettings:
             raise ValueError(f"enforce_eager={self.enforce_eager!r}: must be true or false")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {', '.join(_DTYPES)}")
-        if self.max_loras < self.keep_adapters:
+        if 0 < self.max_loras < self.keep_adapters:
             raise ValueError(f"max_loras={self.max_loras!r}: must be >= keep_adapters={self.keep_adapters}")
+
+
+def adapters_kept(settings: VLLMSettings, fixed_lag: int | None) -> tuple[int, int]:
+    """``(keep_adapters, max_loras)`` of a run: the settings' values, or where they are 0 the
+    derived ones: under a fixed lag ``k`` the k + 1 versions a batch may still be generated with
+    (spec §staleness: batch n comes from version n − k while the learner makes n + 1), else 2 (the
+    current version and the previous one, whose requests may still be in flight at a sync);
+    ``max_loras`` 0: as many as are kept.
+
+    Raises:
+        ValueError: a set ``max_loras`` below the adapters kept (the preflight says it first).
+    """
+    keep = settings.keep_adapters or (fixed_lag + 1 if fixed_lag is not None else 2)
+    max_loras = settings.max_loras or keep
+    if max_loras < keep:
+        raise ValueError(f"rollout.engine_settings.max_loras={max_loras}: must be >= the {keep} "
+                         "adapters kept (keep_adapters)")
+    return keep, max_loras
 
 
 def vllm_engine(spec: EngineSpec) -> EngineHandle:
@@ -91,9 +110,10 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
 
     The server serves ``model_dir`` with LoRA enabled and the initial adapter
     (``work_dir/vllm_adapters/v<N>``, PEFT layout) loaded under a name carrying its version; each
-    ``sync_adapter`` writes the new adapter there and loads it; the oldest beyond ``keep_adapters``
-    are unloaded (once no request uses them) and their directories removed. Without an adapter:
-    :func:`~.vllm_full_sync.vllm_full_weight_engine` (full weights, reloaded in place).
+    ``sync_adapter`` writes the new adapter there and loads it; the oldest beyond those kept
+    (:func:`adapters_kept`) are unloaded (once no request uses them) and their directories removed.
+    Without an adapter: :func:`~.vllm_full_sync.vllm_full_weight_engine` (full weights, reloaded in
+    place).
 
     Raises:
         ValueError: a LoRA adapter with initial weights other than ``model_dir``'s.
@@ -113,11 +133,12 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
         raise ValueError("rollout.engine=vllm serves model.path's base weights with LoRA adapters; "
                          "initial full weights (a resumed full fine-tune) are not supported")
     a = spec.adapter
+    keep, max_loras = adapters_kept(s, spec.fixed_lag)
     root = (spec.work_dir or spec.model_dir.parent) / "vllm_adapters"
     launcher = VLLMLauncher(VLLMLauncherConfig(
         model_path=str(spec.model_dir), python=s.python, port=s.port or None, dtype=s.dtype,
         max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib, enforce_eager=s.enforce_eager,
-        max_lora_rank=s.max_lora_rank or a.settings.rank, max_loras=s.max_loras,
+        max_lora_rank=s.max_lora_rank or a.settings.rank, max_loras=max_loras,
         startup_timeout_s=s.startup_timeout_s, log_tail_lines=s.log_tail_lines,
         log_path=str(root.parent / "vllm_server.log")))
     launcher.start()
@@ -141,7 +162,7 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
 
     engine = VLLMEngine(VLLMEngineConfig(base_url=launcher.url, request_timeout_s=s.request_timeout_s,
                                          max_retries=s.max_retries, vocab_size=len(spec.tokenizer),
-                                         keep_adapters=s.keep_adapters, initial_lora=first,
+                                         keep_adapters=keep, initial_lora=first,
                                          initial_version=spec.version), on_unloaded=forget)
     engine.launcher = launcher  # the server process (tests end it to check the client's error)
 

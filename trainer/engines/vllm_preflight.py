@@ -9,6 +9,7 @@ import os
 
 from ..errors import ConfigError
 from .registry import EngineCheck
+from .vllm_factory import adapters_kept
 from .vllm_launcher import DEFAULT_VLLM_PYTHON, SETUP_HINT
 from .vllm_protocol import check_sampling
 
@@ -26,7 +27,8 @@ def vllm_preflight(check: EngineCheck) -> None:
             other than 1 (:func:`~.vllm_protocol.check_sampling`); no
             interpreter at ``rollout.engine_settings.python`` (naming ``scripts/setup.sh --vllm``);
             ``keep_adapters`` below ``k + 1`` for a LoRA policy under a fixed lag ``k`` (the adapter
-            of a version still generating would be unloaded).
+            of a version still generating would be unloaded), or ``max_loras`` below the adapters
+            kept (:func:`~.vllm_factory.adapters_kept`).
     """
     try:
         check_sampling(check.sampling)
@@ -36,9 +38,14 @@ def vllm_preflight(check: EngineCheck) -> None:
     if not os.access(python, os.X_OK):
         raise ConfigError(f"rollout.engine_settings.python={python!r}: no vLLM interpreter there (the "
                           f"server's own virtualenv); {SETUP_HINT}")
-    keep = getattr(check.settings, "keep_adapters", None)
+    keep = getattr(check.settings, "keep_adapters", 0)
     need = None if check.fixed_lag is None else check.fixed_lag + 1
-    if check.lora and need is not None and keep is not None and keep < need:
+    if check.lora and need is not None and keep and keep < need:
         raise ConfigError(f"rollout.engine_settings.keep_adapters={keep} with train.staleness fixed lag "
                           f"{check.fixed_lag}: the adapters of {need} policy versions must stay loaded; "
-                          f"set keep_adapters >= {need}")
+                          f"set keep_adapters >= {need} (or 0: derived)")
+    if check.lora and check.settings is not None:
+        try:
+            adapters_kept(check.settings, check.fixed_lag)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

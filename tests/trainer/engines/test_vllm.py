@@ -46,7 +46,7 @@ needs_vllm = [pytest.mark.vllm, pytest.mark.slow,
 # ------------------------------------------------------------------ no server
 
 def test_settings_refuse_bad_values_in_one_line():
-    for kw, field in [({"port": 70000}, "port"), ({"dtype": "int8"}, "dtype"), ({"keep_adapters": 0},
+    for kw, field in [({"port": 70000}, "port"), ({"dtype": "int8"}, "dtype"), ({"keep_adapters": -1},
                       "keep_adapters"), ({"max_loras": 1, "keep_adapters": 2}, "max_loras"),
                       ({"kv_cache_gib": 0}, "kv_cache_gib"), ({"enforce_eager": "yes"}, "enforce_eager")]:
         with pytest.raises(ValueError, match=rf"^{field}=") as e:

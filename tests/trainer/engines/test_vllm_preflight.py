@@ -13,6 +13,7 @@ import pytest
 
 from trainer.config import ConfigError, load_config
 from trainer.config.specs import preflight_engine
+from trainer.engines.vllm_factory import VLLMSettings, adapters_kept
 from trainer.engines.vllm_launcher import DEFAULT_VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,12 +47,22 @@ def test_a_missing_server_venv_names_the_setup_command(tmp_path):
 def test_a_fixed_lag_needs_its_adapters_kept():
     with pytest.raises(ConfigError, match=r"^rollout\.engine_settings\.keep_adapters=2 with train\.staleness "
                                           r"fixed lag 2: the adapters of 3 policy versions must stay loaded; "
-                                          r"set keep_adapters >= 3$"):
-        _check(*LORA, "train.staleness={mode: fixed, lag: 2}")
+                                          r"set keep_adapters >= 3 \(or 0: derived\)$"):
+        _check(*LORA, "train.staleness={mode: fixed, lag: 2}", "rollout.engine_settings.keep_adapters=2")
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_settings\.max_loras=2: must be >= the 5 "
+                                          r"adapters kept \(keep_adapters\)$"):
+        _check(*LORA, "train.staleness={mode: fixed, lag: 4}", "rollout.engine_settings.max_loras=2")
     _check(*LORA, "train.staleness={mode: fixed, lag: 2}", "rollout.engine_settings.keep_adapters=3")
-    _check(*LORA, "train.staleness={mode: fixed, lag: 1}")  # k + 1 = 2 = the default
-    _check("train.staleness={mode: fixed, lag: 2}")  # full weights: no adapters to keep
+    _check(*LORA, "train.staleness={mode: fixed, lag: 2}")  # the default (0) derives k + 1 = 3
+    _check("train.staleness={mode: fixed, lag: 2}", "rollout.engine_settings.keep_adapters=1")  # full weights
     _check(*LORA, "train.staleness={mode: bounded, max: 4}")  # bounded staleness: the default keeps 2
+
+
+def test_adapters_kept_are_derived_from_the_fixed_lag():
+    assert adapters_kept(VLLMSettings(), 4) == (5, 5) and adapters_kept(VLLMSettings(), 0) == (1, 1)
+    assert adapters_kept(VLLMSettings(), None) == (2, 2)  # bounded: the current and the previous one
+    assert adapters_kept(VLLMSettings(keep_adapters=3, max_loras=4), 1) == (3, 4)
+    assert adapters_kept(VLLMSettings(max_loras=8), 2) == (3, 8)
 
 
 def test_copc_train_refuses_before_any_work(tmp_path):

@@ -28,7 +28,7 @@ from trainer.engines.vllm_launcher import DEFAULT_VLLM_PYTHON
 
 REPO = Path(__file__).resolve().parents[3]
 ROWS = ("test_2051", "test_3107", "test_2493", "test_2721")  # NQ questions SmolLM2 answers (training rows)
-LAG = 4  # the committed job's fixed lag: keep_adapters must be k + 1
+LAG = 4  # the committed job's fixed lag (the engine keeps k + 1 adapters, derived)
 
 HAVE_VLLM = Path(DEFAULT_VLLM_PYTHON).exists()
 pytestmark = [pytest.mark.vllm, pytest.mark.realmodel, pytest.mark.slow,
@@ -46,8 +46,7 @@ def search_job_on_vllm(realmodel: Path, tmp_path: Path):
         f"model.path={realmodel}", f"output_dir={out}", f"task.train_data=[{data}]",
         f"task.eval_data=[{data}]", "eval.num_samples=2",
         "rollout.engine=vllm",
-        f"rollout.engine_settings={{enforce_eager: true, max_model_len: 2560, kv_cache_gib: 1, "
-        f"keep_adapters: {LAG + 1}, max_loras: {LAG + 1}}}",
+        "rollout.engine_settings={enforce_eager: true, max_model_len: 2560, kv_cache_gib: 1}",
         "train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=4",
         "train.max_filtered_groups_per_batch=2", "rollout.concurrency=8", "logging.progress=false",
         "logging.plots=false", "checkpoint.every_steps=2"])

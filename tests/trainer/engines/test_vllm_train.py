@@ -31,7 +31,8 @@ from trainer.engines.vllm_launcher import DEFAULT_VLLM_PYTHON
 from trainer.errors import TrainingError
 
 REPO = Path(__file__).resolve().parents[3]
-STEPS, LAG, KEEP = 5, 2, 3  # 5 steps under lag 2: batches of versions 0, 0, 0, 1, 2; syncs to 1, 2, 5
+STEPS, LAG, KEEP = 5, 2, 3  # 5 steps under lag 2: batches of versions 0, 0, 0, 1, 2; syncs to 1, 2, 5;
+#                             k + 1 = 3 adapters kept (derived: keep_adapters is not set)
 TOLERANCE = 1e-4  # float32 engine and learner
 HAVE_VLLM = os.access(DEFAULT_VLLM_PYTHON, os.X_OK)
 
@@ -42,14 +43,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 def _config(out: Path, steps: int = STEPS):
     """cpu_tiny.yaml on the vllm engine: 2 heads of 64 (vLLM's CPU attention kernel), LoRA rank 8,
-    fixed lag 2, 2 prompts per step, a -1 reward for a wrong answer (the untrained model never
-    answers: the advantages are not 0, so the actor moves every step and versions differ)."""
+    fixed lag 2 (the adapters kept derived from it: keep_adapters left 0), 2 prompts per step, a -1
+    reward for a wrong answer (the untrained model never answers: the advantages are not 0, so the
+    actor moves every step and versions differ)."""
     over = {
         "output_dir": str(out), "model.tiny.num_heads": "2", "model.tiny.num_kv_heads": "1",
         "warm_start.enabled": "false", "eval.enabled": "false", "logging.progress": "false",
         "logging.plots": "false", "rollout.engine": "vllm",
-        "rollout.engine_settings": f"{{enforce_eager: true, max_model_len: 1024, kv_cache_gib: 1, "
-                                   f"keep_adapters: {KEEP}, max_loras: {KEEP}}}",
+        "rollout.engine_settings": "{enforce_eager: true, max_model_len: 1024, kv_cache_gib: 1}",
         "learner.lora.rank": "8", "train.total_steps": str(steps), "train.prompts_per_step": "2",
         "train.micro_batch_size": "4", "train.critic_warmup_steps": "0",
         "train.staleness": f"{{mode: fixed, lag: {LAG}}}", "train.sync_check_tolerance": str(TOLERANCE),
