@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,38 @@ def test_a_server_serving_the_previous_adapter_stops_the_run_naming_the_version(
                         msg), msg
     diff = float(re.search(r"differ by (\S+) nats", msg).group(1))
     assert diff > 10 * TOLERANCE  # far outside the float32 noise the honest run shows
+
+
+def test_a_server_killed_mid_run_is_one_error_and_the_last_step_is_checkpointed(tmp_path, monkeypatch):
+    """The server's process group is killed right after it loaded version 1's adapter (mid-run: steps
+    are done, episodes are in flight): the run stops with one line naming the failure, and the state
+    after the last trained step is on disk although ``checkpoint.every_steps`` would not have saved it."""
+    from trainer.outputs.checkpoint import CheckpointManager
+
+    real_make_engine = run_module.make_engine
+
+    def killed_after_v1(kind, spec):
+        handle = real_make_engine(kind, spec)
+
+        async def sync_then_kill(adapter, version):
+            await handle.sync_adapter(adapter, version)
+            if version == 1:
+                os.killpg(handle.engine.launcher.proc.pid, signal.SIGKILL)
+
+        return dataclasses.replace(handle, sync_adapter=sync_then_kill)
+
+    monkeypatch.setattr(run_module, "make_engine", killed_after_v1)
+    out = tmp_path / "run"
+    cfg = _config(out, steps=8)  # checkpoint.every_steps of cpu_tiny.yaml: larger than 8
+    assert cfg.checkpoint.every_steps > 8
+    with pytest.raises(TrainingError) as e:
+        run_experiment(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "vLLM POST /v1/completions" in msg, msg
+    done = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+            if "actor/pg_loss" in json.loads(x)]
+    assert done and done == list(range(1, len(done) + 1)) and len(done) < 8
+    assert re.search(rf"state after step {done[-1]} is checkpointed", msg), msg
+    ckpt = CheckpointManager(out / "checkpoints")
+    assert CheckpointManager.step_of(ckpt.latest()) == done[-1]
+    assert ckpt.load()["learner"]["steps_done"] == done[-1]
