@@ -93,6 +93,11 @@ class EpisodeInfraError(RuntimeError):
     """The engine failed this episode's call (after retries): answered ``503``."""
 
 
+class EpisodeClosedError(RuntimeError):
+    """A call reached an episode whose agent has returned (:meth:`Episode.close`): answered ``410``,
+    and it changed nothing."""
+
+
 class Episode:
     """The state of one agent run behind one API key (used on the engine's event loop only).
 
@@ -110,6 +115,7 @@ class Episode:
             returned to the agent (parsed from the completions).
         failure: the ``finish_reason`` that ends the episode regardless of the agent's outcome
             (an engine failure, a budget the agent ran into, an edited history), or ``""``.
+        closed: set by :meth:`close` once the agent has returned: the trajectory is frozen.
     """
 
     def __init__(self, engine: InferenceEngine, tokenizer: Any, sampling: SamplingParams,
@@ -127,6 +133,12 @@ class Episode:
         self.clock = EpisodeClock()
         self._inside_s = 0.0  # seconds inside complete() (the endpoint's own time, generation included)
         self._lock = asyncio.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        """Freeze the episode (its agent has returned): a call still waiting for its turn or for
+        the engine raises :class:`EpisodeClosedError` and adds nothing to the trajectory."""
+        self.closed = True
 
     async def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Answer one ``/v1/chat/completions`` request body.
@@ -137,8 +149,11 @@ class Episode:
         Raises:
             RequestError: a malformed request, or a budget the episode has used up (``400``).
             EpisodeInfraError: the engine failed (``503``); the episode ends ``engine_error``.
+            EpisodeClosedError: the episode was closed before or while this call ran (``410``).
         """
         async with self._lock:  # calls of one episode are answered one at a time
+            if self.closed:
+                raise EpisodeClosedError("this episode has finished; its trajectory takes no more calls")
             t0 = time.perf_counter()
             try:
                 return await self._complete(body)
@@ -179,6 +194,8 @@ class Episode:
         except EngineError as e:
             self.failure = finish_text(FinishReason.ENGINE_ERROR, str(e))
             raise EpisodeInfraError(self.failure) from e
+        if self.closed:  # the agent returned while the engine generated: the trajectory is frozen
+            raise EpisodeClosedError("this episode finished while the call was generated; not recorded")
         if self._chat is not None and self.trajectory is not None and not self.edits:
             if self.calls:
                 self.trajectory.append_observation_tokens(self._pending)
