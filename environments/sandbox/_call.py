@@ -1,8 +1,9 @@
 """One call's process in the sandbox worker (stdlib only; runs inside the sandbox).
 
-:class:`Prefork` forks it ahead of the request; in the child, :func:`child_main` confines it
-(its own session, a fresh mount + IPC namespace, the call's cgroups, dropped privileges, the
-seccomp filter: ``_confine.py``), reports ``R`` (set up), waits for the request, sets its limits,
+:class:`Prefork` (in the fork server) has the zygote (``_zygote.py``) fork it ahead of the
+request; in the child, :func:`child_main` confines it (the call's cgroups, then its own
+session, a fresh mount + IPC + network + cgroup namespace, dropped privileges, the seccomp
+filter: ``_confine.py``), reports ``R`` (set up), waits for the request, sets its limits,
 reports ``G`` and runs the code (:func:`exec_code`) like ``python script.py`` would.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 import os
 import resource
 import signal
+import socket
 import sys
 import tempfile
 import traceback
@@ -22,13 +24,17 @@ import _confine
 import _wire
 
 
-def child_main(ctl_r: int, out_w: int, err_w: int, ready_w: int, opts: _wire.Options) -> None:
+def child_main(ctl_r: int, out_w: int, err_w: int, ready_w: int, opts: _wire.Options,
+               cg: _cgroups.Cgroups) -> None:
     """Pre-forked untrusted-program process: confine itself, wait for the request, run it.
 
     Never returns. Everything that does not depend on the request happens before it arrives.
+    It enters the slot's cgroups itself, before its cgroup namespace is made, so that its
+    ``/proc/self/cgroup`` shows ``/`` (not the pool's cgroup names, which hold the host pid).
     """
     code = 1
     try:
+        cg.enter(os.getpid())
         os.setsid()
         _confine.prctl(_confine.PR_SET_PDEATHSIG, signal.SIGKILL)
         devnull = os.open("/dev/null", os.O_RDONLY)
@@ -118,31 +124,36 @@ def exec_code(source: str, namespace: dict) -> int:
 
 
 class Prefork:
-    """A forked, confined child waiting for its request (see :func:`child_main`)."""
+    """A call process forked by the zygote, confined and waiting for its request (see
+    :func:`child_main`); the fork server's ends of its pipes.
 
-    def __init__(self, opts: _wire.Options, cg: _cgroups.Cgroups) -> None:
+    Args:
+        zygote: the fork server's end of the socket pair to the zygote (``_zygote.py``).
+    """
+
+    def __init__(self, zygote: socket.socket) -> None:
         ctl_r, self.ctl_w = os.pipe()
         self.out_r, out_w = os.pipe()
         self.err_r, err_w = os.pipe()
         self.ready_r, ready_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            for fd in (self.ctl_w, self.out_r, self.err_r, self.ready_r):
-                os.close(fd)
-            child_main(ctl_r, out_w, err_w, ready_w, opts)
-        for fd in (ctl_r, out_w, err_w, ready_w):
-            os.close(fd)
-        self.pidfd = os.pidfd_open(self.pid)
         self.setup_error: str | None = None
         self.ns_fds: list[int] = []
+        self.pid = -1
         try:
-            cg.enter(self.pid)
-        except OSError as e:
-            self.setup_error = f"cannot move the call into its cgroups: {e}"
+            socket.send_fds(zygote, [b"F"], [ctl_r, out_w, err_w, ready_w])
+            tag, pid = _wire.PID_MSG.unpack(zygote.recv(64))
+            if tag != b"P" or pid <= 0:
+                raise OSError(-pid if pid < 0 else 5, f"the zygote could not fork ({tag!r}, {pid})")
+            self.pid = pid
+        except (OSError, _wire.struct.error) as e:  # a short message: the zygote died
+            self.setup_error = f"cannot fork the call process: {e}"
+        finally:
+            for fd in (ctl_r, out_w, err_w, ready_w):
+                os.close(fd)
 
     def close(self) -> None:
         """Close the worker's ends of the child's pipes and its namespace handles."""
-        for fd in (self.ctl_w, self.out_r, self.err_r, self.ready_r, self.pidfd, *self.ns_fds):
+        for fd in (self.ctl_w, self.out_r, self.err_r, self.ready_r, *self.ns_fds):
             if fd >= 0:
                 os.close(fd)
         self.ns_fds = []

@@ -22,7 +22,9 @@ class Cgroups:
         self.efd = None
         self.fds: dict[str, int] = {}
         self.procs = []
-        for path in (opts.cg_memory, opts.cg_pids):
+        self.controllers = [ctl for ctl, path in (("memory", opts.cg_memory), ("pids", opts.cg_pids),
+                                                  ("cpu", opts.cg_cpu)) if path is not None]
+        for path in (opts.cg_memory, opts.cg_pids, opts.cg_cpu):
             if path is not None:
                 self.procs.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY))
         if opts.cg_memory is not None:
@@ -33,14 +35,28 @@ class Cgroups:
             oom_fd = os.open(os.path.join(opts.cg_memory, "memory.oom_control"), os.O_RDONLY)
             with open(os.path.join(opts.cg_memory, "cgroup.event_control"), "w") as f:
                 f.write(f"{self.efd} {oom_fd}")
-        for path in (opts.cg_memory, opts.cg_pids):
+        for path in (opts.cg_memory, opts.cg_pids, opts.cg_cpu):
             if path is not None:
                 _confine.umount(path)
 
     def enter(self, pid: int) -> None:
-        """Move process ``pid`` (a new call) into the slot's cgroups."""
+        """Move process ``pid`` (a new call, itself) into the slot's cgroups (memory, pids,
+        cpu where the pool made them)."""
         for fd in self.procs:
             os.pwrite(fd, str(pid).encode(), 0)
+
+    def missing(self, pid: int) -> list[str]:
+        """The slot controllers call process ``pid`` is not in (read from ``/proc/<pid>/cgroup``
+        as the fork server sees it; the call itself sees ``/`` in its cgroup namespace)."""
+        if not self.controllers:
+            return []
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+        except OSError:
+            return list(self.controllers)
+        inside = {ctl for _, names, path in lines if "/slot-" in path for ctl in names.split(",")}
+        return [ctl for ctl in self.controllers if ctl not in inside]
 
     def set_limit(self, memory_mb: int) -> None:
         """Limit the call's memory (all processes, tmpfs, shared memory, kernel objects) to

@@ -87,11 +87,18 @@ def loopback_up() -> None:
         fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
 
 
+#: Host identifiers in the call's ``/proc``, covered by ``/dev/null`` (a program reads nothing).
+HIDDEN_PROC_FILES = ("/proc/cmdline", "/proc/sys/kernel/random/boot_id")
+
+
 def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = ()) -> None:
-    """Move the calling process into a new mount + IPC + network namespace with fresh tmpfs
-    mounts and only a loopback interface (so no socket state, e.g. a TIME_WAIT connection or a
-    bound port, outlives the call), and a ``/proc`` of its own that hides other uids' processes
-    (``hidepid=2``, "invisible": the fork server's counters are not readable).
+    """Move the calling process into a new mount + IPC + network + cgroup namespace with fresh
+    tmpfs mounts and only a loopback interface (so no socket state, e.g. a TIME_WAIT connection
+    or a bound port, outlives the call), and a ``/proc`` of its own that hides other uids'
+    processes (``hidepid=2``, "invisible": the fork server's counters are not readable) and the
+    host's boot id and kernel command line (:data:`HIDDEN_PROC_FILES`). The cgroup namespace is
+    rooted at the call's slot cgroups (entered before), so ``/proc/self/cgroup`` shows ``/``,
+    not the pool's cgroup names (which carry the pool's host pid).
 
     ``/tmp`` and ``/dev/shm`` become new, empty tmpfs instances of ``tmp_bytes`` bytes and
     ``inodes`` inodes each (mode 1777); the read-only binds in ``keep`` (interpreter prefixes
@@ -102,7 +109,8 @@ def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = (
     Raises:
         OSError: a step failed (the caller reports a sandbox failure, not a program error).
     """
-    _check(_LIBC.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET), "unshare(NEWNS|NEWIPC|NEWNET)")
+    _check(_LIBC.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWCGROUP),
+           "unshare(NEWNS|NEWIPC|NEWNET|NEWCGROUP)")
     loopback_up()
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     opts = f"size={tmp_bytes},nr_inodes={inodes},mode=1777"
@@ -113,6 +121,8 @@ def fresh_call_namespaces(tmp_bytes: int, inodes: int, keep: tuple[str, ...] = (
     # so their counters (page faults, peak RSS) cannot carry what earlier calls did ("2" is
     # "invisible" on kernels >= 5.8 and understood by older ones too)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    for path in HIDDEN_PROC_FILES:  # the host's identifiers: read as empty
+        mount("/dev/null", path, None, MS_BIND)
     for fd, path in kept:
         os.makedirs(path, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
@@ -145,11 +155,20 @@ def drop_privileges(uid: int, gid: int) -> None:
 _ARCHES = {  # machine -> (AUDIT_ARCH, syscall numbers)
     "x86_64": (0xC000003E, {"clone": 56, "clone3": 435, "unshare": 272, "setns": 308,
                             "add_key": 248, "request_key": 249, "keyctl": 250, "ptrace": 101,
-                            "process_vm_readv": 310, "process_vm_writev": 311}),
+                            "process_vm_readv": 310, "process_vm_writev": 311,
+                            "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                            "userfaultfd": 323, "personality": 135}),
     "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
                              "add_key": 217, "request_key": 218, "keyctl": 219, "ptrace": 117,
-                             "process_vm_readv": 270, "process_vm_writev": 271}),
+                             "process_vm_readv": 270, "process_vm_writev": 271,
+                             "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+                             "userfaultfd": 282, "personality": 92}),
 }
+#: Refused with EPERM whatever their arguments.
+_REFUSED = ("unshare", "setns", "add_key", "request_key", "keyctl", "ptrace", "process_vm_readv",
+            "process_vm_writev", "io_uring_setup", "io_uring_enter", "io_uring_register",
+            "userfaultfd")
+_PERSONALITY_QUERY = 0xFFFFFFFF
 _RET_ALLOW, _RET_KILL = 0x7FFF0000, 0x80000000
 _EPERM, _ENOSYS = 0x00050000 | 1, 0x00050000 | 38
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -161,11 +180,13 @@ def seccomp_program(machine: str | None = None) -> bytes:
     """The filter as packed ``struct sock_filter`` instructions for ``machine``.
 
     Refused with EPERM: ``unshare``, ``setns``, ``clone`` with any ``CLONE_NEW*`` flag,
-    ``add_key``, ``request_key``, ``keyctl``, and ``ptrace`` / ``process_vm_readv`` /
+    ``add_key``, ``request_key``, ``keyctl``, ``ptrace`` / ``process_vm_readv`` /
     ``process_vm_writev`` (a program that traces its own main process keeps that process's
-    zombie from the worker, which reaps it); with ENOSYS: ``clone3`` (its flags live in
-    memory a filter cannot read; libc falls back to ``clone``) and x32 system calls; a system
-    call of another architecture (e.g. ``int 0x80``) kills the process.
+    zombie from the worker, which reaps it), ``io_uring_setup`` / ``io_uring_enter`` /
+    ``io_uring_register`` and ``userfaultfd`` (large kernel attack surfaces no program here
+    needs), and ``personality`` except the query ``personality(0xffffffff)``; with ENOSYS:
+    ``clone3`` (its flags live in memory a filter cannot read; libc falls back to ``clone``) and
+    x32 system calls; a system call of another architecture (e.g. ``int 0x80``) kills the process.
 
     Raises:
         OSError: no syscall table for this machine.
@@ -178,9 +199,11 @@ def seccomp_program(machine: str | None = None) -> bytes:
     if machine == "x86_64":
         prog += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _ENOSYS)]
     prog += [(_JEQ, 0, 1, nr["clone3"]), (_RET, 0, 0, _ENOSYS)]
-    for name in ("unshare", "setns", "add_key", "request_key", "keyctl", "ptrace", "process_vm_readv",
-                 "process_vm_writev"):
+    for name in _REFUSED:
         prog += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, _EPERM)]
+    # personality: only the query (0xffffffff, the low 32 bits of the first argument) is allowed
+    prog += [(_JEQ, 0, 4, nr["personality"]), (_LD_ABS, 0, 0, 16), (_JEQ, 1, 0, _PERSONALITY_QUERY),
+             (_RET, 0, 0, _EPERM), (_RET, 0, 0, _RET_ALLOW)]
     prog += [(_JEQ, 0, 3, nr["clone"]), (_LD_ABS, 0, 0, 16), (_JSET, 0, 1, _NS_FLAGS),
              (_RET, 0, 0, _EPERM), (_RET, 0, 0, _RET_ALLOW)]
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)

@@ -12,6 +12,10 @@ import os
 import struct
 
 _HEADER = struct.Struct(">I")
+#: zygote -> server: ``P`` + the pid of a new call process (``-errno`` when the fork failed)
+PID_MSG = struct.Struct("=ci")
+#: zygote -> server: ``X`` + pid, wait status, user / system CPU seconds, peak RSS in KiB
+EXIT_MSG = struct.Struct("=ciiddq")
 
 
 def read_exact(fd: int, n: int) -> bytes:
@@ -67,6 +71,7 @@ class Options:
         self.tmp_bytes = int((value("--tmp-bytes") or [str(64 << 20)])[0])
         self.cg_memory = (value("--cgroup-memory") or [None])[0]
         self.cg_pids = (value("--cgroup-pids") or [None])[0]
+        self.cg_cpu = (value("--cgroup-cpu") or [None])[0]
         self.proc = (value("--proc-scratch") or [None])[0]
         self.preload = [m for m in (value("--preload") or [""])[0].split(",") if m]
         self.keep = tuple(p for p in (value("--keep") or [""])[0].split(",") if p)

@@ -31,13 +31,13 @@ import stat
 import sys
 import time
 import traceback
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _confine
+import _zygote
 from _call import Prefork
 from _cgroups import Cgroups
-from _wire import Options, recv, send
+from _wire import EXIT_MSG, Options, recv, send
 
 READY_TIMEOUT_S = 10.0
 SWEEP_TIMEOUT_S = 5.0
@@ -45,36 +45,59 @@ NS_LAST_PID = 100  # after each call the PID counter restarts here: every call g
 
 
 def _sweep(opts: Options, pgid: int) -> None:
-    """Kill and reap every process the call left (the whole PID namespace but us), bounded.
+    """Kill every process the call left (the whole PID namespace but us and the zygote, which
+    reaps them), bounded: done when no process is left to signal.
 
     Raises:
         TimeoutError: processes are still there after ``SWEEP_TIMEOUT_S``.
     """
     end = time.monotonic() + SWEEP_TIMEOUT_S
     while time.monotonic() < end:
-        alive = True
         try:
             if opts.in_pid_ns:
-                os.kill(-1, signal.SIGKILL)
+                os.kill(-1, signal.SIGKILL)  # never pid 1 (the zygote), never us
             else:
                 os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            alive = False
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
-        except ChildProcessError:
-            if not alive or not opts.in_pid_ns:
-                return
-        if not alive:
             return
-        time.sleep(0.0005)
+        time.sleep(0.0002)
     raise TimeoutError(f"processes of the call still alive {SWEEP_TIMEOUT_S:g} s after SIGKILL")
 
 
-def _kill_and_reap(opts: Options, pid: int) -> tuple[int, Any]:
+class Usage:
+    """What the zygote reported of a reaped call process (``ru_*`` as in ``resource``)."""
+
+    def __init__(self, utime: float, stime: float, maxrss: int) -> None:
+        self.ru_utime, self.ru_stime, self.ru_maxrss = utime, stime, maxrss
+
+
+def _exit_report(zygote, pid: int, timeout_s: float) -> tuple[int, Usage] | None:
+    """The zygote's ``X`` report of call process ``pid``: ``(wait status, usage)``, or None
+    when it did not come within ``timeout_s`` seconds.
+
+    Raises:
+        EOFError: the zygote is gone.
+    """
+    sel = selectors.DefaultSelector()
+    sel.register(zygote, selectors.EVENT_READ)
+    try:
+        end = time.monotonic() + timeout_s
+        while sel.select(max(0.0, end - time.monotonic())):
+            msg = zygote.recv(64)
+            if not msg:
+                raise EOFError("the zygote exited")
+            tag, got, status, utime, stime, maxrss = EXIT_MSG.unpack(msg)
+            if tag == b"X" and got == pid:
+                return status, Usage(utime, stime, maxrss)
+        return None
+    finally:
+        sel.close()
+
+
+def _kill_and_reap(opts: Options, pid: int, zygote) -> tuple[int, Usage]:
     """SIGKILL the call's main process ``pid`` and its group (in a PID namespace: every process
-    but us, so also a tracer outside the group) until ``pid`` is reaped; ``(status, rusage)``.
+    but us and the zygote, so also a tracer outside the group) until the zygote reports ``pid``
+    reaped; ``(status, usage)``.
 
     Raises:
         TimeoutError: ``pid`` not reaped ``SWEEP_TIMEOUT_S`` after the first SIGKILL.
@@ -86,12 +109,11 @@ def _kill_and_reap(opts: Options, pid: int) -> tuple[int, Any]:
         if opts.in_pid_ns:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(-1, signal.SIGKILL)
-        got, status, rusage = os.wait4(pid, os.WNOHANG)
+        got = _exit_report(zygote, pid, 0.005)
         if got:
-            return status, rusage
+            return got
         if time.monotonic() > end:
             raise TimeoutError(f"the call's process {pid} not reaped {SWEEP_TIMEOUT_S:g} s after SIGKILL")
-        time.sleep(0.0005)
 
 
 def _wait_ready(child: Prefork) -> str | None:
@@ -114,12 +136,16 @@ def _wait_ready(child: Prefork) -> str | None:
     return "call set-up failed: " + (rest.decode(errors="replace") or "process died")
 
 
-def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options) -> dict:
-    pid, out_r, err_r, pidfd = child.pid, child.out_r, child.err_r, child.pidfd
+def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options, zygote) -> dict:
+    """Run request ``req`` in the pre-forked ``child``; the reply (or ``{"error": why}``)."""
+    pid, out_r, err_r = child.pid, child.out_r, child.err_r
     t0 = time.perf_counter()
     not_ready = _wait_ready(child)
     if not_ready:
         return {"error": not_ready}
+    outside = cg.missing(pid)
+    if outside:
+        return {"error": f"the call process is not in its {'/'.join(outside)} cgroup(s)"}
     if opts.namespaces:  # the worker then tears the call's mounts down after replying
         with contextlib.suppress(OSError):
             child.ns_fds.append(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY))
@@ -138,7 +164,7 @@ def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options) -> dict:
     for fd in (out_r, err_r):
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    sel.register(pidfd, selectors.EVENT_READ)
+    sel.register(zygote, selectors.EVENT_READ)
     if cg.efd is not None:
         sel.register(cg.efd, selectors.EVENT_READ)
     status = rusage = reason = None
@@ -151,11 +177,11 @@ def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options) -> dict:
             break
         for key, _ in sel.select(remaining):
             fd = key.fd
-            if fd == pidfd:  # exited; never block on it (a traced zombie is its tracer's first)
-                got, st, ru = os.wait4(pid, os.WNOHANG)
-                sel.unregister(pidfd)
+            if fd == zygote.fileno():  # the zygote reaped the call's process
+                got = _exit_report(zygote, pid, 0.0)
                 if got:
-                    status, rusage = st, ru
+                    status, rusage = got
+                    sel.unregister(zygote)
                 continue
             if fd == cg.efd:
                 if cg.oom_events():
@@ -174,7 +200,7 @@ def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options) -> dict:
                 truncated = True
                 reason = "output_limit"
     if status is None:
-        status, rusage = _kill_and_reap(opts, pid)
+        status, rusage = _kill_and_reap(opts, pid, zygote)
     duration = time.perf_counter() - t0
     with contextlib.suppress(BlockingIOError, OSError):
         go += os.read(child.ready_r, 8192)  # "G", or "E" and why the set-up failed
@@ -273,20 +299,25 @@ def main() -> None:
         return
     gc.collect()
     gc.freeze()  # collections in children then do not touch (and copy) the worker's objects
-    hello["pid_ns_init_visible"] = os.getpid() <= 3
+    # from here this process is the zygote (it never sees a request); the fork server goes on
+    zygote = _zygote.start(opts, cg, close=(in_fd, out_fd, last_pid))
+    hello.update(pid=os.getpid(), pid_ns_init_visible=os.getpid() <= 3)
     send(out_fd, hello)
-    _serve(opts, in_fd, out_fd, cg, last_pid)
+    _serve(opts, in_fd, out_fd, cg, last_pid, zygote)
 
 
-def _serve(opts: Options, in_fd: int, out_fd: int, cg: Cgroups, last_pid: int | None) -> None:
-    child = Prefork(opts, cg)
+def _serve(opts: Options, in_fd: int, out_fd: int, cg: Cgroups, last_pid: int | None,
+           zygote) -> None:
+    """The fork server's loop: one request at a time, each in a call process the zygote forked
+    before the request arrived; returns on EOF or after a failure of the machinery."""
+    child = Prefork(zygote)
     while True:
         try:
             req = recv(in_fd)
         except EOFError:
             return
         try:
-            reply = _run_one(req, child, cg, opts)
+            reply = _run_one(req, child, cg, opts, zygote)
         except Exception:
             reply = {"error": traceback.format_exc()}
         if not opts.namespaces:
@@ -300,7 +331,7 @@ def _serve(opts: Options, in_fd: int, out_fd: int, cg: Cgroups, last_pid: int | 
         if "error" in reply:
             return  # a broken worker is replaced by the pool, never reused
         child.close()  # the finished call's mount namespace (and its tmpfs) dies here
-        child = Prefork(opts, cg)
+        child = Prefork(zygote)
 
 
 if __name__ == "__main__":

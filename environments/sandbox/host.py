@@ -8,7 +8,12 @@
   shared memory and kernel objects of a call together, and ``max_processes`` is the call's
   ``pids.max``. Where the host offers no writable v1 ``memory`` + ``pids`` hierarchy (e.g. a
   cgroup2-only host) ``mode`` is ``"rlimit"`` and ``why`` says why (the documented fallback:
-  per-process RLIMIT_AS and size-limited tmpfs).
+  per-process RLIMIT_AS and size-limited tmpfs). Where a writable v1 ``cpu`` hierarchy is
+  mounted as well, each slot also gets a ``cpu`` cgroup with ``cpu.shares`` = :data:`CPU_SHARES`
+  (``cpu_mode == "cgroup-v1"``): the kernel then divides CPU time between slots (of this and
+  every other pool) as groups, however many processes a call starts, so one call cannot slow
+  another pool's call by running many processes. Otherwise ``cpu_mode`` is ``"none"`` and
+  ``cpu_why`` says why (processes then compete one by one, as before).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 
 LOCK_DIR = "/run/copc-sandbox"
 UID_SPAN = 4096  # uids tried from SandboxConfig.uid_base on
+CPU_SHARES = 1024  # every slot's weight (the kernel's default for one task or group)
 _COUNTER = itertools.count()
 
 
@@ -90,11 +96,13 @@ def _v1_dir(controller: str) -> str | None:
 
 
 class PoolCgroups:
-    """Per-slot cgroup v1 ``memory`` and ``pids`` directories of one pool (see module doc)."""
+    """Per-slot cgroup v1 ``memory``, ``pids`` and (where mounted) ``cpu`` directories of one
+    pool (see module doc); ``mode``/``why`` for memory + pids, ``cpu_mode``/``cpu_why`` for cpu."""
 
     def __init__(self, max_processes: int) -> None:
         self.max_processes = max_processes
         self.mode, self.why = "rlimit", ""
+        self.cpu_mode, self.cpu_why = "none", "no cgroup v1 'memory' + 'pids' hierarchy"
         self.base: dict[str, str] = {}
         if os.geteuid() != 0:
             self.why = "not root: cgroups cannot be created"
@@ -116,9 +124,22 @@ class PoolCgroups:
             self.close()
             return
         self.mode = "cgroup-v1"
+        self.cpu_mode, self.cpu_why = "none", ""
+        parent = _v1_dir("cpu")
+        if parent is None:
+            self.cpu_why = "no cgroup v1 'cpu' hierarchy mounted"
+            return
+        _remove_stale(parent)
+        try:
+            os.mkdir(os.path.join(parent, name), 0o755)
+        except OSError as e:
+            self.cpu_why = f"cannot create a 'cpu' cgroup under {parent}: {e}"
+            return
+        self.base["cpu"] = os.path.join(parent, name)
+        self.cpu_mode = "cgroup-v1"
 
     def slot(self, slot: int) -> dict[str, str]:
-        """Fresh (empty) memory and pids cgroups for worker ``slot``: ``{controller: path}``.
+        """Fresh (empty) memory, pids (and cpu) cgroups for worker ``slot``: ``{controller: path}``.
 
         Raises:
             OSError: a cgroup could not be created or configured.
@@ -134,6 +155,9 @@ class PoolCgroups:
             dirs[ctl] = path
         with open(os.path.join(dirs["pids"], "pids.max"), "w") as f:
             f.write(str(self.max_processes))
+        if "cpu" in dirs:
+            with open(os.path.join(dirs["cpu"], "cpu.shares"), "w") as f:
+                f.write(str(CPU_SHARES))
         return dirs
 
     def close(self) -> None:

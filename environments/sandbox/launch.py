@@ -16,7 +16,7 @@ from .config import SandboxConfig, SandboxUnavailableError
 WORKER_SRC = Path(__file__).with_name("_worker.py")
 #: The worker's own modules (stdlib only), bound read-only side by side into the sandbox's
 #: :data:`WORKER_DIR_IN_SANDBOX`, where ``_worker.py`` imports the others as top-level modules.
-WORKER_MODULES = ("_worker.py", "_wire.py", "_call.py", "_cgroups.py", "_confine.py")
+WORKER_MODULES = ("_worker.py", "_wire.py", "_call.py", "_cgroups.py", "_confine.py", "_zygote.py")
 WORKER_DIR_IN_SANDBOX = "/opt/copc-sandbox"
 WORKER_IN_SANDBOX = f"{WORKER_DIR_IN_SANDBOX}/_worker.py"
 #: Where an interpreter directory that lives under /tmp on the host is bound in the sandbox (this
@@ -117,7 +117,8 @@ def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
 
     Args:
         uid: the uid the code runs as (root host; default ``uid_base + slot``).
-        cgroups: ``{"memory": dir, "pids": dir}`` host cgroup directories of this slot.
+        cgroups: ``{"memory": dir, "pids": dir[, "cpu": dir]}`` host cgroup directories of this
+            slot.
 
     Raises:
         SandboxUnavailableError: ``bwrap`` is not installed.
@@ -125,7 +126,9 @@ def bwrap_argv(cfg: SandboxConfig, slot: int, uid: int | None = None,
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailableError(f"isolation='bwrap' needs the 'bwrap' binary: {BWRAP_HINT}")
-    argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    # --as-pid-1: the worker's start-up process (the zygote every call is forked from) is the
+    # namespace's init, so the fork server's kill(-1) sweep never reaches it
+    argv = [bwrap, "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "sandbox"]
     worker_args = ["--pid-ns", "--namespaces", "--tmp-bytes", str(cfg.tmp_size_mb << 20),

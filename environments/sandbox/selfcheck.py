@@ -50,9 +50,10 @@ def check_probe(probe: dict, hello: dict, memory_mode: str, bound: tuple[str, ..
         problems.append(f"the call's /tmp is not fresh: {extra}")
     if not hello.get("pid_ns_init_visible"):
         problems.append(f"no own PID namespace (worker pid {hello.get('pid')})")
-    if memory_mode == "cgroup-v1":
-        lines = probe.get("cgroup", "").splitlines()
+    if memory_mode == "cgroup-v1":  # the fork server checks each call is in its slot's cgroups;
+        lines = probe.get("cgroup", "").splitlines()  # the call's own cgroup namespace hides them
         for ctl in ("memory", "pids"):
-            if not any(ctl in ln.split(":")[1].split(",") and "slot-" in ln for ln in lines):
-                problems.append(f"the call is not in its {ctl} cgroup: {lines}")
+            if not any(ctl in ln.split(":")[1].split(",") and ln.split(":", 2)[2] == "/" for ln in lines):
+                problems.append(f"the call's {ctl} cgroup is not the root of its cgroup namespace "
+                                f"(host cgroup names visible): {lines}")
     return problems
