@@ -31,11 +31,17 @@ file), and :meth:`CheckpointManager.load_latest` skips one with a one-line warni
 previous intact checkpoint. Markers of older checkpoints (no ``files``) are checked for
 presence only.
 
+Containment: every path the marker names (``keys``, ``dirs``, ``files``) must be relative, without
+``..``, and reach its file through no symlink; no symlink may sit anywhere under a ``dirs``
+directory. A crafted marker pointing loads at ``../../x.pt`` or at an absolute shards directory is
+refused by :meth:`CheckpointManager.problem` (one line naming the path) before anything is read.
+
 Loading uses ``torch.load(..., weights_only=True)``: tensors, containers and plain python
 values only, never arbitrary objects (the states hold data cursors, prompt-id lists, metrics
 and RNG states, all stored as such plain values; :func:`rng_state` keeps numpy's state as a
 tensor). Checkpoints written before that hold numpy arrays, allowed through a numpy-only
-allowlist. Sharded learner state (DCP) is read by ``torch.distributed.checkpoint`` itself.
+allowlist. Sharded learner state (DCP) is read by the learner through
+:mod:`trainer.learner.distributed.safe_dcp` (its metadata pickle through an allowlist too).
 Tensors are loaded onto the CPU (``map_location="cpu"``); ``Optimizer.load_state_dict``
 and ``Module.load_state_dict`` move them to the parameters' device.
 
@@ -65,6 +71,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .containment import marker_escape
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +229,7 @@ class CheckpointManager:
             meta = json.loads(marker.read_text())
         except (OSError, ValueError):
             return False
-        if _malformed(meta) is not None:
+        if _malformed(meta) is not None or marker_escape(path, meta, MARKER) is not None:
             return False
         files, dirs, sizes = meta.get("keys", {}), meta.get("dirs", {}), meta.get("files", {})
         return (all((path / name).is_file() for name in files.values())
@@ -231,7 +239,8 @@ class CheckpointManager:
 
     @staticmethod
     def problem(path: str | Path) -> str | None:
-        """Why ``path`` is not an intact checkpoint, or None: no marker, a listed file missing, or
+        """Why ``path`` is not an intact checkpoint, or None: no marker, a marker path that leaves the
+        checkpoint (absolute, ``..``, a symlink; see the module docstring), a listed file missing, or
         a file whose size or SHA-256 differs from the marker's (reads every file once).
 
         Returns:
@@ -244,6 +253,8 @@ class CheckpointManager:
             return f"{path}: no readable {MARKER} marker ({type(e).__name__})"
         if (bad := _malformed(meta)) is not None:
             return f"{path}: its {MARKER} marker {bad}"
+        if (bad := marker_escape(path, meta, MARKER)) is not None:
+            return bad
         if not CheckpointManager.is_complete(path):
             bad = _missing_or_resized(path, meta) or "a listed file or directory"
             return f"{path}: {bad} is missing or has another size than in {MARKER}"

@@ -1,9 +1,16 @@
-"""One writer per run directory: an exclusive ``fcntl.flock`` on ``<dir>/.copc.lock``."""
+"""One writer per run directory: an exclusive ``fcntl.flock`` on ``<dir>/.copc.lock``.
+
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a ``.copc.lock`` that is a
+symlink (e.g. planted in a shared run directory, pointing at a file of the user's) is refused
+before anything is written, so taking the lock never truncates another file.
+"""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -12,19 +19,42 @@ from ..errors import ConfigError
 LOCK_FILE = ".copc.lock"
 
 
+def _open_lock_file(path: Path, key: str) -> IO[str]:
+    """``path`` opened read/write (created 0644 if missing) without following a symlink.
+
+    Raises:
+        ConfigError: ``path`` is a symlink or not a regular file (one line naming ``key`` and it).
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"{key}={str(path.parent)!r}: its lock file {LOCK_FILE} is a symlink "
+                              f"(to {os.readlink(path)!r}); refused, remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{key}={str(path.parent)!r}: its lock file {LOCK_FILE} is not a regular file; "
+                          "refused, remove it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r+")
+
+
 def lock_output_dir(path: str | Path, key: str = "output_dir") -> IO[str]:
     """Take the exclusive lock of the run directory ``path`` (created if missing) for this process.
 
     The lock is held while the returned file stays open (close it, or let the process end: the
     kernel releases a ``flock`` with its last descriptor, also after a kill -9). The holder's pid is
-    written into the lock file.
+    written into the lock file (only once the lock is held).
 
     Raises:
-        ConfigError: another process holds it; one line naming ``key``, the directory and its pid.
+        ConfigError: another process holds it (one line naming ``key``, the directory and its pid),
+            or ``<path>/.copc.lock`` is a symlink or not a regular file (nothing is written then).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    fh = open(path / LOCK_FILE, "a+")  # noqa: SIM115 - kept open: it is the lock
+    fh = _open_lock_file(path / LOCK_FILE, key)
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

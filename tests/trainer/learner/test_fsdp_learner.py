@@ -220,3 +220,36 @@ def test_model_dependent_parallel_sizes_name_the_key(tiny):
         check_model_parallel(section(tp=8), tiny)
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=3: more stages than the model's 2"):
         check_model_parallel(section(pp=3), tiny)
+
+
+def test_fsdp_learner_refuses_a_crafted_dcp_checkpoint_without_running_it(tiny, tmp_path):
+    """Issue 44 item 3: a real fsdp checkpoint whose DCP ``.metadata`` is replaced by a pickle that would
+    write a file when unpickled, its ``COMPLETE`` marker rewritten to match (as a crafted checkpoint
+    would be): restoring it is refused in one line naming the file, and the code never runs (stock
+    ``dcp.load`` in the ranks ran it before)."""
+    import hashlib
+    import json
+    import pickle
+
+    pwned = tmp_path / "pwned"
+
+    class WritesMarker:
+        def __reduce__(self):
+            return exec, (f"open({str(pwned)!r}, 'w').write('pwned')",)
+
+    cfg = load_config(None, fsdp_overrides("copc", "sgd"))
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    with make_learner(learner_spec(cfg), tiny) as lrn:
+        path = ckpts.save(1, learner_checkpoint_state(lrn))
+        meta_file = path / "learner_shards" / "dcp" / ".metadata"
+        meta_file.write_bytes(pickle.dumps(WritesMarker()))
+        marker = json.loads((path / "COMPLETE").read_text())
+        marker["files"]["learner_shards/dcp/.metadata"] = {
+            "size": meta_file.stat().st_size, "sha256": hashlib.sha256(meta_file.read_bytes()).hexdigest()}
+        (path / "COMPLETE").write_text(json.dumps(marker))
+        state = ckpts.load(path)  # intact as far as the marker can tell
+        with pytest.raises(ConfigError) as err:
+            restore_learner(lrn, state)
+    assert str(err.value) == (f"{meta_file}: refused, it would call builtins.exec when unpickled "
+                              "(not DCP metadata; a crafted checkpoint?)")
+    assert not pwned.exists()

@@ -64,6 +64,7 @@ from ..backend_settings import DistributedSettings
 from ..critic import ValueModel
 from ..distributed.base import RankContext
 from ..distributed.collectives import all_gather_objects
+from ..distributed.safe_dcp import safe_dcp_load
 from ..distributed.shard import batch_to, gather_rows, micro_plan, training_state_bytes
 from ..optim import TorchOptimizer
 from ..settings import LearnerConfig
@@ -212,15 +213,19 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
     def load(self, directory: Path) -> None:
         """Restore :meth:`save` output (DCP reshards: another data-parallel size may have written it).
 
+        The DCP files are read by :func:`~trainer.learner.distributed.safe_dcp.safe_dcp_load` (no code
+        from the checkpoint runs), ``learner_state.pt`` with ``torch.load(weights_only=True)``.
+
         Raises:
             FileNotFoundError: ``directory`` lacks the DCP files or ``learner_state.pt``.
+            UnsafeCheckpointError: the DCP metadata or a value would run code, or names a file outside it.
         """
         directory = Path(directory)
         if not (directory / DCP_DIR).is_dir() or not (directory / SMALL_STATE).is_file():
             raise FileNotFoundError(f"{directory}: not an fsdp learner checkpoint (needs {DCP_DIR}/ and "
                                     f"{SMALL_STATE})")
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
+        safe_dcp_load(state, directory / DCP_DIR)  # never unpickles code from the checkpoint
         for name, model, opt in self.models():
             set_state_dict(model, opt.optimizer, model_state_dict=state[name],
                            optim_state_dict=state[f"{name}_opt"])

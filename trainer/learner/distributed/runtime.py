@@ -190,7 +190,16 @@ class DistributedLearner:
 
     def load_dir(self, path: Path) -> None:
         """Every rank restores its state from ``path`` (written by :meth:`save_dir`, possibly by
-        another data-parallel size)."""
+        another data-parallel size). Its DCP metadata is checked here first
+        (:func:`~.safe_dcp.check_dcp_tree`: a crafted checkpoint is refused in one line before any rank
+        reads it; the ranks read it through :func:`~.safe_dcp.safe_dcp_load` again).
+
+        Raises:
+            UnsafeCheckpointError: a metadata file would run code or names a file outside ``path``.
+        """
+        from .safe_dcp import check_dcp_tree  # torch.distributed.checkpoint: only when a checkpoint is read
+
+        check_dcp_tree(path)
         self._version = int(self._group.call("load", str(path))[0])
 
     # -- extras ---------------------------------------------------------------------------
