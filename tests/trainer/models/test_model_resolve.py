@@ -174,3 +174,39 @@ def test_pulled_name_resolves_in_the_config_and_in_copc_eval(realmodel_path, tmp
     assert report["header"]["model"] == str(realmodel_path)
     (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert rec["benchmark"] == "aime2024" and not rec["failed"] and 1 <= rec["response_tokens"] <= 8, rec
+
+
+def test_manifest_refuses_a_symlinked_folder_that_replaces_the_chat_template(tmp_path):
+    """Issue 44 item 3: a pulled model directory (a real tokenizer with a chat template, saved with
+    ``save_pretrained``) given a symlinked ``additional_chat_templates/`` folder whose ``default.jinja``
+    replaces its chat template when transformers loads it: the manifest check refuses it naming the
+    link (it passed before: the folder was neither a file nor walked). An added real directory, even
+    empty, and a symlinked file are refused too."""
+    from transformers import AutoTokenizer
+
+    from trainer.models.tiny import build_byte_tokenizer
+
+    d = tmp_path / "m"
+    tok = build_byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    tok.save_pretrained(d)
+    (d / "config.json").write_text('{"a": 1}')
+    write_manifest(d, {"name": "m"})
+    assert manifest_problem(d) is None
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "default.jinja").write_text("EVIL {{ messages }}")
+    os.symlink(evil, d / "additional_chat_templates")
+    assert AutoTokenizer.from_pretrained(d).chat_template == "EVIL {{ messages }}"  # the attack is real
+    assert manifest_problem(d) == (f"{d / 'additional_chat_templates'}: a symlink or special file "
+                                   f"(to {str(evil)!r}); refused (a pulled model holds none)")
+    os.unlink(d / "additional_chat_templates")
+    (d / "additional_chat_templates").mkdir()
+    assert manifest_problem(d) == (f"{d / 'additional_chat_templates'}: a directory not in the manifest "
+                                   "(added after the pull)")
+    (d / "additional_chat_templates").rmdir()
+    cfg = (d / "config.json").read_text()
+    (d / "config.json").unlink()
+    (tmp_path / "config.json").write_text(cfg)
+    os.symlink(tmp_path / "config.json", d / "config.json")  # same bytes, through a link
+    assert manifest_problem(d, full=True).startswith(f"{d / 'config.json'}: a symlink or special file")

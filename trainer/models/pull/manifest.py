@@ -1,7 +1,9 @@
 """The hash manifest of a pulled model directory: written at pull time, checked at every use.
 
 ``copc_manifest.json`` in the directory records, for every other file in it (recursively), its size
-and SHA-256, plus where the model came from. :func:`manifest_problem` compares the directory with it.
+and SHA-256, every sub-directory, plus where the model came from. Symlinks are never followed and
+never accepted (a symlinked folder would bring in files the manifest never saw).
+:func:`manifest_problem` compares the directory with it.
 
 Cost and the fast path: hashing the 538 MB of SmolLM2-135M takes ~0.9 s on this machine (warm page
 cache), paid on every ``copc train`` / ``copc eval`` / config load that names the model. The
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,10 +41,29 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _files(directory: Path) -> list[str]:
-    """Relative POSIX paths of every file below ``directory`` except the manifest, sorted."""
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                  if not p.is_dir() and p.relative_to(directory).as_posix() != MANIFEST)
+def _entries(directory: Path) -> tuple[list[str], list[str], list[str]]:
+    """``(files, dirs, odd)``: relative POSIX paths below ``directory`` of its regular files (the
+    manifest excluded), of its directories, and of every symlink or other non-regular entry (never
+    followed: a symlinked folder is one odd entry, not a directory to walk); each sorted."""
+    files, dirs, odd = [], [], []
+    for root, subdirs, names in os.walk(directory):
+        rel_root = Path(root).relative_to(directory)
+        for name in subdirs:
+            full = Path(root, name)
+            (odd if full.is_symlink() else dirs).append((rel_root / name).as_posix())
+        for name in names:
+            rel = (rel_root / name).as_posix()
+            if rel != MANIFEST:
+                (files if stat.S_ISREG(os.lstat(Path(root, name)).st_mode) else odd).append(rel)
+    return sorted(files), sorted(dirs), sorted(odd)
+
+
+def _expected_dirs(manifest: Mapping[str, Any]) -> set[str]:
+    """The directories a pulled model holds: the manifest's ``dirs`` or, for a manifest written before
+    it recorded them, the parent directories of its files."""
+    if isinstance(manifest.get("dirs"), list):
+        return set(manifest["dirs"])
+    return {p.as_posix() for name in manifest["files"] for p in Path(name).parents if p != Path(".")}
 
 
 def _stat_key(path: Path) -> list[int]:
@@ -60,13 +82,18 @@ def write_manifest(directory: str | Path, info: Mapping[str, Any]) -> dict[str, 
         info: provenance recorded as is (model name, wheel, versions, the logits check).
 
     Returns:
-        The manifest: ``{**info, "files": {path: {"size", "sha256"}}, "stat": {path: [ino, size,
-        mtime_ns, ctime_ns]}}``.
+        The manifest: ``{**info, "dirs": [every sub-directory], "files": {path: {"size", "sha256"}},
+        "stat": {path: [ino, size, mtime_ns, ctime_ns]}}``.
+
+    Raises:
+        ValueError: ``directory`` holds a symlink or special file (named).
     """
     d = Path(directory)
-    names = _files(d)
-    manifest = {**info, "files": {n: {"size": (d / n).stat().st_size, "sha256": sha256_file(d / n)}
-                                  for n in names},
+    names, dirs, odd = _entries(d)
+    if odd:
+        raise ValueError(f"{d / odd[0]}: a symlink or special file; a pulled model directory holds none")
+    manifest = {**info, "dirs": dirs,
+                "files": {n: {"size": (d / n).stat().st_size, "sha256": sha256_file(d / n)} for n in names},
                 "stat": {n: _stat_key(d / n) for n in names}}
     tmp = d / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -100,8 +127,11 @@ def manifest_problem(directory: str | Path, *, full: bool = False) -> str | None
         full: hash every file even when the recorded stat keys all match (see the module docstring).
 
     Returns:
-        None, or one line naming the first offending path: missing, not in the manifest (an added
-        file), a different size, or a different SHA-256 (both hashes given).
+        None, or one line naming the first offending path: a symlink or special file anywhere below
+        (never followed: a symlinked folder could otherwise bring in files the manifest never saw, e.g.
+        ``additional_chat_templates/`` replacing the chat template), a directory added or missing, a
+        file missing, not in the manifest (an added file), a different size, or a different SHA-256
+        (both hashes given).
     """
     d = Path(directory)
     try:
@@ -111,7 +141,15 @@ def manifest_problem(directory: str | Path, *, full: bool = False) -> str | None
     if manifest is None:
         return f"{d / MANIFEST}: missing (not a directory written by copc model pull)"
     files: dict[str, dict] = manifest["files"]
-    present = _files(d)
+    present, dirs, odd = _entries(d)
+    if odd:
+        target = f" (to {os.readlink(d / odd[0])!r})" if (d / odd[0]).is_symlink() else ""
+        return f"{d / odd[0]}: a symlink or special file{target}; refused (a pulled model holds none)"
+    want_dirs = _expected_dirs(manifest)
+    if added_dirs := sorted(set(dirs) - want_dirs):
+        return f"{d / added_dirs[0]}: a directory not in the manifest (added after the pull)"
+    if missing_dirs := sorted(want_dirs - set(dirs)):
+        return f"{d / missing_dirs[0]}: missing directory (the manifest lists it)"
     missing, added = sorted(set(files) - set(present)), sorted(set(present) - set(files))
     if missing:
         return f"{d / missing[0]}: missing (the manifest lists it)"
