@@ -14,14 +14,17 @@ The rule, the same for both servers:
   constant time). ``Origin`` and ``Host`` are not checked then (a web page cannot read the
   token, nor add the header to a WebSocket handshake).
 * **Without a token** (so on loopback; :class:`LoopbackGuard`): every request, ``/health``
-  included, must come from a loopback client's point of view: an ``Origin`` header, if present,
-  must name a loopback host (``http://127.0.0.1:8100``, ``http://localhost``, ``http://[::1]``;
-  ``null`` is refused), and a ``Host`` header, if present, must be a loopback name or address
-  (any port). Otherwise 403 naming ``Origin`` / ``Host``. This refuses a web page of another
-  site that opens ``ws://127.0.0.1:8100/ws`` (cross-site WebSocket hijacking: browsers do not
-  apply CORS to WebSockets) and DNS rebinding (a page whose own name resolves to 127.0.0.1:
-  its requests carry ``Host: evil.example``). Programs that send neither header (``curl``,
-  ``httpx``, ``websockets``) are not affected.
+  included, must come from a loopback client's point of view: a ``Host`` header, if present,
+  must be a loopback name or address (any port), and an ``Origin`` header, if present (a web
+  page sent it), must be the server's own origin (``http://`` + that ``Host``, same scheme, name
+  and port) or one of the origins the server was configured to accept (``origins``; none by
+  default). Otherwise 403 naming ``Origin`` / ``Host``. A loopback origin on another port is
+  refused too: any local process can serve a page there (``copc view --serve``, a notebook, a
+  dev server), and browsers apply no CORS to WebSockets nor to a ``text/plain`` POST. This
+  refuses a page of another site or another local server that opens ``ws://127.0.0.1:8100/ws``
+  (cross-site WebSocket hijacking) and DNS rebinding (a page whose own name resolves to
+  127.0.0.1: its requests carry ``Host: evil.example``). Programs that send neither header
+  (``curl``, ``httpx``, ``websockets``) are not affected.
 
 Every refusal has the JSON body ``{"detail", "code", "field"}``; a refused WebSocket handshake
 gets the same HTTP response (ASGI ``websocket.http.response`` extension) or, where the ASGI
@@ -180,29 +183,69 @@ def host_name(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
-def check_loopback_headers(headers: list[tuple[bytes, bytes]]) -> None:
-    """Check that ``Origin`` (if present) and ``Host`` (if present) name loopback hosts.
+def normalize_origin(origin: str, field: str = "origin") -> str:
+    """``origin`` as browsers send it: ``scheme://host[:port]``, lower case, default port left out.
+
+    Args:
+        origin: e.g. ``"http://127.0.0.1:3000"``. field: the option or setting, for messages.
+
+    Raises:
+        ValueError: not an ``http(s)://host[:port]`` origin (a path, query, user or ``null``),
+            naming ``field`` and the value.
+    """
+    try:
+        parts = urlsplit(str(origin).strip())
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"{field}={origin!r}: must be an origin, http(s)://host[:port] (no path)")
+    host = parts.hostname.lower()
+    host = f"[{host}]" if ":" in host else host
+    default = {"http": 80, "https": 443}[parts.scheme]
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+
+def _same_origin(origin: str, host: str | None) -> bool:
+    """Whether ``origin`` is ``http://`` + the ``Host`` header (the server's own pages)."""
+    if host is None:
+        return False
+    try:
+        return normalize_origin(origin) == normalize_origin(f"http://{host}")
+    except ValueError:
+        return False
+
+
+def check_loopback_headers(headers: list[tuple[bytes, bytes]], origins: frozenset[str] = frozenset()) -> None:
+    """Check that ``Host`` (if present) names a loopback host and that ``Origin`` (if present)
+    is the server's own origin or one of ``origins``.
+
+    Args:
+        headers: the ASGI request's headers. origins: the accepted origins, normalized
+            (:func:`normalize_origin`).
 
     Raises:
         AccessError: ``FORBIDDEN`` (403) naming ``Origin`` or ``Host`` and its value.
     """
-    origin = _header(headers, b"origin")
-    if origin is not None:
-        try:
-            parts = urlsplit(origin)
-            ok = parts.scheme in ("http", "https") and is_loopback(parts.hostname or "")
-        except ValueError:
-            ok = False
-        if not ok:
-            raise AccessError("FORBIDDEN", "Origin",
-                              f"Origin {origin[:100]!r} is not a loopback origin: without a token this "
-                              "server answers only its own machine's clients (cross-site requests refused)")
     host = _header(headers, b"host")
     if host is not None and not is_loopback(host_name(host)):
         raise AccessError("FORBIDDEN", "Host",
                           f"Host {host[:100]!r} is not a loopback name: without a token this server "
                           "answers only requests addressed to 127.0.0.1 / localhost / [::1] "
                           "(DNS rebinding refused)")
+    origin = _header(headers, b"origin")
+    if origin is None or _same_origin(origin, host):
+        return
+    try:
+        ok = normalize_origin(origin) in origins
+    except ValueError:
+        ok = False
+    if not ok:
+        raise AccessError("FORBIDDEN", "Origin",
+                          f"Origin {origin[:100]!r} is not accepted: without a token this server answers "
+                          "web pages only of its own origin or of a configured one (cross-site and "
+                          "other local pages refused)")
 
 
 async def refuse(scope: dict, send: Any, e: AccessError) -> None:
@@ -253,40 +296,46 @@ class LoopbackGuard:
     HTTP request and WebSocket handshake (``/health`` included).
 
     Args:
-        app: the ASGI application.
+        app: the ASGI application. origins: the browser origins accepted besides the server's
+            own (``http(s)://host[:port]``; none by default).
+
+    Raises:
+        ValueError: a malformed origin (:func:`normalize_origin`).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, origins: tuple[str, ...] | list[str] = ()) -> None:
         self.app = app
+        self.origins = frozenset(normalize_origin(o, "--allow-origin") for o in origins)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         """Pass the request on, or answer it with 403."""
         if scope["type"] in ("http", "websocket"):
             try:
-                check_loopback_headers(scope.get("headers", []))
+                check_loopback_headers(scope.get("headers", []), self.origins)
             except AccessError as e:
                 await refuse(scope, send, e)
                 return
         await self.app(scope, receive, send)
 
 
-def protect(app: Any, host: str, token: str | None) -> Any:
+def protect(app: Any, host: str, token: str | None, origins: tuple[str, ...] | list[str] = ()) -> Any:
     """``app`` behind the access rule of the module docstring.
 
     Args:
         app: the ASGI application. host: the address it will bind. token: the bearer token
-            (``None``: none).
+            (``None``: none). origins: browser origins accepted without a token besides the
+            server's own (:class:`LoopbackGuard`).
 
     Returns:
         :class:`BearerAuth` around ``app`` with a token, :class:`LoopbackGuard` without.
 
     Raises:
-        ValueError: a non-loopback ``host`` without a token (:func:`check_bind`).
+        ValueError: a non-loopback ``host`` without a token (:func:`check_bind`), a malformed origin.
     """
     check_bind(host, token)
-    return BearerAuth(app, token) if token else LoopbackGuard(app)
+    return BearerAuth(app, token) if token else LoopbackGuard(app, origins)
 
 
 __all__ = ["OPEN_PATHS", "AccessError", "BearerAuth", "LoopbackGuard", "check_bind", "check_header",
-           "check_loopback_headers", "check_port", "host_name", "is_loopback", "protect", "read_token_file",
-           "refuse"]
+           "check_loopback_headers", "check_port", "host_name", "is_loopback", "normalize_origin", "protect",
+           "read_token_file", "refuse"]

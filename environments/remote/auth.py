@@ -4,9 +4,10 @@ The server runs code on behalf of its clients (a sandboxed interpreter, a retrie
 binds to a loopback address unless told otherwise, and :func:`check_bind` refuses any other
 address without a token. With a token, every request but ``GET /health`` must carry
 ``Authorization: Bearer <token>`` (HTTP and the WebSocket handshake; 401 missing, 403 wrong).
-Without one, every request must carry a loopback ``Origin`` (or none) and a loopback ``Host``
-(or none), else 403 naming the header: cross-site WebSocket hijacking and DNS rebinding are
-refused. Details: :mod:`retriever.access` (shared with ``copc retriever serve``).
+Without one, every request must carry a loopback ``Host`` (or none) and an ``Origin`` (or none)
+that is the server's own or one configured (``--allow-origin``; none by default: a page served by
+another local process is refused too), else 403 naming the header: cross-site WebSocket hijacking
+and DNS rebinding are refused. Details: :mod:`retriever.access` (shared with ``copc retriever serve``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from retriever.access import (
     LoopbackGuard,
     check_bind,
     is_loopback,
+    normalize_origin,
     protect,
     read_token_file,
 )
@@ -39,4 +41,4 @@ def check_header(headers: list[tuple[bytes, bytes]], token: str) -> None:
 
 
 __all__ = ["OPEN_PATHS", "BearerAuth", "LoopbackGuard", "check_bind", "check_header", "is_loopback",
-           "protect", "read_token_file"]
+           "normalize_origin", "protect", "read_token_file"]

@@ -78,6 +78,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="close a session after S seconds without a request (default 600)")
     s.add_argument("--token-file", default=None, metavar="F",
                    help="file holding the bearer token clients must send (Authorization: Bearer ...)")
+    s.add_argument("--allow-origin", action="append", default=[], metavar="URL",
+                   help="without a token, also answer web pages of this origin (http://host:port; "
+                        "repeatable); by default only the server's own origin")
     s.add_argument("--max-request-bytes", type=int, default=0,
                    help="largest HTTP body / WebSocket message (default: 12 bytes per action character "
                         "+ 64 KiB)")
@@ -110,7 +113,8 @@ def serve_command(args: argparse.Namespace) -> int:
         token = read_token_file(args.token_file) if args.token_file else None
         cfg = ServerConfig(env=args.env, env_kwargs=parse_env_kwargs(args.env_kwargs), host=args.host,
                            port=args.port, max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
-                           token=token, max_request_bytes=args.max_request_bytes,
+                           token=token, allowed_origins=tuple(args.allow_origin),
+                           max_request_bytes=args.max_request_bytes,
                            reuse_envs=not args.no_reuse_envs, sandbox_workers=args.sandbox_workers,
                            sandbox_isolation=args.sandbox_isolation,
                            log_level=args.log_level)

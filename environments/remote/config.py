@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .auth import check_bind
+from .auth import check_bind, normalize_origin
 
 #: Default TCP port of ``copc env serve``.
 DEFAULT_PORT = 8100
@@ -25,6 +25,9 @@ class ServerConfig:
         max_sessions: most sessions open at once (>= 1).
         idle_timeout_s: a session without a request for this long is closed (seconds, > 0).
         token: bearer token every request must carry (``None``: none, loopback only).
+        allowed_origins: browser origins (``http(s)://host[:port]``) whose pages may call the
+            server without a token, besides its own origin; none by default (a request with any
+            other ``Origin`` is refused with 403).
         max_request_bytes: largest HTTP body / WebSocket message (bytes); ``0``: 12 bytes per
             character of the longest action plus 64 KiB (any action up to its length limit
             then reaches the server and is refused by name, with 413, if too long).
@@ -44,6 +47,7 @@ class ServerConfig:
     max_sessions: int = 256
     idle_timeout_s: float = 600.0
     token: str | None = None
+    allowed_origins: tuple[str, ...] = ()
     max_request_bytes: int = 0
     reuse_envs: bool = True
     sandbox_workers: int = 2
@@ -73,6 +77,10 @@ class ServerConfig:
             bad("sandbox_isolation", "must be bwrap, process or docker")
         if self.token is not None and (not isinstance(self.token, str) or not self.token.strip()):
             bad("token", "must be a non-empty str or None")
+        if isinstance(self.allowed_origins, str) or not isinstance(self.allowed_origins, tuple | list):
+            bad("allowed_origins", "must be a list of origins, http(s)://host[:port]")
+        for origin in self.allowed_origins:
+            normalize_origin(origin, "--allow-origin")
         check_bind(self.host, self.token)
 
 

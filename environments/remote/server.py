@@ -17,8 +17,9 @@ What this server adds: sessions (:mod:`.sessions`) bounded by ``max_sessions``, 
 between sessions; HTTP sessions as an extension (``POST /reset`` returns ``metadata.session_id``;
 ``POST /step`` / ``GET /state`` name it; ``DELETE /sessions/{id}``; a ``/ws?session_id=`` client
 attaches to one, as in OpenEnv); request size limits; a bearer token (:mod:`.auth`), required for
-any non-loopback address, and without one the loopback ``Origin`` / ``Host`` check (cross-site
-WebSocket hijacking, DNS rebinding); errors naming the field (:mod:`.wire`). Environments taking a
+any non-loopback address, and without one the ``Host`` / ``Origin`` check (a loopback ``Host``; an
+``Origin`` only the server's own or a configured one: cross-site WebSocket hijacking, other local
+pages, DNS rebinding); errors naming the field (:mod:`.wire`). Environments taking a
 ``sandbox`` argument (``math_tool``) share one sandbox pool of ``sandbox_workers`` workers.
 """
 
@@ -61,7 +62,7 @@ class EnvServer:
     Attributes:
         cfg, env_id, stop_strings, max_action_chars, max_observation_chars, max_request_bytes,
         sessions (:class:`SessionManager`), app (the ASGI app behind :func:`~.auth.protect`: the
-        token check with a token, the loopback ``Origin`` / ``Host`` check without).
+        token check with a token, the ``Host`` / ``Origin`` check without).
 
     Raises:
         ValueError: unknown environment, or settings it rejects (the message names them).
@@ -111,7 +112,7 @@ class EnvServer:
                                        self.executor)
         self.sessions.add_idle_env(probe)
         app = build_app(self)
-        self.app = protect(app, cfg.host, cfg.token)
+        self.app = protect(app, cfg.host, cfg.token, cfg.allowed_origins)
 
     def _make(self) -> GymTextEnvironment:
         env = environments.make(self.env_id, **self._kwargs)

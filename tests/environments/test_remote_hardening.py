@@ -4,8 +4,9 @@ server on 127.0.0.1:
 * without a token, a request whose ``Origin`` is not loopback (a web page of another site
   opening ``ws://127.0.0.1:PORT/ws``: cross-site WebSocket hijacking) or whose ``Host`` is not a
   loopback name (DNS rebinding) is refused with 403 naming the header, over HTTP and on the
-  WebSocket handshake; loopback origins and clients sending neither header are served; with a
-  token the token decides;
+  WebSocket handshake, and so is a loopback origin other than the server's own (a page of another
+  local server, issue 44); the server's own origin and clients sending neither header are served;
+  with a token the token decides;
 * a body or message that is valid JSON but holds a value Python will not build (a 5,000-digit
   integer) is a 400 ``INVALID_JSON`` naming ``body`` / ``message``, not a 500;
 * ``GET /state`` and the ``/ws`` ``state`` message count as session activity (idle timeout).
@@ -61,6 +62,10 @@ def test_foreign_origin_and_host_are_refused_without_a_token(server):
     for headers, field in [({"Origin": "http://evil.example"}, "Origin"),
                            ({"Origin": "null"}, "Origin"),
                            ({"Origin": "http://127.0.0.1.evil.example"}, "Origin"),
+                           # a page of another local server (issue 44): loopback, but not this server
+                           ({"Origin": "http://localhost:3000"}, "Origin"),
+                           ({"Origin": "https://[::1]"}, "Origin"),
+                           ({"Origin": f"http://127.0.0.1:{int(port) + 1}"}, "Origin"),
                            ({"Host": f"evil.example:{port}"}, "Host"),
                            ({"Host": "rebind.attacker.test"}, "Host")]:
         for r in (httpx.get(f"{url}/schema", headers=headers),
@@ -79,11 +84,11 @@ def test_foreign_origin_and_host_are_refused_without_a_token(server):
         assert e.value.response.status_code == 403
         assert json.loads(e.value.response.body)["field"] == field
     assert httpx.get(f"{url}/sessions").json()["opened_total"] == 0  # nothing was opened
-    # loopback origins and hosts, and clients that send no Origin, are served
-    for headers in [{}, {"Origin": f"http://127.0.0.1:{port}"}, {"Origin": "http://localhost:3000"},
-                    {"Origin": "https://[::1]"}, {"Host": f"localhost:{port}"}, {"Host": "127.0.0.1"}]:
+    # the server's own origin, loopback hosts, and clients that send no Origin, are served
+    for headers in [{}, {"Origin": f"http://127.0.0.1:{port}"}, {"Host": f"localhost:{port}"},
+                    {"Host": "127.0.0.1"}, {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"}]:
         assert httpx.get(f"{url}/schema", headers=headers).status_code == 200, headers
-    with connect(ws_url(url), origin=f"http://localhost:{port}") as ws:
+    with connect(ws_url(url), origin=f"http://127.0.0.1:{port}") as ws:
         frame = exchange(ws, {"type": "reset", "data": {"sample": SAMPLE}})
         assert frame["type"] == "observation" and "12 * 34" in frame["data"]["observation"]["text"]
 
