@@ -173,8 +173,10 @@ class ServerLauncher:
         assert self.proc is not None
         url = self.url + cfg.health_path
         start = time.monotonic()
+        # disable=None: no bar where stderr is not a terminal (a log file, a Ray worker's captured
+        # output: one line per second of start-up otherwise)
         bar = tqdm(total=round(cfg.startup_timeout_s), desc=f"{self.label} start-up", unit="s",
-                   disable=not cfg.show_progress, leave=False)
+                   disable=None if cfg.show_progress else True, leave=False)
         try:
             with httpx.Client(timeout=httpx.Timeout(30.0, connect=2.0)) as client:
                 while True:
