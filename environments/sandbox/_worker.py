@@ -3,20 +3,24 @@
 Protocol on the inherited pipes (fd 0 = requests in, fd 1 = replies out): every message is
 a 4-byte big-endian length followed by that many bytes of UTF-8 JSON.
 
-Start-up: the worker preloads modules and writes a ``hello`` message. Per call it pre-forks one
-child (off the latency path) that becomes the untrusted program: its own session, a fresh mount
-and IPC namespace with fresh tmpfs ``/tmp`` and ``/dev/shm`` (``--namespaces``), the call's
-cgroups (``--cgroup-memory`` / ``--cgroup-pids``), an empty capability bounding set, an
+Start-up: the worker preloads modules and warms the interpreter, then becomes the zygote
+(``_zygote.py``) and forks the fork server, which writes a ``hello`` message and serves the
+requests; the zygote never sees a request or a reply. Per call the server has the zygote
+pre-fork one child (off the latency path) that becomes the untrusted program: the call's
+cgroups (``--cgroup-memory`` / ``--cgroup-pids`` / ``--cgroup-cpu``, entered by the child), its
+own session, a fresh mount, IPC, network and cgroup namespace with fresh tmpfs ``/tmp`` and
+``/dev/shm`` (``--namespaces``), an empty capability bounding set, an
 unprivileged uid (``--drop-uid``), ``no_new_privs`` and a seccomp filter that refuses namespaces
 and keyrings (see ``_confine.py``). The child reports ``R`` (set up) and then ``G`` (limits set,
 about to run the code) on a private pipe it closes before the code runs; a child that dies
-without ``G`` is a failure of the sandbox, never the program's error. After the call the worker
-kills every process left in its PID namespace (it is their subreaper), resets the PID counter,
-and replies with stdout, stderr, exit status, timing and a kill reason.
+without ``G`` is a failure of the sandbox, never the program's error. After the call the server
+kills every process left in its PID namespace (the zygote, pid 1, reaps them and reports the
+call's exit), resets the PID counter, and replies with stdout, stderr, exit status, timing and a
+kill reason.
 
 Its parts, bound beside it in the sandbox and imported as top-level modules: ``_wire.py`` (the
 command line and the messages), ``_call.py`` (a call's process), ``_cgroups.py`` (the slot's
-cgroups) and ``_confine.py`` (the kernel primitives).
+cgroups), ``_confine.py`` (the kernel primitives) and ``_zygote.py`` (the pristine forker).
 """
 
 from __future__ import annotations
@@ -211,16 +215,22 @@ def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options, zygote) -> d
     if not go.startswith(b"G"):
         return {"error": "call set-up failed: " + (go[1:].decode(errors="replace")
                                                    or f"process died (status {status})")}
-    out, err = bytes(bufs[out_r]), bytes(bufs[err_r])
-    if truncated:
-        keep_out = min(len(out), limit)
-        out, err = out[:keep_out], err[: max(0, limit - keep_out)]
+    return _reply(bytes(bufs[out_r]), bytes(bufs[err_r]), limit if truncated else None, status,
+                  rusage, reason, duration)
+
+
+def _reply(out: bytes, err: bytes, cut_at: int | None, status: int, rusage: Usage | None,
+           reason: str | None, duration: float) -> dict:
+    """The reply of a finished call; ``cut_at``: the output limit it went over (None: kept whole)."""
+    if cut_at is not None:
+        keep_out = min(len(out), cut_at)
+        out, err = out[:keep_out], err[: max(0, cut_at - keep_out)]
     return {
         "stdout": out.decode("utf-8", errors="replace"),
         "stderr": err.decode("utf-8", errors="replace"),
         "exit_code": os.waitstatus_to_exitcode(status),
         "reason": reason,
-        "truncated": truncated,
+        "truncated": cut_at is not None,
         "duration_s": duration,
         "cpu_s": (rusage.ru_utime + rusage.ru_stime) if rusage else 0.0,
         "max_rss_kb": rusage.ru_maxrss if rusage else 0,
@@ -269,7 +279,7 @@ def _proc_handle(opts: Options) -> int | None:
 
 def main() -> None:
     """Entry point: ``python -I _worker.py [--drop-uid UID GID] [--pid-ns] [--namespaces]
-    [--tmp-bytes N] [--cgroup-memory DIR] [--cgroup-pids DIR] [--proc-scratch DIR]
+    [--tmp-bytes N] [--cgroup-memory DIR] [--cgroup-pids DIR] [--cgroup-cpu DIR] [--proc-scratch DIR]
     [--tmp-root DIR] [--preload a,b]``."""
     opts = Options(sys.argv[1:])
     in_fd, out_fd = os.dup(0), os.dup(1)

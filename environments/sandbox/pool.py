@@ -261,7 +261,8 @@ class Sandbox:
         with self._lock:
             hellos = [w.hello for w in self._all.values()]
         return {"isolation": self.config.isolation, "workers": hellos,
-                "memory_limit": self._cgroups.mode, "memory_limit_why": self._cgroups.why}
+                "memory_limit": self._cgroups.mode, "memory_limit_why": self._cgroups.why,
+                "cpu_limit": self._cgroups.cpu_mode, "cpu_limit_why": self._cgroups.cpu_why}
 
     # -- calls -----------------------------------------------------------------------------
     def run(self, code: str, timeout_s: float | None = None,

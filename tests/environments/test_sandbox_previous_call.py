@@ -86,3 +86,31 @@ def test_the_search_finds_a_secret_of_its_own_call(one_worker):
     assert res.ok, res
     found = json.loads(res.stdout)
     assert found == {"frames": [own], "gc": [own], "memory": [own]}, found
+
+
+def test_env_server_client_finds_nothing_of_another_clients_program():
+    """Through ``copc env serve`` (one shared sandbox worker), client B's program finds nothing
+    of the program client A ran in its own session just before."""
+    import environments
+    from environments.remote.launch import start_env_server
+
+    server = start_env_server("math_tool", "limits.max_turns=3", extra_args=("--sandbox-workers", "1"))
+    sample = {"id": "m1", "problem": "What is 12 * 34?", "answer": "408"}
+    src, env, out = (f"LEAK-{secrets.token_hex(16)}" for _ in range(3))
+    try:
+        client_a = environments.make("remote", url=server.url, remote_env="math_tool")
+        client_b = environments.make("remote", url=server.url, remote_env="math_tool")
+        try:
+            client_a.reset(options={"sample": sample})
+            obs_a = client_a.step("<code>\n" + CALL_1.format(src=src, env_rev=env[::-1],
+                                                             out_rev=out[::-1]) + "\n</code>")[0]
+            assert out in obs_a, obs_a
+            client_b.reset(options={"sample": sample})
+            obs_b = client_b.step("<code>\n" + CALL_2 + "\n</code>")[0]
+        finally:
+            client_a.close()
+            client_b.close()
+    finally:
+        server.stop()
+    found = json.loads(obs_b.split("<interpreter>")[1].split("</interpreter>")[0])
+    assert found == {"frames": [], "gc": [], "memory": []}, (src, env, out, found)
