@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .eval_identity import check_policy, policy_identity
 
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
@@ -112,20 +113,18 @@ def _fail(flag: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"{flag}={value!r}: {why}")
 
 
-def _policy(args: argparse.Namespace, cfg: ExperimentConfig) -> tuple[Path, Any]:
-    """``(model_dir, weights or None)`` of ``--model`` / ``--checkpoint``."""
+def _model_dir(args: argparse.Namespace, cfg: ExperimentConfig) -> Path:
+    """The directory whose config and tokenizer ``--model`` / ``--checkpoint`` is evaluated with."""
     if args.model:
         path = Path(args.model)
         if not (path / "config.json").is_file():
             raise _fail("--model", args.model, "not a save_pretrained directory (no config.json)")
-        return path, None
-    from ..evaluate.policy import checkpoint_policy_weights
-
+        return path
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
         raise _fail("--checkpoint", args.checkpoint, "no such directory")
     if (ckpt / "config.json").is_file():
-        return ckpt, None
+        return ckpt
     run_dir = ckpt.parent.parent
     model_dir = next((d for d in (run_dir / "warm_start_model", run_dir / "init_model")
                       if (d / "config.json").is_file()), None)
@@ -134,9 +133,18 @@ def _policy(args: argparse.Namespace, cfg: ExperimentConfig) -> tuple[Path, Any]
     if model_dir is None:
         raise _fail("--checkpoint", args.checkpoint, f"no model architecture next to it ({run_dir}/"
                     "warm_start_model or init_model) and no model.path")
-    from ..config.specs import learner_spec
+    return model_dir
 
-    return model_dir, checkpoint_policy_weights(learner_spec(cfg), ckpt, model_dir)
+
+def _policy(args: argparse.Namespace, cfg: ExperimentConfig) -> tuple[Path, Any]:
+    """``(model_dir, weights or None)`` of ``--model`` / ``--checkpoint``."""
+    model_dir = _model_dir(args, cfg)
+    if args.model or model_dir == Path(args.checkpoint):
+        return model_dir, None
+    from ..config.specs import learner_spec
+    from ..evaluate.policy import checkpoint_policy_weights
+
+    return model_dir, checkpoint_policy_weights(learner_spec(cfg), Path(args.checkpoint), model_dir)
 
 
 def _experiment_config(args: argparse.Namespace) -> Any:
@@ -243,62 +251,6 @@ def _preflight_policy(args: argparse.Namespace) -> None:
         asyncio.run(_check_health("--endpoint", args.endpoint))
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
-
-
-def _files_sha256(root: Path, keep: Any) -> str:
-    """Hex SHA-256 over the relative name and bytes of every file under ``root`` (recursively, in
-    name order) for which ``keep(path)`` is true."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for f in sorted(p for p in root.rglob("*") if p.is_file() and keep(p)):
-        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def policy_identity(args: argparse.Namespace) -> dict:
-    """What is evaluated, for ``eval_settings.json``.
-
-    ``{"source": "--endpoint", "url": ..., "tokenizer": resolved dir, "tokenizer_sha256": ...}``
-    (the tokenizer makes the prompt ids the server sees; its hash covers every file directly in
-    that directory but weight files), or ``{"source": "--model" | "--checkpoint", "path": resolved
-    dir, "weights_sha256": ...}`` where the hash covers the relative name and bytes of every weight
-    file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.distcp``) under that directory,
-    sub-directories included (sharded learner state), in name order (a checkpoint's step is its path).
-    """
-    if args.endpoint:
-        tok = Path(args.tokenizer).resolve() if args.tokenizer else None
-        return {"source": "--endpoint", "url": str(args.endpoint).rstrip("/"), "tokenizer": str(tok),
-                "tokenizer_sha256": None if tok is None else _files_sha256(
-                    tok, lambda f: f.parent == tok and f.suffix not in _WEIGHT_SUFFIXES)}
-    flag, path = ("--model", args.model) if args.model else ("--checkpoint", args.checkpoint)
-    path = Path(path).resolve()
-    return {"source": flag, "path": str(path),
-            "weights_sha256": _files_sha256(path, lambda f: f.suffix in _WEIGHT_SUFFIXES)}
-
-
-def _check_policy(out: Path, old: dict | None, new: dict, shown: str, tokenizer: str | None) -> None:
-    """Refuse resuming ``out`` (recorded policy ``old``) with the policy ``new`` (``shown`` as given;
-    ``tokenizer`` = ``--tokenizer`` as given)."""
-    if not old or old == new:
-        return
-    if new["source"] == "--endpoint" and old.get("source") == new["source"] and old.get("url") == new["url"]:
-        raise _fail("--tokenizer", tokenizer, f"the run in {out} evaluated {new['url']} with the tokenizer "
-                    f"{old.get('tokenizer')} (tokenizer_sha256 {old.get('tokenizer_sha256')}); --resume must "
-                    "build the same prompts")
-    if old.get("source") == new["source"] and old.get("path") == new.get("path"):
-        why = f"its weights changed since the run in {out} (weights_sha256 {old.get('weights_sha256')} → " \
-              f"{new.get('weights_sha256')}); --resume must evaluate the same policy"
-    else:
-        what = old.get("url") or old.get("path")
-        why = f"the run in {out} evaluated {old.get('source')} {what}; --resume must evaluate the same policy"
-    raise _fail(new["source"], shown, why)
-
-
 def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
     """Refuse ``--resume`` with settings that change what the episodes mean (seed, temperature,
     k, budgets, benchmark definitions); return the settings to record for the run."""
@@ -306,8 +258,8 @@ def _check_resume(out: Path, settings: dict, resume: bool) -> dict:
     if resume and path.exists():
         before = json.loads(path.read_text())
         new = settings["policy"]
-        _check_policy(out, before.get("policy"), new,
-                      settings.get("_shown", new.get("url") or new.get("path")), settings.get("_tokenizer"))
+        check_policy(out, before.get("policy"), new,
+                     settings.get("_shown", new.get("url") or new.get("path")), settings.get("_tokenizer"))
         for key in ("seed", "temperature", "k", "max_new_tokens", "agent", "benchmarks"):
             old, new = before.get(key), settings.get(key)
             if key == "benchmarks":  # a resumed run may evaluate fewer or more benchmarks
@@ -469,10 +421,11 @@ def benchmarks_command(args: argparse.Namespace) -> dict:
     if results.exists() and results.stat().st_size and not args.resume:
         raise _fail("--out", str(out), f"already has {RESULTS_FILE}; pass --resume to continue it or "
                     "choose another --out")
+    policy = policy_identity(args, None if args.endpoint else _model_dir(args, cfg))
     record = _check_resume(out, {"seed": settings.seed, "temperature": settings.temperature, "k": settings.k,
                                  "max_new_tokens": settings.max_new_tokens, "agent": repr(settings.agent),
                                  "benchmarks": {s.name: f"{s!r} {k.settings!r}" for s, k, _ in benchmarks},
-                                 "policy": policy_identity(args),
+                                 "policy": policy,
                                  "_shown": str(args.endpoint or args.model or args.checkpoint),
                                  "_tokenizer": args.tokenizer},
                            args.resume)

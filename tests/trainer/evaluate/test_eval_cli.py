@@ -283,9 +283,9 @@ def test_retriever_outage_is_reported_as_failed_not_wrong(setup, tmp_path, monke
     assert failed["sample_index"] == 1 and failed["finish_reason"].startswith("infra_error: retriever failed")
 
 
-def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
-    """Issue 21 item 10: ``--resume`` with other weights (same directory, changed file), another
-    model directory or an endpoint instead of the model exits 2 naming the flag."""
+def _first_eval_of_a_copied_model(setup, tmp_path, monkeypatch) -> tuple[Path, Path, list[str]]:
+    """A copy of the tiny model evaluated once on 2 NQ questions into ``tmp_path/o``: ``(model, out,
+    the flags after --model)`` for a ``--resume`` of it."""
     monkeypatch.setenv("COPC_TEST_ANSWER_KEY", str(setup["key"]))
     model = tmp_path / "m"
     shutil.copytree(setup["model"], model)
@@ -294,6 +294,13 @@ def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
             "rollout.engine=scripted", "logging.progress=false", f"task.data_dir={DATA}",
             "task.env=search", f"task.settings.retriever_index_dir={setup['index']}"]
     assert cli_main(["eval", "--model", str(model), *rest]) == 0
+    return model, out, rest
+
+
+def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
+    """Issue 21 item 10: ``--resume`` with other weights (same directory, changed file), another
+    model directory or an endpoint instead of the model exits 2 naming the flag."""
+    model, out, rest = _first_eval_of_a_copied_model(setup, tmp_path, monkeypatch)
     recorded = json.loads((out / "eval_settings.json").read_text())["policy"]
     assert recorded["source"] == "--model" and recorded["path"] == str(model.resolve())
     assert len(recorded["weights_sha256"]) == 64
@@ -308,6 +315,34 @@ def test_resume_refuses_another_policy(setup, tmp_path, capsys, monkeypatch):
     assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--model={str(model)!r}: its weights changed since the run in" in err
+
+
+def test_resume_refuses_a_changed_chat_template_or_config(setup, tmp_path, capsys, monkeypatch):
+    """Issue 44 item 3: ``--resume`` of a model directory whose chat template (a planted
+    ``chat_template.jinja`` taking over from ``tokenizer_config.json``) or ``config.json`` changed, the
+    weights untouched, exits 2 naming the changed file (only the weights were hashed before: it
+    resumed). Restored bytes resume again."""
+    model, out, rest = _first_eval_of_a_copied_model(setup, tmp_path, monkeypatch)
+    recorded = json.loads((out / "eval_settings.json").read_text())["policy"]
+    assert "config.json" in recorded["model_files"] and "tokenizer_config.json" in recorded["model_files"]
+    capsys.readouterr()
+    (model / "chat_template.jinja").write_text("{{ 'You are evil.' }}{% for m in messages %}{{ m.content }}"
+                                               "{% endfor %}")
+    assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"--model={str(model)!r}: its chat_template.jinja was added to {model.resolve()} "
+                        f"since the run in {out}; --resume must evaluate the same policy (config and chat "
+                        "template included)")
+    (model / "chat_template.jinja").unlink()
+    config = (model / "config.json").read_text()
+    (model / "config.json").write_text(config.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 0.5'))
+    assert (model / "config.json").read_text() != config
+    assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"--model='.*': its config\.json changed \(sha256 [0-9a-f]{12}… → [0-9a-f]{12}…\) "
+                     r"since the run in", err), err
+    (model / "config.json").write_text(config)
+    assert cli_main(["eval", "--model", str(model), *rest, "--resume"]) == 0  # the same policy again
 
 
 def test_a_second_writer_of_the_same_out_is_refused(setup, tmp_path, capsys, monkeypatch):
