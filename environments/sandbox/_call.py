@@ -53,7 +53,7 @@ def child_main(ctl_r: int, out_w: int, err_w: int, ready_w: int, opts: _wire.Opt
             _confine.prctl(_confine.PR_SET_NO_NEW_PRIVS, 1)
         if opts.namespaces:
             _confine.install_seccomp()
-        os.write(4, b"R")
+        os.write(4, b"R" + _wire.READY_PID.pack(os.getpid()))
     except BaseException:
         with contextlib.suppress(BaseException):
             os.write(4, b"E" + traceback.format_exc().encode(errors="replace")[-4000:])
@@ -138,15 +138,11 @@ class Prefork:
         self.ready_r, ready_w = os.pipe()
         self.setup_error: str | None = None
         self.ns_fds: list[int] = []
-        self.pid = -1
+        self.pid = -1  # the call process says it with its ``R`` (no round trip here)
         try:
             socket.send_fds(zygote, [b"F"], [ctl_r, out_w, err_w, ready_w])
-            tag, pid = _wire.PID_MSG.unpack(zygote.recv(64))
-            if tag != b"P" or pid <= 0:
-                raise OSError(-pid if pid < 0 else 5, f"the zygote could not fork ({tag!r}, {pid})")
-            self.pid = pid
-        except (OSError, _wire.struct.error) as e:  # a short message: the zygote died
-            self.setup_error = f"cannot fork the call process: {e}"
+        except OSError as e:
+            self.setup_error = f"cannot ask the zygote for the call process: {e}"
         finally:
             for fd in (ctl_r, out_w, err_w, ready_w):
                 os.close(fd)

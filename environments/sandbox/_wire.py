@@ -12,8 +12,8 @@ import os
 import struct
 
 _HEADER = struct.Struct(">I")
-#: zygote -> server: ``P`` + the pid of a new call process (``-errno`` when the fork failed)
-PID_MSG = struct.Struct("=ci")
+#: call process -> server, after its ``R`` (set up): its pid
+READY_PID = struct.Struct("=i")
 #: zygote -> server: ``X`` + pid, wait status, user / system CPU seconds, peak RSS in KiB
 EXIT_MSG = struct.Struct("=ciiddq")
 

@@ -38,10 +38,11 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _confine
+import _wire
 import _zygote
 from _call import Prefork
 from _cgroups import Cgroups
-from _wire import EXIT_MSG, Options, recv, send
+from _wire import EXIT_MSG, READY_PID, Options, recv, send
 
 READY_TIMEOUT_S = 10.0
 SWEEP_TIMEOUT_S = 5.0
@@ -121,7 +122,8 @@ def _kill_and_reap(opts: Options, pid: int, zygote) -> tuple[int, Usage]:
 
 
 def _wait_ready(child: Prefork) -> str | None:
-    """Wait (bounded) for the child's ``R``; return why it is not ready, or None."""
+    """Wait (bounded) for the child's ``R`` and its pid (``child.pid``); return why it is not
+    ready, or None."""
     if child.setup_error:
         return child.setup_error
     sel = selectors.DefaultSelector()
@@ -132,7 +134,8 @@ def _wait_ready(child: Prefork) -> str | None:
     finally:
         sel.close()
     first = os.read(child.ready_r, 1)
-    if first == b"R":
+    if first == b"R":  # written at once with its pid (4 bytes), a single pipe write
+        (child.pid,) = READY_PID.unpack(_wire.read_exact(child.ready_r, READY_PID.size))
         return None
     rest = b""
     with contextlib.suppress(OSError):
@@ -142,11 +145,12 @@ def _wait_ready(child: Prefork) -> str | None:
 
 def _run_one(req: dict, child: Prefork, cg: Cgroups, opts: Options, zygote) -> dict:
     """Run request ``req`` in the pre-forked ``child``; the reply (or ``{"error": why}``)."""
-    pid, out_r, err_r = child.pid, child.out_r, child.err_r
+    out_r, err_r = child.out_r, child.err_r
     t0 = time.perf_counter()
     not_ready = _wait_ready(child)
     if not_ready:
         return {"error": not_ready}
+    pid = child.pid
     outside = cg.missing(pid)
     if outside:
         return {"error": f"the call process is not in its {'/'.join(outside)} cgroup(s)"}

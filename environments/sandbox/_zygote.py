@@ -12,7 +12,8 @@ Messages on the ``SOCK_SEQPACKET`` pair (one datagram each):
 
 * server -> zygote: ``F`` with the four pipe ends of a new call (``ctl_r``, ``out_w``,
   ``err_w``, ``ready_w``) as ``SCM_RIGHTS``; the zygote forks :func:`_call.child_main` on them;
-* zygote -> server: ``P`` + the new call process's pid (negative errno when ``fork`` failed);
+* (no answer: the call process writes ``R`` and its pid on its ready pipe once set up; when
+  ``fork`` fails the zygote writes ``E`` and why there instead);
 * zygote -> server: ``X`` + pid, wait status, user and system CPU seconds and peak RSS (KiB)
   when that call process has been reaped. Every other process that ends up as the zygote's
   child (orphans, as pid 1 of the namespace) is reaped silently.
@@ -30,7 +31,7 @@ import signal
 import socket
 
 import _call
-from _wire import EXIT_MSG, PID_MSG
+from _wire import EXIT_MSG
 
 
 def start(opts, cg, close: tuple[int | None, ...] = ()) -> socket.socket:
@@ -80,17 +81,20 @@ def serve(sock: socket.socket, opts, cg) -> None:
         pid = _fork_call(fds, opts, cg, (sock.fileno(), wake_r, wake_w))
         if pid > 0:
             calls.add(pid)
-        sock.send(PID_MSG.pack(b"P", pid))
 
 
 def _fork_call(fds: list[int], opts, cg, own: tuple[int, ...]) -> int:
-    """Fork one call process on the pipe ends ``fds``; its pid, or ``-errno``."""
+    """Fork one call process on the pipe ends ``fds`` (``ctl_r``, ``out_w``, ``err_w``,
+    ``ready_w``); its pid, or -1 when it failed (then ``E`` and why went to ``ready_w``)."""
     try:
         if len(fds) != 4:
             raise OSError(22, f"expected 4 pipe ends, got {len(fds)}")
         pid = os.fork()
     except OSError as e:
-        pid = -(e.errno or 1)
+        if fds:
+            with contextlib.suppress(OSError):
+                os.write(fds[-1], f"Ethe zygote could not fork the call process: {e}".encode())
+        pid = -1
     if pid == 0:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

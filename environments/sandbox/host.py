@@ -10,10 +10,11 @@
   cgroup2-only host) ``mode`` is ``"rlimit"`` and ``why`` says why (the documented fallback:
   per-process RLIMIT_AS and size-limited tmpfs). Where a writable v1 ``cpu`` hierarchy is
   mounted as well, each slot also gets a ``cpu`` cgroup with ``cpu.shares`` = :data:`CPU_SHARES`
-  (``cpu_mode == "cgroup-v1"``): the kernel then divides CPU time between slots (of this and
-  every other pool) as groups, however many processes a call starts, so one call cannot slow
-  another pool's call by running many processes. Otherwise ``cpu_mode`` is ``"none"`` and
-  ``cpu_why`` says why (processes then compete one by one, as before).
+  (``cpu_mode == "cgroup-v1"``; the pool's own directory gets ``CPU_SHARES`` times its slots):
+  the kernel then divides CPU time between slots (of this and every other pool) as groups,
+  however many processes a call starts, so one call cannot slow another pool's call by running
+  many processes, while each slot weighs as much as one process did before. Otherwise
+  ``cpu_mode`` is ``"none"`` and ``cpu_why`` says why (processes then compete one by one).
 """
 
 from __future__ import annotations
@@ -97,9 +98,14 @@ def _v1_dir(controller: str) -> str | None:
 
 class PoolCgroups:
     """Per-slot cgroup v1 ``memory``, ``pids`` and (where mounted) ``cpu`` directories of one
-    pool (see module doc); ``mode``/``why`` for memory + pids, ``cpu_mode``/``cpu_why`` for cpu."""
+    pool (see module doc); ``mode``/``why`` for memory + pids, ``cpu_mode``/``cpu_why`` for cpu.
 
-    def __init__(self, max_processes: int) -> None:
+    Args:
+        max_processes: every slot's ``pids.max``.
+        workers: the pool's slots (its ``cpu`` directory weighs ``CPU_SHARES`` per slot).
+    """
+
+    def __init__(self, max_processes: int, workers: int = 1) -> None:
         self.max_processes = max_processes
         self.mode, self.why = "rlimit", ""
         self.cpu_mode, self.cpu_why = "none", "no cgroup v1 'memory' + 'pids' hierarchy"
@@ -136,6 +142,13 @@ class PoolCgroups:
             self.cpu_why = f"cannot create a 'cpu' cgroup under {parent}: {e}"
             return
         self.base["cpu"] = os.path.join(parent, name)
+        try:  # the pool weighs as much as its slots would as single processes, together
+            with open(os.path.join(self.base["cpu"], "cpu.shares"), "w") as f:
+                f.write(str(CPU_SHARES * workers))
+        except OSError as e:
+            self.cpu_why = f"cannot set cpu.shares of {self.base['cpu']}: {e}"
+            _rmtree_cgroup(self.base.pop("cpu"))
+            return
         self.cpu_mode = "cgroup-v1"
 
     def slot(self, slot: int) -> dict[str, str]:

@@ -169,7 +169,7 @@ class Sandbox:
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: dict[int, _Worker] = {}
         self._uids: UidClaim | None = None
-        self._cgroups = PoolCgroups(self.config.max_processes)
+        self._cgroups = PoolCgroups(self.config.max_processes, self.config.workers)
         started: list[_Worker] = []
         try:
             if self.config.isolation == "bwrap" and os.geteuid() == 0:
