@@ -7,6 +7,9 @@ state from the URL fragment: ``#benchmark=B&step=S&finish=F&rmin=X&rmax=Y&overla
 interaction (``chromium --headless --dump-dom``) can be checked too. A coloured token carries
 ``data-hl`` (its overlay class: ``on``/``off`` for the loss mask, ``pos``/``neg`` for the sign of
 the advantage and of log ρ, ``masked``/``clipped``).
+
+Every value of an episode the script puts into HTML goes through ``esc`` (``&``, ``<``, ``>``,
+``"``), numbers and counts included: a crafted run folder's fields are text, never markup.
 """
 
 CSS = """
@@ -59,7 +62,7 @@ fill($('f-benchmark'), uniq(e => e.benchmark).sort());
 fill($('f-step'), uniq(e => e.step === null ? 'eval' : String(e.step)).sort((a, b) =>
   (a === 'eval') - (b === 'eval') || Number(a) - Number(b)));
 fill($('f-finish'), uniq(e => e.finish).sort());
-function withCalls(text){let out = '', last = 0; text.replace(CALL_RE, (m, _t, _c, off) => {
+function withCalls(text){text = String(text); let out = '', last = 0; text.replace(CALL_RE, (m, _t, _c, off) => {
   out += esc(text.slice(last, off)) + '<span class="call">' + esc(m) + '</span>'; last = off + m.length; return m;});
   return out + esc(text.slice(last));}
 function tokensHtml(ep){let html = '', i = 0; const T = ep.tokens;
@@ -81,7 +84,7 @@ function render(det){if(det.dataset.done) return; const ep = EPS[Number(det.data
     esc(ep.answer === null || ep.answer === undefined ? '(none)' : String(ep.answer)) + '</b> · gold <b>' +
     esc(Array.isArray(ep.gold) ? ep.gold.join(' | ') : String(ep.gold)) + '</b>' +
     (ep.correct === undefined || ep.correct === null ? '' : (ep.correct ? ' · correct' : ' · wrong')) + '</div>';
-  if(ep.cut_tokens) html += '<div class="legend">cut to ' + ep.tokens.length + ' of ' + ep.cut_tokens + ' tokens</div>';
+  if(ep.cut_tokens) html += '<div class="legend">cut to ' + esc(ep.tokens.length) + ' of ' + esc(ep.cut_tokens) + ' tokens</div>';
   det.insertAdjacentHTML('beforeend', html + '</div>'); det.dataset.done = '1'; paint(det);}
 function paint(det){const ep = EPS[Number(det.dataset.k)]; if(!ep.tokens || !det.dataset.done) return;
   const mode = document.body.dataset.overlay; const pi = ep.policy_interval, ai = ep.advantage_interval;
@@ -113,10 +116,10 @@ function setOverlay(mode){document.body.dataset.overlay = mode; $('f-overlay').v
   document.querySelectorAll('details.episode').forEach(paint);}
 const main = $('episodes');
 main.innerHTML = EPS.map((e, k) => '<details class="episode" data-k="' + k + '"><summary><span class="bench">' +
-  esc(e.benchmark) + '</span><span>' + (e.step === null ? esc(e.source) : 'step ' + e.step) + '</span>' +
-  '<span class="rw ' + (e.reward > 0.5 ? 'good' : 'bad') + '">reward ' + e.reward.toFixed(3) + '</span><span>' +
+  esc(e.benchmark) + '</span><span>' + (e.step === null ? esc(e.source) : 'step ' + esc(e.step)) + '</span>' +
+  '<span class="rw ' + (e.reward > 0.5 ? 'good' : 'bad') + '">reward ' + esc(Number(e.reward).toFixed(3)) + '</span><span>' +
   esc(e.finish_reason || '') + '</span><span class="meta">' + esc(e.sample_id === undefined ? '' : 'id ' + e.sample_id) +
-  ' ' + Object.entries(e.meta || {}).map(([k, v]) => k + ' ' + (Number.isInteger(v) ? v : Number(v).toPrecision(3))).join(' · ') + '</span></summary></details>').join('');
+  ' ' + Object.entries(e.meta || {}).map(([k, v]) => esc(k) + ' ' + esc(Number.isInteger(v) ? v : Number(v).toPrecision(3))).join(' · ') + '</span></summary></details>').join('');
 main.querySelectorAll('details.episode').forEach(det => det.addEventListener('toggle', () => render(det)));
 ['f-benchmark', 'f-step', 'f-finish', 'f-rmin', 'f-rmax'].forEach(id => $(id).addEventListener('input', apply));
 $('f-overlay').addEventListener('input', () => setOverlay($('f-overlay').value));

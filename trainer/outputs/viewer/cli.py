@@ -1,13 +1,11 @@
 """``copc view RUN_OR_EVAL_DIR [--out FILE.html] [--serve] [--port N]``: write the viewer page
-(:func:`~.page.write_page` of :func:`~.load.load_episodes`); ``--serve`` then serves it on
-127.0.0.1 until interrupted."""
+(:func:`~.page.write_page` of :func:`~.load.load_episodes`); ``--serve`` then serves that page,
+and only it, on 127.0.0.1 until interrupted (:mod:`.serve`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import http.server
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from retriever.access import check_port
 
 from .load import load_episodes
 from .page import write_page
+from .serve import make_server
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -49,8 +48,7 @@ def run_view(args: argparse.Namespace) -> int:
     write_page(episodes[:max(0, args.limit)], f"COPC · {Path(args.directory).resolve().name}", out)
     print(f"wrote {out} ({min(len(episodes), args.limit)} episodes)")
     if args.serve:
-        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(out.parent.resolve()))
-        with http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler) as srv:
+        with make_server(out, args.port) as srv:
             print(f"serving http://127.0.0.1:{srv.server_address[1]}/{out.name} (Ctrl-C stops)", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 srv.serve_forever()

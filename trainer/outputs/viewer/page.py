@@ -1,8 +1,17 @@
 """The viewer page: one self-contained HTML file (inline CSS and JS from :mod:`.assets`, the
-episodes as inline JSON; opens without a network)."""
+episodes as inline JSON; opens without a network).
+
+Every field of a run folder reaches the page as data only: the episodes are JSON inside a
+``<script type="application/json">`` (``<``, ``>``, ``&`` escaped), and the page's script escapes
+every value it inserts. On top, the page carries a Content-Security-Policy (:func:`page_csp`) that
+lets only the page's own script run (by its hash): no inline event handler, no other script, no
+network.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 from pathlib import Path
@@ -23,6 +32,14 @@ def _json_for_script(data: Any) -> str:
     return s
 
 
+def page_csp() -> str:
+    """The page's Content-Security-Policy: nothing loads, only the page's script (by its SHA-256)
+    runs, inline styles are allowed."""
+    digest = base64.b64encode(hashlib.sha256(JS.encode("utf-8")).digest()).decode()
+    return (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+            "img-src data:; base-uri 'none'; form-action 'none'")
+
+
 def render_page(episodes: list[dict[str, Any]], title: str) -> str:
     """The HTML text of the viewer for ``episodes`` (:func:`~.load.load_episodes` dicts)."""
     opts = "".join(f'<option value="{k}">{html.escape(v)}</option>' for k, v in _OVERLAYS)
@@ -37,6 +54,7 @@ def render_page(episodes: list[dict[str, Any]], title: str) -> str:
                '<label>≤<input id="f-rmax" type="number" step="any"></label>'
                f'<label>overlay<select id="f-overlay">{opts}</select></label>')
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta http-equiv=\"Content-Security-Policy\" content=\"{page_csp()}\">"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>"
             f"<body data-overlay=\"none\"><header><h1>{html.escape(title)}</h1>{filters}{legend}"
             "<span id=\"count\"></span></header><main id=\"episodes\"></main>"
@@ -53,4 +71,4 @@ def write_page(episodes: list[dict[str, Any]], title: str, out: str | Path) -> P
     return out
 
 
-__all__ = ["render_page", "write_page"]
+__all__ = ["page_csp", "render_page", "write_page"]
