@@ -24,8 +24,8 @@ def _outside(path: Path, rel: str) -> str | None:
         try:
             if stat.S_ISLNK(os.lstat(cur).st_mode):
                 return f"is a symlink ({cur.relative_to(path).as_posix()} -> {os.readlink(cur)!r}); refused"
-        except FileNotFoundError:
-            return None  # missing: reported as such by the size check
+        except OSError:  # missing, or under a file: reported as missing by the size check
+            return None
     return None
 
 
