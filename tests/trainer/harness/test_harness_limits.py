@@ -174,3 +174,38 @@ def test_connections_that_never_finish_their_head_are_closed_and_capped():
         srv.close()
     with pytest.raises(ValueError, match=r"header_timeout_s=0: must be a number of seconds > 0"):
         HarnessServer(header_timeout_s=0)
+
+
+def test_the_limits_are_the_harness_tasks_settings(tmp_path):
+    """``task.settings`` of ``task.env: harness`` sets the endpoint's limits (a run's 413 then names
+    the configured size); a bad value is one line naming the key."""
+    import json
+
+    from trainer.config import ConfigError, load_config
+    from trainer.config.specs import task_spec
+    from trainer.tasks.harness import HarnessTask
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(th.ROW) + "\n")
+    base = ["task.env=harness", f"task.train_data=[{rows}]", f"task.env_kwargs.agent={th.AGENT}"]
+    cfg = load_config(None, [*base, "task.settings={max_body_bytes: 4096, header_timeout_s: 2.5, "
+                                    "max_waiting_connections: 7}"])
+    task = HarnessTask(task_spec(cfg), "harness")
+    task.start_services()
+    try:
+        assert task._server.max_body_bytes == 4096 and task._server._limits == (2.5, 7)
+    finally:
+        task.close()
+    default = HarnessTask(task_spec(load_config(None, base)), "harness")
+    default.start_services()
+    try:
+        assert default._server.max_body_bytes == 16 << 20 and default._server._limits == (10.0, 1024)
+    finally:
+        default.close()
+    for bad, msg in [("max_body_bytes: 0", r"task\.settings\.max_body_bytes=0: must be an int >= 1"),
+                     ("header_timeout_s: -1",
+                      r"task\.settings\.header_timeout_s=-1\.0: must be > 0 \(seconds\)$"),
+                     ("max_waiting_connections: true",
+                      r"task\.settings\.max_waiting_connections=True: must be an int")]:
+        with pytest.raises(ConfigError, match=rf"^{msg}"):
+            HarnessTask(task_spec(load_config(None, [*base, f"task.settings={{{bad}}}"])), "harness")
