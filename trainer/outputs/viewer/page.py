@@ -11,9 +11,12 @@ network.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import html
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +67,27 @@ def render_page(episodes: list[dict[str, Any]], title: str) -> str:
 
 
 def write_page(episodes: list[dict[str, Any]], title: str, out: str | Path) -> Path:
-    """Write :func:`render_page` to ``out`` (parent created); returns the path."""
+    """Write :func:`render_page` to ``out`` (parent created); returns the path.
+
+    The page is written to a new file beside ``out`` and renamed over it, so a symlink at ``out``
+    (e.g. a crafted run folder's ``view.html`` pointing at a file of the user's) is replaced
+    itself, never followed: its target is not written.
+
+    Raises:
+        OSError: the page cannot be written there.
+    """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_page(episodes, title), encoding="utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(render_page(episodes, title))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return out
 
 
