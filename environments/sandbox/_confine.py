@@ -157,17 +157,19 @@ _ARCHES = {  # machine -> (AUDIT_ARCH, syscall numbers)
                             "add_key": 248, "request_key": 249, "keyctl": 250, "ptrace": 101,
                             "process_vm_readv": 310, "process_vm_writev": 311,
                             "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-                            "userfaultfd": 323, "personality": 135}),
+                            "userfaultfd": 323, "personality": 135, "perf_event_open": 298,
+                            "bpf": 321, "modify_ldt": 154}),
     "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
                              "add_key": 217, "request_key": 218, "keyctl": 219, "ptrace": 117,
                              "process_vm_readv": 270, "process_vm_writev": 271,
                              "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-                             "userfaultfd": 282, "personality": 92}),
+                             "userfaultfd": 282, "personality": 92, "perf_event_open": 241,
+                             "bpf": 280}),
 }
 #: Refused with EPERM whatever their arguments.
 _REFUSED = ("unshare", "setns", "add_key", "request_key", "keyctl", "ptrace", "process_vm_readv",
             "process_vm_writev", "io_uring_setup", "io_uring_enter", "io_uring_register",
-            "userfaultfd")
+            "userfaultfd", "perf_event_open", "bpf", "modify_ldt")
 _PERSONALITY_QUERY = 0xFFFFFFFF
 _RET_ALLOW, _RET_KILL = 0x7FFF0000, 0x80000000
 _EPERM, _ENOSYS = 0x00050000 | 1, 0x00050000 | 38
@@ -183,8 +185,10 @@ def seccomp_program(machine: str | None = None) -> bytes:
     ``add_key``, ``request_key``, ``keyctl``, ``ptrace`` / ``process_vm_readv`` /
     ``process_vm_writev`` (a program that traces its own main process keeps that process's
     zombie from the worker, which reaps it), ``io_uring_setup`` / ``io_uring_enter`` /
-    ``io_uring_register`` and ``userfaultfd`` (large kernel attack surfaces no program here
-    needs), and ``personality`` except the query ``personality(0xffffffff)``; with ENOSYS:
+    ``io_uring_register``, ``userfaultfd``, ``perf_event_open``, ``bpf`` and (x86) ``modify_ldt``
+    (large kernel attack surfaces no program here needs; perf and bpf are otherwise only as closed
+    as the host's ``perf_event_paranoid`` / ``unprivileged_bpf_disabled`` sysctls), and
+    ``personality`` except the query ``personality(0xffffffff)``; with ENOSYS:
     ``clone3`` (its flags live in memory a filter cannot read; libc falls back to ``clone``) and
     x32 system calls; a system call of another architecture (e.g. ``int 0x80``) kills the process.
 
@@ -200,7 +204,8 @@ def seccomp_program(machine: str | None = None) -> bytes:
         prog += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _ENOSYS)]
     prog += [(_JEQ, 0, 1, nr["clone3"]), (_RET, 0, 0, _ENOSYS)]
     for name in _REFUSED:
-        prog += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, _EPERM)]
+        if name in nr:  # modify_ldt exists on x86 only
+            prog += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, _EPERM)]
     # personality: only the query (0xffffffff, the low 32 bits of the first argument) is allowed
     prog += [(_JEQ, 0, 4, nr["personality"]), (_LD_ABS, 0, 0, 16), (_JEQ, 1, 0, _PERSONALITY_QUERY),
              (_RET, 0, 0, _EPERM), (_RET, 0, 0, _RET_ALLOW)]

@@ -12,6 +12,8 @@ import pytest
 
 from environments.sandbox import Sandbox, SandboxConfig
 
+from .syscall_probe import HELPER
+
 SYSCALLS = {"x86_64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
                        "userfaultfd": 323, "personality": 135},
             "aarch64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
@@ -20,15 +22,7 @@ SYSCALLS = {"x86_64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_r
 # Each call as a working program would make it: a valid io_uring_setup, enter/register on the fd
 # it returned (or -1), a user-mode-only userfaultfd (allowed unprivileged even with
 # vm.unprivileged_userfaultfd = 0), a personality change (ADDR_NO_RANDOMIZE) and the query.
-PROBE = """
-import ctypes, json, os
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-nr = NUMBERS
-def call(name, *args):
-    ctypes.set_errno(0)
-    rc = libc.syscall(nr[name], *args)
-    return [rc, ctypes.get_errno()]
+PROBE = HELPER + """
 params = ctypes.create_string_buffer(120)
 out = {"io_uring_setup": call("io_uring_setup", 4, params)}
 ring = out["io_uring_setup"][0]
