@@ -6,7 +6,8 @@ other path: no other file of the run directory is served, and no directory is li
 ``SimpleHTTPRequestHandler`` on the run directory served every file beside the page). A request
 whose ``Host`` is not ``127.0.0.1`` / ``localhost`` / the bind host (optionally with the
 server's port) is refused with 403: a page of another site whose name resolves to 127.0.0.1 (DNS
-rebinding) cannot read the page. Answers carry the page's Content-Security-Policy
+rebinding) cannot read the page. A connection silent for ``IDLE_TIMEOUT_S`` seconds is closed
+(each holds a thread). Answers carry the page's Content-Security-Policy
 (:func:`~.page.page_csp`), ``X-Content-Type-Options: nosniff`` and ``Cache-Control: no-store``.
 """
 
@@ -18,6 +19,9 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .page import page_csp
+
+#: Seconds a connection may stay silent before the server closes it (:attr:`PageHandler.timeout`).
+IDLE_TIMEOUT_S = 10.0
 
 
 def allowed_hosts(host: str, port: int) -> frozenset[str]:
@@ -37,6 +41,9 @@ class PageHandler(http.server.BaseHTTPRequestHandler):
     page: bytes = b""
     name: str = "view.html"
     hosts: frozenset[str] = frozenset()
+    #: Seconds a connection may wait for its request (socket timeout; the connection is then
+    #: closed): without one every connection that sent nothing held a server thread forever.
+    timeout = IDLE_TIMEOUT_S
     server_version = "copc-view"
     sys_version = ""
 
@@ -87,4 +94,4 @@ def make_server(page: str | Path, port: int, host: str = "127.0.0.1") -> http.se
     return srv
 
 
-__all__ = ["PageHandler", "allowed_hosts", "make_server"]
+__all__ = ["IDLE_TIMEOUT_S", "PageHandler", "allowed_hosts", "make_server"]
