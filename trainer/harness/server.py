@@ -9,7 +9,8 @@ Answers: ``200`` a ``chat.completion``; ``400`` a malformed request or a used-up
 an unknown key; ``410`` the key of a finished episode, also for a call that was still in flight
 when its agent returned (the trajectory is frozen then: :meth:`Episode.close`); ``413`` a body over
 ``max_body_bytes`` (answered from ``Content-Length`` before the body is read, or as soon as a
-chunked body passes it); ``503`` the engine failed (the episode is an infrastructure failure).
+chunked body passes it); ``408`` a body not received within ``header_timeout_s``; ``503`` the
+engine failed (the episode is an infrastructure failure).
 Non-streaming only (``stream: true`` is refused with ``400``). Connections: a header timeout and a
 cap on connections waiting for their first request (:mod:`.connections`).
 """
@@ -181,9 +182,11 @@ class HarnessServer:
             return JSONResponse(error_body(str(e), "episode_finished"), status_code=410)
 
     async def _body(self, request: Any) -> Any:
-        """The request body as bytes, or the ``413`` / ``400`` response that refuses it: a
+        """The request body as bytes, or the ``413`` / ``400`` / ``408`` response that refuses it: a
         ``Content-Length`` over :attr:`max_body_bytes` is refused before any of the body is read, a
-        body without one as soon as it passes the limit."""
+        body without one as soon as it passes the limit; a body not all there within
+        ``header_timeout_s`` seconds gets ``408`` (a key holder's trickled body held the connection
+        and its handler with no limit, also after its episode had finished)."""
         from starlette.responses import JSONResponse
 
         limit = self.max_body_bytes
@@ -197,8 +200,14 @@ class HarnessServer:
             if int(length) > limit:
                 return too_big
         got = bytearray()
-        async for chunk in request.stream():
-            got += chunk
-            if len(got) > limit:
-                return too_big
+        try:
+            async with asyncio.timeout(self._limits[0]):
+                async for chunk in request.stream():
+                    got += chunk
+                    if len(got) > limit:
+                        return too_big
+        except TimeoutError:
+            return JSONResponse(error_body(f"the request body did not arrive within the endpoint's "
+                                           f"header_timeout_s={self._limits[0]:g}", "request_timeout"),
+                                status_code=408, headers={"Connection": "close"})
         return bytes(got)
