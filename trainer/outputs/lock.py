@@ -1,8 +1,9 @@
 """One writer per run directory: an exclusive ``fcntl.flock`` on ``<dir>/.copc.lock``.
 
-The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a ``.copc.lock`` that is a
-symlink (e.g. planted in a shared run directory, pointing at a file of the user's) is refused
-before anything is written, so taking the lock never truncates another file.
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file with one name: a
+``.copc.lock`` that is a symlink or a hard link (e.g. planted in a shared run directory, naming a
+file of the user's) is refused before anything is written, so taking the lock never truncates
+another file.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _open_lock_file(path: Path, key: str) -> IO[str]:
     """``path`` opened read/write (created 0644 if missing) without following a symlink.
 
     Raises:
-        ConfigError: ``path`` is a symlink or not a regular file (one line naming ``key`` and it).
+        ConfigError: ``path`` is a symlink, not a regular file, or has other hard links (one line
+            naming ``key`` and it).
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
@@ -33,10 +35,15 @@ def _open_lock_file(path: Path, key: str) -> IO[str]:
             raise ConfigError(f"{key}={str(path.parent)!r}: its lock file {LOCK_FILE} is a symlink "
                               f"(to {os.readlink(path)!r}); refused, remove it") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ConfigError(f"{key}={str(path.parent)!r}: its lock file {LOCK_FILE} is not a regular file; "
                           "refused, remove it")
+    if st.st_nlink != 1:  # a hard link to another file (truncated and overwritten with our pid)
+        os.close(fd)
+        raise ConfigError(f"{key}={str(path.parent)!r}: its lock file {LOCK_FILE} has {st.st_nlink} "
+                          "hard links (another file's name too); refused, remove it")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "r+")
 
@@ -50,7 +57,8 @@ def lock_output_dir(path: str | Path, key: str = "output_dir") -> IO[str]:
 
     Raises:
         ConfigError: another process holds it (one line naming ``key``, the directory and its pid),
-            or ``<path>/.copc.lock`` is a symlink or not a regular file (nothing is written then).
+            or ``<path>/.copc.lock`` is a symlink, not a regular file or hard-linked elsewhere
+            (nothing is written then).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -176,18 +176,21 @@ def test_symlink_inside_a_shards_directory_is_refused(tmp_path):
     assert mgr.problem(path) == f"{path}: learner_shards/more is a symlink (to '/etc'); refused"
 
 
-def test_symlinked_lock_file_is_refused_and_its_target_kept(tmp_path):
-    """``<run dir>/.copc.lock`` planted as a symlink to a user's file: taking the lock is refused in one
-    line and the file keeps its bytes (the lock followed the link and truncated it before)."""
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_symlinked_lock_file_is_refused_and_its_target_kept(tmp_path, link):
+    """``<run dir>/.copc.lock`` planted as a symlink to a user's file, or as a hard link of it (issue
+    44 review: a regular file, so it was opened): taking the lock is refused in one line and the file
+    keeps its bytes (the lock followed the link and truncated it before, or truncated the hard link)."""
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me\n")
     run = tmp_path / "run"
     run.mkdir()
-    os.symlink(victim, run / LOCK_FILE)
+    (os.symlink if link == "symlink" else os.link)(victim, run / LOCK_FILE)
     with pytest.raises(ConfigError) as err:
         lock_output_dir(run)
-    assert str(err.value) == (f"output_dir={str(run)!r}: its lock file {LOCK_FILE} is a symlink "
-                              f"(to {str(victim)!r}); refused, remove it")
+    why = (f"is a symlink (to {str(victim)!r})" if link == "symlink"
+           else "has 2 hard links (another file's name too)")
+    assert str(err.value) == f"output_dir={str(run)!r}: its lock file {LOCK_FILE} {why}; refused, remove it"
     assert victim.read_text() == "keep me\n"
     os.unlink(run / LOCK_FILE)
     held = lock_output_dir(run)
