@@ -14,12 +14,15 @@ smollm2-135m-instruct``).
    * ``embedded fp32``: :class:`EmbeddedEngine` (continuous batching, ``max_batch_size`` 32, sdpa,
      ``--torch-threads`` torch threads, 1 by default as in ``bench_engine_smollm2.py``);
    * ``vLLM fp32`` / ``vLLM bf16``: the registered ``vllm`` engine (``make_engine``, no adapter: the
-     full-weight path) with ``VLLMSettings(enforce_eager=True, dtype=...)``.
+     full-weight path) with ``VLLMSettings(enforce_eager=True, dtype=...)``;
+   * ``vLLM bf16 LoRA``: the same in bfloat16 serving an adapter of the search main job's shape
+     (rank 16 on q/k/v/o, :func:`search_adapter`) that every request names, as in LoRA training
+     (``--enable-lora``: vLLM's LoRA kernels run on every token).
 
    Each engine runs ``--repeats`` rounds over the three concurrencies; the best of each is kept.
    Each figure is also given as a ratio to the embedded engine at the same concurrency and as a % of
    the machine's compute limit: ``limit tok/s = GFLOP/s / (2 x parameters per token)``, with the
-   best of 10 ``2048 x 2048`` matmuls in float32 (the fp32 arms) or bfloat16 (the bf16 arm) measured
+   best of 10 ``2048 x 2048`` matmuls in float32 (the fp32 arms) or bfloat16 (the bf16 arms) measured
    in this process on all cores and on one thread, at the start, between the arms and at the end:
    the best of them (on a shared box the figures vary by 2x, and two threads need not beat one).
    Parameters per token: **all** parameters, tied embeddings counted once (134.5 M for
@@ -71,7 +74,9 @@ from trainer.engines.vllm_factory import VLLMSettings
 from trainer.engines.vllm_launcher import DEFAULT_VLLM_PYTHON
 from trainer.learner import make_learner
 from trainer.models.loading import load_model_and_tokenizer
+from trainer.models.lora import AdapterWeights, inject_lora
 from trainer.models.pull.store import model_store
+from trainer.models.settings import LoraSettings
 
 REPO = Path(__file__).resolve().parents[1]
 LEARNER_CONFIG = REPO / "configs" / "search" / "cpu_smollm.yaml"
@@ -153,11 +158,27 @@ def embedded_rates(path: Path, prompts: list[list[int]], new: int, c1: int,
     return asyncio.run(go())
 
 
+def search_adapter(path: Path) -> AdapterWeights:
+    """A LoRA adapter of the search main job's shape (rank 16, alpha 32, q/k/v/o projections) with
+    small random ``lora_B`` (not zero: every adapted layer computes its update), on ``path``'s model."""
+    model, _ = load_model_and_tokenizer(path)
+    settings = LoraSettings(rank=16, alpha=32.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    inject_lora(model, settings)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 1e-3)
+    return AdapterWeights.of(model, settings).copy()
+
+
 def vllm_rates(path: Path, tok, work: Path, dtype: str, prompts: list[list[int]], new: int,
-               c1: int, repeats: int) -> tuple[dict[int, dict], float]:
-    """(throughput, start-up seconds) of a vLLM server on ``path`` in ``dtype`` (no adapter)."""
+               c1: int, repeats: int, adapter: AdapterWeights | None = None) -> tuple[dict[int, dict], float]:
+    """(throughput, start-up seconds) of a vLLM server on ``path`` in ``dtype``; with ``adapter``
+    every request names it (LoRA on, as in training), else the base weights."""
     settings = VLLMSettings(enforce_eager=True, dtype=dtype, max_model_len=1024, kv_cache_gib=1)
-    spec = EngineSpec(model_dir=path, tokenizer=tok, version=0, work_dir=work, settings=settings)
+    spec = EngineSpec(model_dir=path, tokenizer=tok, version=0, work_dir=work, settings=settings,
+                      adapter=adapter)
 
     async def go() -> tuple[dict[int, dict], float]:
         t = time.perf_counter()
@@ -165,7 +186,7 @@ def vllm_rates(path: Path, tok, work: Path, dtype: str, prompts: list[list[int]]
         start = time.perf_counter() - t
         print(f"  vLLM {dtype} server up in {start:.0f} s", flush=True)
         try:
-            label = f"vLLM {'fp32' if dtype == 'float32' else 'bf16'}"
+            label = f"vLLM {'fp32' if dtype == 'float32' else 'bf16'}" + (" LoRA" if adapter else "")
             return (await concurrency_rates(handle.engine.generate, prompts, new, c1, repeats, label),
                     start)
         finally:
@@ -215,13 +236,13 @@ def lora_sync(path: Path, tok, work: Path, rows: int, steps: int, syncs: int) ->
 
 def print_table(rates: dict[str, dict[int, dict]], limits: dict[str, float]) -> None:
     """The throughput table: tok/s, x embedded at the same concurrency, % of the compute limit."""
-    print(f"\n{'arm':<14}| {'conc':>4} | {'tokens':>6} | {'wall s':>6} | {'tok/s':>6} | {'x embedded':>10} | "
+    print(f"\n{'arm':<15}| {'conc':>4} | {'tokens':>6} | {'wall s':>6} | {'tok/s':>6} | {'x embedded':>10} | "
           f"{'% of limit':>10} | {'load1':>5}")
-    print(f"{'-' * 14}+{'-' * 6}+{'-' * 8}+{'-' * 8}+{'-' * 8}+{'-' * 12}+{'-' * 12}+{'-' * 6}")
+    print(f"{'-' * 15}+{'-' * 6}+{'-' * 8}+{'-' * 8}+{'-' * 8}+{'-' * 12}+{'-' * 12}+{'-' * 6}")
     for arm, by_c in rates.items():
         for c, r in by_c.items():
             x = r["tok_s"] / rates["embedded fp32"][c]["tok_s"]
-            print(f"{arm:<14}| {c:>4} | {r['tokens']:>6} | {r['wall_s']:>6.1f} | {r['tok_s']:>6.1f} | "
+            print(f"{arm:<15}| {c:>4} | {r['tokens']:>6} | {r['wall_s']:>6.1f} | {r['tok_s']:>6.1f} | "
                   f"{x:>9.2f}x | {100 * r['tok_s'] / limits[arm]:>9.2f}% | {r['load1']:>5.1f}")
 
 
@@ -274,12 +295,16 @@ def main() -> int:
             rates[arm], starts[arm] = vllm_rates(path, tok, Path(tmp) / arm.replace(" ", "_"), dtype, prompts,
                                                  args.max_new_tokens, args.c1_requests, args.repeats)
             measure()
+        rates["vLLM bf16 LoRA"], starts["vLLM bf16 LoRA"] = vllm_rates(
+            path, tok, Path(tmp) / "vLLM_bf16_LoRA", "bfloat16", prompts, args.max_new_tokens,
+            args.c1_requests, args.repeats, adapter=search_adapter(path))
+        measure()
         sync = lora_sync(path, tok, Path(tmp) / "lora", args.learner_rows, args.learner_steps, args.syncs)
     measure()
     best = {k: max(g[k] for g in gflops.values()) for k in ("float32", "bfloat16")}
     limit = {k: v * 1e9 / (2 * n_params) for k, v in best.items()}
     limits = {"embedded fp32": limit["float32"], "vLLM fp32": limit["float32"],
-              "vLLM bf16": limit["bfloat16"]}
+              "vLLM bf16": limit["bfloat16"], "vLLM bf16 LoRA": limit["bfloat16"]}
     print("\nmatmul 2048^2, best of 10 at each of 5 points of the run: "
           + "; ".join(f"{n} thread(s): fp32 {g['float32']:.0f}, bf16 {g['bfloat16']:.0f} GFLOP/s"
                       for n, g in gflops.items())
