@@ -115,33 +115,19 @@ class PoolCgroups:
             return
         name = f"copc-sandbox-{os.getpid()}-{next(_COUNTER)}"
         for ctl in ("memory", "pids"):
-            parent = _v1_dir(ctl)
-            if parent is None:
-                self.why = f"no cgroup v1 '{ctl}' hierarchy mounted"
+            path, self.why = _new_group(ctl, name)
+            if path is None:
                 break
-            _remove_stale(parent)
-            try:
-                os.mkdir(os.path.join(parent, name), 0o755)
-            except OSError as e:
-                self.why = f"cannot create a '{ctl}' cgroup under {parent}: {e}"
-                break
-            self.base[ctl] = os.path.join(parent, name)
+            self.base[ctl] = path
         if self.why:
             self.close()
             return
         self.mode = "cgroup-v1"
-        self.cpu_mode, self.cpu_why = "none", ""
-        parent = _v1_dir("cpu")
-        if parent is None:
-            self.cpu_why = "no cgroup v1 'cpu' hierarchy mounted"
+        self.cpu_mode = "none"
+        path, self.cpu_why = _new_group("cpu", name)
+        if path is None:
             return
-        _remove_stale(parent)
-        try:
-            os.mkdir(os.path.join(parent, name), 0o755)
-        except OSError as e:
-            self.cpu_why = f"cannot create a 'cpu' cgroup under {parent}: {e}"
-            return
-        self.base["cpu"] = os.path.join(parent, name)
+        self.base["cpu"] = path
         try:  # the pool weighs as much as its slots would as single processes, together
             with open(os.path.join(self.base["cpu"], "cpu.shares"), "w") as f:
                 f.write(str(CPU_SHARES * workers))
@@ -200,3 +186,17 @@ def _remove_stale(parent: str) -> None:
             pid = entry.split("-")[2]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 _rmtree_cgroup(os.path.join(parent, entry))
+
+
+def _new_group(ctl: str, name: str) -> tuple[str | None, str]:
+    """``(path, "")`` of a new cgroup ``name`` in the v1 ``ctl`` hierarchy (stale groups of dead
+    pools removed first), or ``(None, why)`` when there is no such hierarchy or it cannot be made."""
+    parent = _v1_dir(ctl)
+    if parent is None:
+        return None, f"no cgroup v1 '{ctl}' hierarchy mounted"
+    _remove_stale(parent)
+    try:
+        os.mkdir(os.path.join(parent, name), 0o755)
+    except OSError as e:
+        return None, f"cannot create a '{ctl}' cgroup under {parent}: {e}"
+    return os.path.join(parent, name), ""
