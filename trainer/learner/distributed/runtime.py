@@ -190,12 +190,14 @@ class DistributedLearner:
 
     def load_dir(self, path: Path) -> None:
         """Every rank restores its state from ``path`` (written by :meth:`save_dir`, possibly by
-        another data-parallel size). Its DCP metadata is checked here first
-        (:func:`~.safe_dcp.check_dcp_tree`: a crafted checkpoint is refused in one line before any rank
-        reads it; the ranks read it through :func:`~.safe_dcp.safe_dcp_load` again).
+        another data-parallel size). Its DCP metadata and every non-tensor value it lists are checked
+        here first (:func:`~.safe_dcp.check_dcp_tree`: a crafted checkpoint is refused in one line before
+        any rank reads it; FSDP ranks read it through :func:`~.safe_dcp.safe_dcp_load` again, Megatron's
+        ``dist_checkpointing.load`` through torch's stock reader, which this check stands in front of).
 
         Raises:
-            UnsafeCheckpointError: a metadata file would run code or names a file outside ``path``.
+            UnsafeCheckpointError: a metadata file or value would run code, or names a file outside
+                ``path``.
         """
         from .safe_dcp import check_dcp_tree  # torch.distributed.checkpoint: only when a checkpoint is read
 
