@@ -196,3 +196,49 @@ def test_symlinked_lock_file_is_refused_and_its_target_kept(tmp_path, link):
     held = lock_output_dir(run)
     assert (run / LOCK_FILE).read_text() == f"{os.getpid()}\n"
     held.close()
+
+
+def _metadata_with_save_plans(tmp_path: Path, planner_data=None) -> Path:
+    """A real DCP save whose ``.metadata`` also carries every rank's ``SavePlan`` the way Megatron's
+    decentralized save writes it (``global_metadata.all_local_plans``, megatron-core 0.16
+    ``state_dict_saver.save_state_dict_async_plan``); the plan is torch's own planner's local plan."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    path = CheckpointManager(tmp_path / "c", 1).save(1, {"learner_shards": DirectoryState(
+        lambda d: dcp.save(_state(), checkpoint_id=str(d / "dcp")))})
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(_state(), is_coordinator=True)
+    plan = planner.create_local_plan()
+    plan = type(plan)(items=plan.items, storage_data=_StoragePrefix("__0_"), planner_data=planner_data)
+    meta_file = path / "learner_shards" / "dcp" / ".metadata"
+    md = read_dcp_metadata(meta_file)
+    md.all_local_plans = [plan]
+    meta_file.write_bytes(pickle.dumps(md))
+    return path
+
+
+def test_megatron_metadata_with_save_plans_loads(tmp_path):
+    """A ``.metadata`` holding ``SavePlan`` / ``WriteItem`` / ``TensorWriteData`` / ``BytesIOWriteData``
+    records (what Megatron's checkpoints carry: CI's Megatron resume test was refused before they were
+    allowed) passes the check, and its tensors load."""
+    path = _metadata_with_save_plans(tmp_path)
+    md = read_dcp_metadata(path / "learner_shards" / "dcp" / ".metadata")
+    kinds = {type(item.tensor_data if item.tensor_data is not None else item).__name__
+             for item in md.all_local_plans[0].items}
+    assert kinds == {"TensorWriteData", "WriteItem"}  # tensor items and bytes items
+    assert check_dcp_tree(path / "learner_shards") == 1
+    target = {"actor": {"w": torch.zeros(3, 4)},
+              "actor_opt": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "params": ["x"]}]}}
+    safe_dcp_load(target, path / "learner_shards" / "dcp")
+    assert torch.equal(target["actor"]["w"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_code_inside_a_save_plan_is_still_refused(tmp_path):
+    """The plan's fields go through the same allowlist: a pickle in its ``planner_data`` is refused
+    and never runs."""
+    pwned = tmp_path / "pwned"
+    path = _metadata_with_save_plans(tmp_path, planner_data={"x": _WritesMarker(pwned)})
+    with pytest.raises(UnsafeCheckpointError, match=r"it would call builtins\.exec when unpickled"):
+        check_dcp_tree(path / "learner_shards")
+    assert not pwned.exists()

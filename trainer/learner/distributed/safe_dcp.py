@@ -41,10 +41,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _metadata_fn, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _metadata_fn, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import ConfigError
@@ -54,7 +55,13 @@ _ALLOWED = {
     **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_md, n) for n in (
         "Metadata", "MetadataIndex", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
         "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    # Megatron's decentralized save plan stores every rank's SavePlan in the metadata
+    # (state_dict_saver.save_state_dict_async_plan: ``global_metadata.all_local_plans``): plain
+    # dataclasses and enums of torch's planner, whose fields go through this same unpickler.
+    **{("torch.distributed.checkpoint.planner", n): getattr(dcp_planner, n) for n in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): _StoragePrefix,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("torch._utils", "_get_layout"): torch.serialization._get_layout,
