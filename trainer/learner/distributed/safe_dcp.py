@@ -45,7 +45,12 @@ from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _metadata_fn, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    _metadata_fn,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import ConfigError
