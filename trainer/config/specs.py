@@ -61,8 +61,8 @@ def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None
     """Run the preflight check ``cfg.rollout.engine`` was registered with (no-op without one) on the
     run's :class:`~trainer.engines.registry.EngineCheck`: the engine's settings, the rollouts'
     sampling (``rollout.temperature`` / ``top_p`` / ``top_k`` / ``max_new_tokens``), whether the
-    policy is a LoRA adapter (``learner.lora``) and the fixed lag of ``train.staleness`` (the
-    effective one, :attr:`~trainer.config.ExperimentConfig.staleness`).
+    policy is a LoRA adapter (``learner.lora``), the fixed lag of ``train.staleness`` (the
+    effective one, :attr:`~trainer.config.ExperimentConfig.staleness`) and ``launcher.kind``.
 
     With ``evaluation`` (``copc eval``: no weight sync, and its own sampling, top_p 1, greedy or at
     ``eval.temperature``) the check gets the engine's settings only: default sampling, no LoRA, no
@@ -86,7 +86,7 @@ def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None
                       sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                               max_new_tokens=r.max_new_tokens),
                       lora=cfg.learner.lora_settings()[0] is not None,
-                      fixed_lag=fixed_lag(cfg)))
+                      fixed_lag=fixed_lag(cfg), launcher=cfg.launcher.kind))
 
 
 def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:

@@ -107,12 +107,14 @@ class EngineCheck:
         lora: the policy is a LoRA adapter (``learner.lora``): syncs move the adapter only.
         fixed_lag: the exact staleness ``k`` of ``train.staleness: {mode: fixed}`` (the engine then
             generates with version ``n - k`` while the learner is at ``n``), or None (bounded mode).
+        launcher: ``launcher.kind`` (``local``, ``ray``: each Ray rollout worker runs its own engine).
     """
 
     settings: Any = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     lora: bool = False
     fixed_lag: int | None = None
+    launcher: str = "local"
 
 
 #: Capability metadata of an engine registration: ``preflight`` (``preflight(check)``, ``check`` an

@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 ADAPTER_PREFIX = "copc-"
 
 
-def adapter_name(seq: int, version: int) -> str:
-    """The server-side name of the ``seq``-th adapter this client loads, of policy ``version``."""
-    return f"{ADAPTER_PREFIX}{seq}-v{version}"
+def adapter_name(seq: int, version: int, prefix: str = ADAPTER_PREFIX) -> str:
+    """The server-side name of the ``seq``-th adapter this client loads, of policy ``version``
+    (``prefix``: a run's own on a shared server, :func:`~.vllm_attach.run_adapter_prefix`)."""
+    return f"{prefix}{seq}-v{version}"
 
 
 class SGLangAdapters:
@@ -50,15 +51,16 @@ class SGLangAdapters:
             older than the last ``keep`` (each once no request of this client uses it). 1 (SGLang's
             default): only the active one; the vLLM engine keeps the k + 1 versions of a fixed lag k.
         on_unloaded: ``on_unloaded(name)`` after an adapter was unloaded (e.g. remove its directory).
+        prefix: the adapter names' prefix (:func:`adapter_name`).
     """
 
     def __init__(self, post: Callable[[str, Any], Awaitable[Any]], cond: asyncio.Condition,
                  initial: str | None = None, *, keep: int = 1,
-                 on_unloaded: Callable[[str], None] | None = None) -> None:
+                 on_unloaded: Callable[[str], None] | None = None, prefix: str = ADAPTER_PREFIX) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: must be an int >= 1")
         self._post, self._cond = post, cond
-        self._keep, self._on_unloaded = keep, on_unloaded
+        self._keep, self._on_unloaded, self._prefix = keep, on_unloaded, prefix
         self.active: str | None = initial
         #: the adapters loaded (oldest first), the active one last
         self.loaded: list[str] = [initial] if initial is not None else []
@@ -86,7 +88,7 @@ class SGLangAdapters:
         Raises:
             EngineError: the server refused the adapter (the previous one stays active).
         """
-        name = adapter_name(next(self._seq), version)
+        name = adapter_name(next(self._seq), version, self._prefix)
         await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": os.fspath(path)})
         async with self._cond:
             self.active = name
@@ -112,6 +114,14 @@ class SGLangAdapters:
             return
         if self._on_unloaded is not None:
             self._on_unloaded(name)
+
+    async def unload_all(self) -> None:
+        """Unload every adapter still loaded (a server this run shares with others keeps none of
+        its adapters), each once no request uses it; a failure is logged, not raised."""
+        async with self._cond:
+            names, self.loaded, self.active = self.loaded, [], None
+        for name in names:
+            await self._retire(name)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Wait up to ``timeout_s`` seconds for the pending unloads (before the HTTP client closes),

@@ -19,7 +19,7 @@ import httpx
 
 from .base import EngineError, GenerationResult, SamplingParams
 from .http_retry import request_with_retries
-from .sglang_lora import SGLangAdapters
+from .sglang_lora import ADAPTER_PREFIX, SGLangAdapters
 from .vllm_protocol import build_completion_payload, parse_completion_response
 
 #: The worker-extension method a full-weight sync calls through ``/collective_rpc``.
@@ -42,6 +42,9 @@ class VLLMEngineConfig:
         initial_lora: the adapter requests use until :meth:`VLLMEngine.load_adapter` (loaded by the
             caller before), or None (requests use the base model).
         keep_adapters: adapters kept loaded, the current one included (k + 1 for a fixed lag k).
+        adapter_prefix: the adapter names' prefix (a run's own on a shared server).
+        unload_on_close: unload every adapter on :meth:`VLLMEngine.close` (a server this run
+            attached to and does not end).
 
     Raises:
         ValueError: naming the field and value.
@@ -57,6 +60,8 @@ class VLLMEngineConfig:
     vocab_size: int | None = None
     initial_lora: str | None = None
     keep_adapters: int = 2
+    adapter_prefix: str = ADAPTER_PREFIX
+    unload_on_close: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field."""
@@ -106,7 +111,8 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         #: the LoRA adapters served, one per policy version
         self.adapters = SGLangAdapters(self._post_control, self._cond, config.initial_lora,
-                                       keep=config.keep_adapters, on_unloaded=on_unloaded)
+                                       keep=config.keep_adapters, on_unloaded=on_unloaded,
+                                       prefix=config.adapter_prefix)
 
     @property
     def version(self) -> int:
@@ -222,6 +228,9 @@ class VLLMEngine:
             self._cond.notify_all()
 
     async def close(self) -> None:
-        """Finish pending adapter unloads and close the HTTP client (the server is the launcher's)."""
+        """Finish pending adapter unloads (with ``unload_on_close``: unload every adapter) and close
+        the HTTP client (the server is the launcher's)."""
+        if self.config.unload_on_close:
+            await self.adapters.unload_all()
         await self.adapters.close()
         await self._client.aclose()

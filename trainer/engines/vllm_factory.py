@@ -28,6 +28,8 @@ class VLLMSettings:
     """The ``vllm`` engine's own settings.
 
     Attributes:
+        url: a running server to attach to (``http://host:port``) instead of launching one
+            (:mod:`.vllm_attach`: it must serve ``model.path`` as ``policy``; empty: launch).
         port: the server's port on 127.0.0.1 (0: a free one).
         python: the interpreter with vLLM (default: ``.venv-vllm`` of this checkout, made by
             ``bash scripts/setup.sh --vllm``).
@@ -52,6 +54,7 @@ class VLLMSettings:
         ValueError: a value out of range, in one line naming the field.
     """
 
+    url: str = ""
     port: int = 0
     python: str = DEFAULT_VLLM_PYTHON
     max_model_len: int = 4096
@@ -71,6 +74,8 @@ class VLLMSettings:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        if not isinstance(self.url, str) or (self.url and not self.url.startswith(("http://", "https://"))):
+            raise ValueError(f"url={self.url!r}: must be empty (launch a server) or an http(s) URL")
         if not is_int(self.port) or not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port!r}: must be 0 (a free port) or in 1..65535")
         if not isinstance(self.python, str) or not self.python:
@@ -113,7 +118,8 @@ def adapters_kept(settings: VLLMSettings, fixed_lag: int | None) -> tuple[int, i
 
 
 def vllm_engine(spec: EngineSpec) -> EngineHandle:
-    """A vLLM server launched from ``settings.python`` (its own process group) and an HTTP client.
+    """A vLLM server launched from ``settings.python`` (its own process group), or the one at
+    ``settings.url`` (:mod:`.vllm_attach`), and an HTTP client.
 
     The server serves ``model_dir`` with LoRA enabled and the initial adapter
     (``work_dir/vllm_adapters/v<N>``, PEFT layout) loaded under a name carrying its version; each
@@ -124,14 +130,17 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
 
     Raises:
         ValueError: a LoRA adapter with initial weights other than ``model_dir``'s.
-        VLLMLaunchError: the venv is missing or the server cannot start (with its log's tail).
+        VLLMLaunchError: the venv is missing or the server cannot start (with its log's tail), or
+            the server at ``settings.url`` cannot serve this run.
+        EngineError: the server refused the initial adapter.
     """
     import httpx
 
     from .base import EngineError
-    from .sglang_lora import adapter_name
+    from .sglang_lora import ADAPTER_PREFIX, adapter_name
     from .vllm import VLLMEngine, VLLMEngineConfig
-    from .vllm_launcher import VLLMLauncher, VLLMLauncherConfig
+    from .vllm_attach import run_adapter_prefix, start_or_attach
+    from .vllm_launcher import VLLMLauncherConfig
 
     s: VLLMSettings = spec.settings
     if spec.adapter is None:
@@ -146,21 +155,23 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
     a = spec.adapter
     keep, max_loras = adapters_kept(s, spec.fixed_lag)
     root = (spec.work_dir or spec.model_dir.parent) / "vllm_adapters"
-    launcher = VLLMLauncher(VLLMLauncherConfig(
+    launcher = start_or_attach(s.url, VLLMLauncherConfig(
         model_path=str(spec.model_dir), python=s.python, port=s.port or None, dtype=s.dtype,
         max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib, enforce_eager=s.enforce_eager,
         max_lora_rank=s.max_lora_rank or a.settings.rank, max_loras=max_loras,
         startup_timeout_s=s.startup_timeout_s, log_tail_lines=s.log_tail_lines,
         log_path=str(root.parent / "vllm_server.log")))
-    launcher.start()
+    prefix = run_adapter_prefix() if s.url else ADAPTER_PREFIX  # a shared server: names of this run
     try:
-        first = adapter_name(0, spec.version)
+        first = adapter_name(0, spec.version, prefix)
         d0 = a.save_peft_dir(root / f"v{spec.version}", spec.model_dir)
         with httpx.Client(base_url=launcher.url, timeout=120.0) as c:  # the factory has no event loop
             r = c.post("/v1/load_lora_adapter", json={"lora_name": first, "lora_path": str(d0)})
         if r.status_code != 200:
+            hint = (" (an attached server needs --enable-lora, --max-lora-rank >= the adapter's rank and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") if s.url else ""
             raise EngineError(f"vLLM POST /v1/load_lora_adapter (initial adapter {first}) -> HTTP "
-                              f"{r.status_code}: {r.text[:500]}")
+                              f"{r.status_code}: {r.text[:300]}{hint}".replace("\n", " "))
     except BaseException:
         launcher.close()
         raise
@@ -174,7 +185,8 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
     engine = VLLMEngine(VLLMEngineConfig(base_url=launcher.url, request_timeout_s=s.request_timeout_s,
                                          max_retries=s.max_retries, vocab_size=len(spec.tokenizer),
                                          keep_adapters=keep, initial_lora=first,
-                                         initial_version=spec.version), on_unloaded=forget)
+                                         initial_version=spec.version, adapter_prefix=prefix,
+                                         unload_on_close=bool(s.url)), on_unloaded=forget)
     engine.launcher = launcher  # the server process (tests end it to check the client's error)
 
     async def sync_adapter(adapter: AdapterWeights, version: int) -> None:

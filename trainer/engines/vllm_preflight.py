@@ -1,6 +1,7 @@
 """The ``vllm`` engine's preflight: what can be refused before any work (no server started, no
 model loaded), in one line naming the key: a sampling setting under which vLLM's log-probs are not
-the learner's convention, a missing server virtualenv, and too few adapters kept for a fixed lag.
+the learner's convention, a missing server virtualenv, a server to attach to under the Ray
+launcher, and too few adapters kept for a fixed lag.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def vllm_preflight(check: EngineCheck) -> None:
     Raises:
         ConfigError: ``rollout.top_p < 1`` or ``rollout.top_k > 1`` (vLLM's processed log-probs are
             then renormalised over the kept tokens), or greedy ``rollout.top_k = 1`` at a temperature
-            other than 1 (:func:`~.vllm_protocol.check_sampling`); no
-            interpreter at ``rollout.engine_settings.python`` (naming ``scripts/setup.sh --vllm``);
+            other than 1 (:func:`~.vllm_protocol.check_sampling`); ``url`` (attach to a running
+            server) with the Ray launcher; no interpreter at ``rollout.engine_settings.python``
+            when a server is to be launched (naming ``scripts/setup.sh --vllm``);
             ``keep_adapters`` below ``k + 1`` for a LoRA policy under a fixed lag ``k`` (the adapter
             of a version still generating would be unloaded), or ``max_loras`` below the adapters
             kept (:func:`~.vllm_factory.adapters_kept`).
@@ -34,8 +36,13 @@ def vllm_preflight(check: EngineCheck) -> None:
         check_sampling(check.sampling)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    url = getattr(check.settings, "url", "")
+    if url and check.launcher != "local":
+        raise ConfigError(f"rollout.engine_settings.url={url} with launcher.kind={check.launcher}: each Ray "
+                          "rollout worker launches its own server; attach to a running server with "
+                          "launcher.kind=local, or leave url empty")
     python = getattr(check.settings, "python", None) or DEFAULT_VLLM_PYTHON
-    if not os.access(python, os.X_OK):
+    if not url and not os.access(python, os.X_OK):
         raise ConfigError(f"rollout.engine_settings.python={python!r}: no vLLM interpreter there (the "
                           f"server's own virtualenv); {SETUP_HINT}")
     keep = getattr(check.settings, "keep_adapters", 0)

@@ -43,6 +43,13 @@ is then ``max(train.sync_check_tolerance, CALIBRATION_MARGIN × measured gap)``,
 line (a weaker check: a sync that moves the probe's log-probs by less is not detected; a sync that
 did not happen is still caught by its version). A float32 engine keeps the configured tolerance.
 
+Before any episode the engine itself is checked once (:meth:`SyncAttestor.startup`): with the
+weights it started on, its log-probs must be the reference of the version it reports. Otherwise an
+engine serving other weights than the learner's from the start (a server attached by URL that holds
+another run's weights, log-probs of another convention) would be caught only at the first sync,
+after a step had trained on its episodes (and, since that sync loads the learner's weights, not at
+all).
+
 Ray rollout workers are each checked: their probe returns one result per worker, every one
 compared with the reference (so a worker that missed a sync stops the run like a single engine),
 and the Ray learner actor computes the reference.
@@ -78,6 +85,8 @@ CALIBRATION_MARGIN = 2.0
 #: Prompt lengths of the partner requests prefilled beside the probes while calibrating (the probes
 #: then run padded, as beside the episodes of training).
 PARTNER_LENGTHS = (9, 16, 32, 64, 128)
+#: First sampling seed of the start-up check's probes (apart from the sync checks' ``version × K``).
+STARTUP_SEED = 1 << 29
 
 
 @dataclass(frozen=True)
@@ -104,13 +113,20 @@ class SyncCheck:
             raise ValueError(f"train.sync_check_tolerance={self.tolerance!r}: must be > 0 (or null: off)")
 
 
-def failure(version: int, diff: float, tolerance: float, basis: str = "") -> TrainingError:
+def failure(version: int, diff: float, tolerance: float, basis: str = "",
+            startup: bool = False) -> TrainingError:
     """The one-line error of a failed check of the sync to ``version`` (``diff`` inf: the engine
-    reported an older version); ``basis``: how a calibrated tolerance was derived (empty: the
-    configured one, ``tolerance``)."""
+    reported an older version), or with ``startup`` of the engine before any sync; ``basis``: how a
+    calibrated tolerance was derived (empty: the configured one, ``tolerance``)."""
+    limit = f"tolerance {basis}" if basis else f"train.sync_check_tolerance={tolerance:g}"
+    if startup:
+        return TrainingError(f"weight sync check failed at start-up: before any sync the engine's log-probs "
+                             f"differ by {diff:.3g} nats from the learner's at policy version {version} "
+                             f"({limit}): it does not serve the learner's weights (a server holding another "
+                             "run's weights, or log-probs of another convention?), so COPC's ratios would "
+                             "be wrong")
     what = "reported another policy version than" if diff == float("inf") else \
         f"log-probs differ by {diff:.3g} nats from the learner's at"
-    limit = f"tolerance {basis}" if basis else f"train.sync_check_tolerance={tolerance:g}"
     return TrainingError(f"weight sync check failed: after the sync the engine {what} policy version "
                          f"{version} ({limit}); the behaviour "
                          "policy is not the recorded version, so COPC's ratios would be wrong")
@@ -284,19 +300,53 @@ class SyncAttestor:
         self._pending.append(task)
         return waited
 
-    async def _compare(self, version: int) -> tuple[int, float] | None:
+    async def startup(self) -> float:
+        """Check the engine before any sync, with the weights it started on: its log-probs must be
+        the reference of the version it reports, within :attr:`tolerance` (call after
+        :meth:`reference` and :meth:`calibrate`, before any episode). A sync check would catch an
+        engine serving other weights than the learner's (a server left with another run's weights,
+        log-probs of another convention) only at the first sync, after a step trained on its
+        episodes. An engine on a version without a reference (a resume's kept version) is not
+        checked, nor is anything when the attestation is off.
+
+        Returns:
+            Seconds it took.
+
+        Raises:
+            TrainingError: the difference is above the tolerance (one line naming the version).
+        """
+        if not self.enabled or not self._refs:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            res = await self._compare(None)
+        except Exception as e:  # the probe's own request failed: no verdict (as in collect)
+            log.warning("weight-sync check at start-up could not run: %s: %s", type(e).__name__, e)
+            return loop.time() - t0
+        if res is not None:
+            version, diff = res
+            if not diff <= self.tolerance:
+                raise failure(version, diff, self.tolerance, self._basis, startup=True)
+            log.info("engine checked at start-up: policy version %d, max |log-prob difference| %.3g nats",
+                     version, diff)
+        return loop.time() - t0
+
+    async def _compare(self, version: int | None) -> tuple[int, float] | None:
         """Sample one token after each probe prompt; ``(version, max abs diff)`` against the
-        reference of the version the engine reports; None when that one is no longer kept."""
+        reference of the version the engine reports; None when that one is no longer kept.
+        ``version`` None (the start-up check): no version is expected."""
         k = len(PROBE_PROMPTS)
+        seed0 = STARTUP_SEED if version is None else version * k
         results = await asyncio.gather(*(
             self._probe(list(p), SamplingParams(temperature=self.check.temperature, max_new_tokens=1,
-                                                seed=version * k + i)) for i, p in enumerate(PROBE_PROMPTS)))
-        worst, at = 0.0, version
+                                                seed=seed0 + i)) for i, p in enumerate(PROBE_PROMPTS)))
+        worst, at = 0.0, -1 if version is None else version
         for i, res in replicas(results):
             if not res.token_ids:
                 continue
             got = res.versions[0]
-            if got < version:  # the engine did not take the sync
+            if version is not None and got < version:  # the engine did not take the sync
                 return version, float("inf")
             ref = self._refs.get(got)
             if ref is None:  # a later sync overtook this check and its reference is gone

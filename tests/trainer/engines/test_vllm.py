@@ -49,7 +49,7 @@ def test_settings_refuse_bad_values_in_one_line():
     for kw, field in [({"port": 70000}, "port"), ({"dtype": "int8"}, "dtype"), ({"keep_adapters": -1},
                       "keep_adapters"), ({"max_loras": 1, "keep_adapters": 2}, "max_loras"),
                       ({"kv_cache_gib": 0}, "kv_cache_gib"), ({"enforce_eager": "yes"}, "enforce_eager"),
-                      ({"lora_sync": "fused"}, "lora_sync")]:
+                      ({"lora_sync": "fused"}, "lora_sync"), ({"url": "127.0.0.1:8000"}, "url")]:
         with pytest.raises(ValueError, match=rf"^{field}=") as e:
             VLLMSettings(**kw)
         assert "\n" not in str(e.value)

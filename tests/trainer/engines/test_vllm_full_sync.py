@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import time
 
 import pytest
 import torch
 from loop_thread import LoopThread
 
+from trainer.app.run import run_experiment
 from trainer.engines.base import SamplingParams
 from trainer.engines.registry import EngineSpec, make_engine
 from trainer.engines.vllm_factory import VLLMSettings
@@ -33,6 +36,8 @@ from trainer.logprobs import sequence_logprobs
 from trainer.models.export import save_hf_weights
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+
+from .test_vllm_attach import _config as _attached_config
 
 TINY = TinyModelConfig(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=2)
 HAVE_VLLM = os.access(DEFAULT_VLLM_PYTHON, os.X_OK)
@@ -203,7 +208,25 @@ def test_requests_in_flight_during_syncs_finish_on_one_version_each(server):
     assert set(versions) <= seen and handle.engine.version == versions[-1]
 
 
+def test_zz_a_full_weight_run_attached_to_this_server_loads_its_start_weights(server, tmp_path, caplog):
+    """``copc train`` without LoRA attached by URL (``engine_settings.url``) to this module's server,
+    which the tests above left serving other (perturbed) weights: the run reloads ``model.path``'s
+    weights when it attaches, so the start-up check and every sync are attested within 1e-4 (without
+    that reload the start-up check stops it: the engine holds another run's weights)."""
+    handle, models, loop, ckpt = server
+    assert _gap(models[0], _generate_all(handle, loop, PARAMS), 0.8) > 1e-2  # the server is "dirty"
+    caplog.set_level(logging.INFO, logger="trainer.orchestration")
+    summary = run_experiment(_attached_config(tmp_path / "run", handle.engine.launcher.url, ckpt, lora=False))
+    assert summary["steps"] == 3
+    assert re.search(r"engine checked at start-up: policy version 0, max \|log-prob difference\| "
+                     r"(\S+) nats", caplog.text)
+    assert float(re.search(r"start-up: policy version 0, max \|log-prob difference\| (\S+) nats",
+                           caplog.text)[1]) <= 1e-4
+    assert "weight syncs up to the final version 3 attested" in caplog.text
+
+
 for _name in ("test_full_sync_of_a_tied_model_equals_the_new_weights", "test_naive_reload_keeps_the_old_head",
-              "test_requests_in_flight_during_syncs_finish_on_one_version_each"):
+              "test_requests_in_flight_during_syncs_finish_on_one_version_each",
+              "test_zz_a_full_weight_run_attached_to_this_server_loads_its_start_weights"):
     for _m in needs_vllm:
         globals()[_name] = _m(globals()[_name])

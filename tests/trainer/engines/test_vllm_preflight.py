@@ -43,6 +43,19 @@ def test_a_missing_server_venv_names_the_setup_command(tmp_path):
                              "(~7 min, 3.5 GB)")
 
 
+def test_a_server_to_attach_to_needs_no_venv_and_the_local_launcher(tmp_path):
+    """``engine_settings.url``: nothing is launched, so a missing ``.venv-vllm`` is not refused; with
+    the Ray launcher (each rollout worker launches its own server) it is, in one line."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    url = "rollout.engine_settings.url=http://127.0.0.1:8000"
+    _check(url, f"rollout.engine_settings.python={missing}")
+    with pytest.raises(ConfigError) as ei:
+        _check(url, f"rollout.engine_settings.python={missing}", "launcher.kind=ray")
+    assert str(ei.value) == ("rollout.engine_settings.url=http://127.0.0.1:8000 with launcher.kind=ray: each "
+                             "Ray rollout worker launches its own server; attach to a running server with "
+                             "launcher.kind=local, or leave url empty")
+
+
 @pytest.mark.skipif(not HAVE_VENV, reason=f"{DEFAULT_VLLM_PYTHON} missing: bash scripts/setup.sh --vllm")
 def test_a_fixed_lag_needs_its_adapters_kept():
     with pytest.raises(ConfigError, match=r"^rollout\.engine_settings\.keep_adapters=2 with train\.staleness "

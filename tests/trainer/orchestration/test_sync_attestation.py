@@ -48,13 +48,18 @@ def tiny_small(tmp_path_factory):
                                     TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1)))
 
 
-def _run(path, *, sync: str = "honest", staleness=None, tolerance: float = 1e-4, steps: int = 3):
+def _run(path, *, sync: str = "honest", staleness=None, tolerance: float = 1e-4, steps: int = 3,
+         engine_offset: float = 0.0, hooks=None):
+    """Train ``steps`` steps; ``engine_offset``: added to one engine weight before the run (an engine
+    serving other weights than the learner's from the start)."""
     actor, tok = load_model_and_tokenizer(path)
     engine_model = copy.deepcopy(actor)
+    with torch.no_grad():
+        next(engine_model.parameters()).add_(engine_offset)
     initial = {k: v.clone() for k, v in actor.state_dict().items()}
     learner = TorchLearner(actor, copc.get_preset("copc"), LearnerConfig(
         optim=OptimizerSettings(actor_lr=1e-2, critic_lr=1e-2), micro_batch_size=4))
-    hooks = Recorder()
+    hooks = hooks if hooks is not None else Recorder()
     checked = {}
 
     async def main():
@@ -106,6 +111,23 @@ def test_a_sync_that_keeps_the_old_weights_stops_the_run_naming_the_version(tiny
     msg = str(ei.value)
     assert msg.startswith("weight sync check failed: after the sync the engine log-probs differ by ")
     assert "at policy version 1 (train.sync_check_tolerance=0.0001)" in msg and "\n" not in msg
+
+
+def test_an_engine_on_other_weights_from_the_start_stops_the_run_before_any_step(tiny_small):
+    """The start-up check: an engine whose weights differ from the learner's before any sync (here
+    one weight tensor offset by 0.05) stops the run in one line naming version 0, before a single
+    step is trained on its episodes; without the start-up check this run trained a step first (the
+    first sync then loads the learner's weights, and the sync check passes)."""
+    hooks = Recorder()
+    with pytest.raises(TrainingError) as ei:
+        _run(tiny_small, engine_offset=0.05, hooks=hooks)
+    msg = str(ei.value)
+    assert msg.startswith("weight sync check failed at start-up: before any sync the engine's log-probs "
+                          "differ by ") and "\n" not in msg
+    assert "from the learner's at policy version 0 (train.sync_check_tolerance=0.0001)" in msg
+    assert hooks.seen == []
+    seen, checked = _run(tiny_small, engine_offset=0.0, steps=1)  # the same run, same weights: passes
+    assert [m["step"] for m in seen] == [1] and sorted(checked) == [1]
 
 
 def test_the_last_version_is_checked_too(tiny_small):

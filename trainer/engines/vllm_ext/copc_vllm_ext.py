@@ -22,6 +22,10 @@ from __future__ import annotations
 class COPCWorkerExtension:
     """Methods added to vLLM's worker class (vLLM checks they clash with none of its own)."""
 
+    def copc_ping(self) -> dict:
+        """``{"copc": True}``: this extension is installed (a run attaching to a server checks it)."""
+        return {"copc": True}
+
     def copc_reload_weights(self, weights_path: str) -> dict:
         """``reload_weights(weights_path=...)``, then re-tie and repack a tied output head.
 
