@@ -18,9 +18,10 @@ What cannot be read from the API is caught by the run itself: the log-prob conve
 by the sync attestation's start-up check (:meth:`~trainer.orchestration.attestation.SyncAttestor.startup`),
 before any episode; a LoRA run on a server without runtime LoRA fails its first adapter load in one
 line. A run leaves the server as it found it where it can: its LoRA adapters carry a name unique to
-the run (:func:`run_adapter_prefix`) and are unloaded when the engine closes; a full-weight run
-reloads ``model.path``'s weights (or its resumed weights) when it attaches, and leaves its last
-version in the server.
+the run (:func:`run_adapter_prefix`) and are unloaded when the engine closes. Where the server runs
+the worker extension, every run reloads its start weights when it attaches (``model.path``'s, or a
+resumed full fine-tune's), so a server another run left on its last version serves the right base;
+a full-weight run leaves its last version in the server.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class AttachedServer:
 
     Attributes:
         url: its base URL, without a trailing slash.
+        reloadable: it runs COPC's worker extension (weights can be reloaded in place).
         proc: None (no process of ours). log_path: None (its log is not ours).
     """
 
@@ -72,6 +74,7 @@ class AttachedServer:
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
+        self.reloadable = False
 
     def close(self) -> None:
         """Nothing: the server keeps running (the engine unloads its adapters before)."""
@@ -115,16 +118,16 @@ def attach(url: str, cfg: VLLMLauncherConfig, timeout_s: float = 30.0) -> Attach
     if not isinstance(base.get("max_model_len"), int) or base["max_model_len"] < cfg.max_model_len:
         raise VLLMLaunchError(f"{field}: its max_model_len is {base.get('max_model_len')}, below "
                               f"rollout.engine_settings.max_model_len={cfg.max_model_len}{hint}")
-    if cfg.reload_weights:
-        try:
-            r = httpx.post(server.url + "/collective_rpc", json={"method": PING_METHOD}, timeout=timeout_s)
-            ok = r.status_code == 200 and all(x == {"copc": True} for x in r.json().get("results") or [None])
-        except (httpx.HTTPError, ValueError):
-            ok = False
-        if not ok:
-            raise VLLMLaunchError(f"{field}: cannot reload weights in place (no /collective_rpc with COPC's "
-                                  f"worker extension: a full-weight or merged-LoRA run needs "
-                                  f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls){hint}")
+    try:
+        r = httpx.post(server.url + "/collective_rpc", json={"method": PING_METHOD}, timeout=timeout_s)
+        server.reloadable = r.status_code == 200 and all(x == {"copc": True}
+                                                         for x in r.json().get("results") or [None])
+    except (httpx.HTTPError, ValueError):
+        server.reloadable = False
+    if cfg.reload_weights and not server.reloadable:
+        raise VLLMLaunchError(f"{field}: cannot reload weights in place (no /collective_rpc with COPC's "
+                              f"worker extension: a full-weight or merged-LoRA run needs "
+                              f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls){hint}")
     return server
 
 

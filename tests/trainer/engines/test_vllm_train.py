@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  "create it with `bash scripts/setup.sh --vllm`")]
 
 
-def _config(out: Path, steps: int = STEPS, engine_settings: str = ""):
+def _config(out: Path, steps: int = STEPS, engine_settings: str = "", server=None):
     """cpu_tiny.yaml on the vllm engine: 2 heads of 64 (vLLM's CPU attention kernel), LoRA rank 8,
     fixed lag 2 (the adapters kept derived from it: keep_adapters left 0), 2 prompts per step, a -1
     reward for a wrong answer (the untrained model never answers: the advantages are not 0, so the
@@ -59,6 +59,10 @@ def _config(out: Path, steps: int = STEPS, engine_settings: str = ""):
         "task.env_kwargs.reward": "{mode: dapo_strict, incorrect_reward: -1.0}",
         "rollout.max_new_tokens": "16", "rollout.concurrency": "4",
     }
+    if server is not None:  # attached to the session's shared server: its model, no launch
+        over["model.path"] = str(server.model)
+        over["rollout.engine_settings"] = over["rollout.engine_settings"].replace(
+            "{", f"{{url: '{server.url}', ", 1)
     return load_config(str(REPO / "configs/math_tool/cpu_tiny.yaml"), [f"{k}={v}" for k, v in over.items()])
 
 
@@ -108,10 +112,12 @@ def test_copc_train_on_vllm_with_lora_and_fixed_lag_2(tmp_path, caplog):
     assert last["sync/probe_version"] == STEPS
 
 
-def test_a_server_serving_the_previous_adapter_stops_the_run_naming_the_version(tmp_path, monkeypatch):
+def test_a_server_serving_the_previous_adapter_stops_the_run_naming_the_version(tmp_path, monkeypatch,
+                                                                               vllm_tiny_server):
     """The handle's ``sync_adapter`` loads the adapter of the previous sync under the new version's
     name (the server then serves stale weights as that version): the probe's log-probs differ from
-    the learner's reference at version 1 and the run stops with one line."""
+    the learner's reference at version 1 and the run stops with one line (attached to the session's
+    shared server)."""
     real_make_engine = run_module.make_engine
 
     def stale_engine(kind, spec):
@@ -126,7 +132,7 @@ def test_a_server_serving_the_previous_adapter_stops_the_run_naming_the_version(
 
     monkeypatch.setattr(run_module, "make_engine", stale_engine)
     with pytest.raises(TrainingError) as e:
-        run_experiment(_config(tmp_path / "run", steps=4))
+        run_experiment(_config(tmp_path / "run", steps=4, server=vllm_tiny_server))
     msg = str(e.value)
     assert "\n" not in msg
     assert re.fullmatch(r"weight sync check failed: after the sync the engine log-probs differ by \S+ nats "
@@ -172,17 +178,20 @@ def test_a_server_killed_mid_run_is_one_error_and_the_last_step_is_checkpointed(
     assert ckpt.load()["learner"]["steps_done"] == done[-1]
 
 
-def test_copc_train_on_vllm_with_lora_merged_into_the_weights(tmp_path, caplog):
+def test_copc_train_on_vllm_with_lora_merged_into_the_weights(tmp_path, caplog, vllm_tiny_server):
     """``lora_sync: merged``: the same LoRA run, but every version's adapter is merged into the base
     weights and reloaded in place (no runtime adapter): the same versions per token as the adapter
-    path, the syncs (1, 2, 5) each one drained reload, every one attested within 1e-4."""
+    path, the syncs (1, 2, 5) each one drained reload, every one attested within 1e-4. Attached to the
+    session's shared server: one more reload when it attaches (the merged version 0)."""
     caplog.set_level(logging.INFO, logger="trainer.orchestration.loop")
     out = tmp_path / "run"
-    summary = run_experiment(_config(out, engine_settings=", lora_sync: merged"))
+    before = len(vllm_tiny_server.log.read_text())
+    summary = run_experiment(_config(out, engine_settings=", lora_sync: merged", server=vllm_tiny_server))
     assert summary["steps"] == STEPS and summary["infra_failed"] == 0
-    log = (out / "vllm_server.log").read_text()
-    assert "LoRA adapter" not in log and "--enable-lora" not in log  # no runtime LoRA at all
-    assert len(re.findall(r'"POST /collective_rpc HTTP/1.1" 200 OK', log)) == 3  # versions 1, 2, 5
+    log = vllm_tiny_server.log.read_text()[before:]  # what this run made the server do
+    assert "LoRA adapter" not in log  # no runtime LoRA at all
+    # on attach: the extension's ping and the reload of the merged version 0; then versions 1, 2, 5
+    assert len(re.findall(r'"POST /collective_rpc HTTP/1.1" 200 OK', log)) == 5
     for step in range(1, STEPS + 1):
         for line in (out / "samples" / f"step_{step}.jsonl").read_text().splitlines():
             r = json.loads(line)
