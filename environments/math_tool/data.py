@@ -12,12 +12,15 @@ MATH_DATASETS = {
     "math500": "math500.jsonl",
     "aime2024": "aime2024.jsonl",
     "aime2025": "aime2025.jsonl",
+    "gsm8k_train": "gsm8k_train.jsonl",
+    "gsm8k_test": "gsm8k_test.jsonl",
 }
 
 
 def load_math(dataset: str | Path, data_dir: str | Path = DEFAULT_DATA_DIR,
               limit: int | None = None) -> list[dict[str, Any]]:
-    """Load a math set by name (``math_train``, ``math500``, ``aime2024``, ``aime2025``) or path.
+    """Load a math set by name (``math_train``, ``math500``, ``aime2024``, ``aime2025``, ``gsm8k_train``,
+    ``gsm8k_test``) or path.
 
     Returns rows with at least ``id`` (str), ``problem`` (str), ``answer`` (str).
 

@@ -211,7 +211,7 @@ def test_math_warm_start_traces_mix_tool_and_direct_answers_never_eval(tmp_path)
         tool = next(t for t in traces if len(t.pieces) == 3)
         assert tool.pieces[0][1].count("<code>") == 1 and tool.pieces[1][0] == "observation"
         with pytest.raises(ConfigError, match=r"warm_start.kind='search_r1': the task of env 'math_tool' "
-                                              r"generates \['retool_arithmetic'\]"):
+                                              r"generates \['retool_arithmetic', 'gsm8k_solutions'\]"):
             task.warm_start_traces(WarmStartConfig(enabled=True, kind="search_r1"), progress=False)
 
 

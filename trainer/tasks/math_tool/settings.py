@@ -19,10 +19,13 @@ class MathToolSettings:
         tool_use_fraction: share in [0, 1] of the ``retool_arithmetic`` warm-start traces that use
             the interpreter; the rest answer from the head with an estimate, so RL has the
             decision to use the tool left to improve.
+        warm_start_data: the dataset the ``gsm8k_solutions`` warm-start reads its solutions from
+            (a name or JSONL path, as ``task.train_data``; rows with ``solution``).
     """
 
     arithmetic_kinds: list[str] = field(default_factory=list)
     tool_use_fraction: float = 1.0
+    warm_start_data: str = "gsm8k_train"
 
     def __post_init__(self) -> None:
         """Raise :class:`~trainer.errors.ConfigError` naming ``task.settings.<key>`` on a bad value."""
@@ -30,6 +33,8 @@ class MathToolSettings:
                 f"each must be one of {KINDS}")
         require(0.0 <= self.tool_use_fraction <= 1.0, "tool_use_fraction", self.tool_use_fraction,
                 "must be in [0, 1]")
+        require(isinstance(self.warm_start_data, str) and bool(self.warm_start_data), "warm_start_data",
+                self.warm_start_data, "must be a dataset name or JSONL path")
 
 
 __all__ = ["MathToolSettings"]

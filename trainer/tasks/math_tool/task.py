@@ -41,7 +41,7 @@ class MathToolTask(Task):
     ``info``: ``{"sandbox": <what the sandbox enforces>}``. Settings: :class:`MathToolSettings`.
     """
 
-    warm_start_kinds = ("retool_arithmetic",)
+    warm_start_kinds = ("retool_arithmetic", "gsm8k_solutions")
     settings_class = MathToolSettings
     settings: MathToolSettings
     service_names = "the sandbox pool"
@@ -92,7 +92,8 @@ class MathToolTask(Task):
         return environments.make(self.env_id, sandbox=self.sandbox, **self.env_kwargs)
 
     def warm_start_traces(self, ws: WarmStartConfig, *, progress: bool = True) -> list[Trace]:
-        """``retool_arithmetic`` traces: generated problems from their own seed stream
+        """``gsm8k_solutions`` traces (:meth:`_gsm8k_traces`), or ``retool_arithmetic`` traces:
+        generated problems from their own seed stream
         (``10_000 + ws.seed``; problems of ``eval_samples`` filtered out), ``ws.num_examples``
         of them; a ``task.settings.tool_use_fraction`` solved with one ``<code>`` call whose output
         is copied into ``\\boxed{}``, the rest answered from the head (an estimate), shuffled with
@@ -105,12 +106,14 @@ class MathToolTask(Task):
             ``ws.num_examples`` traces.
 
         Raises:
-            ConfigError: ``ws.kind`` is not ``retool_arithmetic``.
-            TraceError: the environment did not score a scripted trace as expected.
+            ConfigError: ``ws.kind`` is not one of :attr:`warm_start_kinds`.
+            TraceError: the environment did not score a scripted arithmetic trace as expected.
         """
         self.check_warm_start(ws)
         n, seed = ws.num_examples, ws.seed
         held = {s.get("problem", s.get("question")) for s in self.eval_samples}
+        if ws.kind == "gsm8k_solutions":
+            return self._gsm8k_traces(n, seed, held, progress)
         pool = retool_arithmetic_samples(n + len(held), seed=10_000 + seed,
                                          kinds=tuple(self.settings.arithmetic_kinds) or DEFAULT_KINDS)
         samples = [s for s in pool if s["problem"] not in held][:n]
@@ -119,6 +122,34 @@ class MathToolTask(Task):
         traces += direct_answer_traces(samples[n_tool:], self.make_env, progress=progress)
         random.Random(seed).shuffle(traces)
         return traces
+
+    def _gsm8k_traces(self, n: int, seed: int, held: set, progress: bool) -> list[Trace]:
+        """``gsm8k_solutions`` traces (:func:`~.gsm8k.gsm8k_traces`): up to ``n`` from the rows of
+        ``task.settings.warm_start_data`` (held-out problems left out), shuffled with ``seed``;
+        rows are played until ``n`` traces are made (about 6 % of GSM8K's give none).
+
+        Raises:
+            ValueError: the dataset has no ``solution`` field in any row, or gives no trace.
+        """
+        from environments.math_tool import load_math
+
+        from .gsm8k import gsm8k_traces
+
+        rows = [r for r in load_math(self.settings.warm_start_data, str(data_root(self.spec.task.data_dir)))
+                if r.get("problem") not in held]
+        random.Random(seed).shuffle(rows)
+        traces: list[Trace] = []
+        pos = 0
+        while len(traces) < n and pos < len(rows):  # a few rows more than missing: some give none
+            want = n - len(traces)
+            chunk = rows[pos:pos + want + want // 8 + 1]
+            pos += len(chunk)
+            traces += gsm8k_traces(chunk, self.make_env, progress=progress)[0]
+        if not traces:
+            raise ValueError(f"task.settings.warm_start_data={self.settings.warm_start_data!r}: no row "
+                             "gave a gsm8k_solutions trace (rows need a 'solution' with <<calculator>> "
+                             "annotations)")
+        return traces[:n]
 
 
 __all__ = ["DEFAULT_KINDS", "MathToolTask"]
