@@ -57,7 +57,7 @@ def test_config_files_present():
         assert names == {*PRESET_NAMES, "cpu_tiny", "_paper", *extra.get(task, ())}, task
     assert len(PRESET_NAMES) == 10
     for rel in ("base.yaml", "tasks/math_tool.yaml", "tasks/search.yaml", "scale/paper.yaml",
-                "scale/cpu_tiny.yaml"):
+                "scale/cpu_tiny.yaml", "scale/cpu_realmodel.yaml"):
         assert rel in ALL_YAML
 
 
