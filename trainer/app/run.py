@@ -44,6 +44,7 @@ from ..outputs.report import print_report
 from ..outputs.viewer.samples import write_step_samples
 from .assemble import launch_spec, loop_config
 from .context import RunContext, build_context, initial_model_dir
+from .memory_check import check_memory
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
         serve_torchrun_worker(learner_spec(cfg))  # a learner rank serving rank 0 (the driver) until done
         return {}
     preflight_engine(cfg)  # ConfigError naming rollout.engine
+    memory = check_memory(cfg)  # ConfigError naming the setting to change, before any model is loaded
     out = Path(cfg.output_dir)
     if resume and (out / "summary.json").exists():
         done = CheckpointManager(out / "checkpoints").latest()
@@ -123,6 +125,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False) -> dict:
             print_report(summary)
             return summary
     ctx = build_context(cfg, resume)
+    memory.report()  # the estimate's line, once the run directory is this run's
     try:
         asyncio.run(_eval_rl_eval(ctx))
         summary = ctx.summary

@@ -57,6 +57,11 @@ class LearnerSection:
             weight syncs send the adapter only.
         critic_lora: the critic's (:class:`~trainer.config.lora.CriticLoraSection`); null: the
             actor's ``lora``; a field set here overrides it, ``enabled: false`` trains the critic fully.
+        memory_check: before any model is loaded, ``copc train`` estimates the run's peak memory
+            (:mod:`trainer.models.memory_estimate`: weights, optimizer state, activations of one
+            micro-batch, the engines' weights and KV cache) and refuses to start, in one line naming
+            the setting to change, when it exceeds the machine's available memory (default True);
+            false: the estimate is only logged.
 
     Which backends train LoRA adapters, and which accept a model-parallel size > 1, is their
     capability metadata (:data:`~trainer.learner.base.LEARNER_METADATA`: ``lora``,
@@ -70,6 +75,7 @@ class LearnerSection:
     malloc_trim: bool = True
     lora: LoraSection | None = None
     critic_lora: CriticLoraSection | None = None
+    memory_check: bool = True
 
     def lora_settings(self) -> tuple[Any, Any]:
         """``(actor, critic)`` :class:`~trainer.models.lora.LoraSettings` of ``lora`` /
