@@ -19,6 +19,7 @@ from ..orchestration.group_filter import GroupFilter
 from ..orchestration.launchers import LaunchSpec
 from ..orchestration.loop import LoopConfig
 from ..orchestration.staleness import staleness_strategy
+from ..orchestration.truncation import TruncationSettings
 from ..plugins import absolute_plugins
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ def loop_config(cfg: ExperimentConfig, *, pad_token_id: int) -> LoopConfig:
             ``sync_check_tolerance`` / ``max_infra_failure_fraction`` / ``filter_groups`` /
             ``max_filtered_groups_per_batch``, ``rollout.n_samples_per_prompt`` / ``temperature``,
             ``model.dtype``, ``eval.enabled`` / ``every_steps``, ``checkpoint.every_steps``,
-            ``learner.malloc_trim`` and the effective staleness (``cfg.staleness``, a preset's own
+            ``learner.malloc_trim``, ``rollout.max_new_tokens`` / ``max_total_tokens`` (the
+            truncation warning) and the effective staleness (``cfg.staleness``, a preset's own
             included).
         pad_token_id: the tokenizer's pad id.
     """
@@ -49,7 +51,8 @@ def loop_config(cfg: ExperimentConfig, *, pad_token_id: int) -> LoopConfig:
                       checkpoint_every=cfg.checkpoint.every_steps,
                       max_infra_failure_fraction=t.max_infra_failure_fraction,
                       malloc_trim=cfg.learner.malloc_trim,
-                      group_filter=GroupFilter(t.max_filtered_groups_per_batch) if t.filter_groups else None)
+                      group_filter=GroupFilter(t.max_filtered_groups_per_batch) if t.filter_groups else None,
+                      truncation=TruncationSettings(cfg.rollout.max_new_tokens, cfg.rollout.max_total_tokens))
 
 
 def launch_spec(cfg: ExperimentConfig, *, learner: Any, engine: EngineHandle, task: Any, tokenizer: Any,

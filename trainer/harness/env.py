@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from ..engines.base import InferenceEngine, SamplingParams
 from ..rollout.agent_loop import AgentLoopConfig
-from ..rollout.trajectory import FinishReason, Trajectory
+from ..rollout.trajectory import LENGTH_CAPPED, FinishReason, Trajectory
 from .episode import Episode
 from .server import HarnessServer
 
@@ -189,6 +189,7 @@ def _trajectory(ep: Episode, sid: Any, gid: Any, outcome: Any, raised: str, time
     if tr is None:
         tr = Trajectory(prompt_ids=[], sample_id=sid, group_id=gid)
     tr.info.update(harness_calls=ep.calls, harness_history_edits=ep.edits, tool_calls=ep.tool_calls)
+    tr.info[LENGTH_CAPPED] = ep.length_capped
     ep.stamp_time(tr.info)
     failure = ep.failure
     if failure.startswith(FinishReason.ENGINE_ERROR.value):

@@ -124,6 +124,7 @@ class Episode:
         self.tool_format, self.sample_id, self.group_id = tool_format, sample_id, group_id
         self.trajectory: Trajectory | None = None
         self.calls = self.edits = self.tool_calls = 0
+        self.length_capped = False  # the latest call was cut at rollout.max_new_tokens
         self.failure = ""
         self._chat: ChatTurns | None = None
         self._known: list[tuple] = []
@@ -201,6 +202,9 @@ class Episode:
                 self.trajectory.append_observation_tokens(self._pending)
             self.trajectory.append_model_tokens(res.token_ids, res.logprobs, res.versions)
         self.calls += 1
+        # the run's cap (not the agent's max_tokens, not the budget) cut this call
+        self.length_capped = res.finish_reason == "length" and params.max_new_tokens == \
+            self.sampling.max_new_tokens < budget
         if res.finish_reason == "length" and len(res.token_ids) >= budget:
             self._limit(FinishReason.MAX_TOTAL_TOKENS)  # cut by the episode's budget: no reward
         text = self.tok.decode(res.token_ids, skip_special_tokens=True)

@@ -49,6 +49,7 @@ from .rollouts import LoopHooks, Rollouts, WeightSource
 from .staleness import BoundedAdmission, FixedLag, Staleness
 from .state import COUNTER_METRICS, COUNTERS, Group, LoopState
 from .step_metrics import dropped_metrics, rollout_metrics
+from .truncation import TruncationMonitor, TruncationSettings
 
 __all__ = ["COUNTERS", "COUNTER_METRICS", "AsyncTrainingLoop", "BoundedAdmission", "FixedLag", "LoopConfig",
            "LoopState", "TrainingError"]
@@ -79,6 +80,8 @@ class LoopConfig:
             (``learner.malloc_trim``; :func:`~trainer.learner.allocator.release_free_heap`).
         group_filter: dynamic sampling (``train.filter_groups``, :mod:`.group_filter`): finished
             groups whose episodes all got one reward are dropped and replaced; None: off.
+        truncation: the token caps and when to warn that they cut most of a step's episodes
+            (:mod:`.truncation`); None: no warning (the metrics are logged either way).
 
     Raises:
         ValueError: a failure fraction outside [0, 1], or a staleness that is no strategy.
@@ -95,6 +98,7 @@ class LoopConfig:
     eval_every: int = 0
     malloc_trim: bool = False
     group_filter: GroupFilter | None = None
+    truncation: TruncationSettings | None = None
 
     def __post_init__(self) -> None:
         """Validate the failure threshold and the staleness strategy."""
@@ -140,6 +144,7 @@ class AsyncTrainingLoop:
         self._tasks: set[asyncio.Task] = set()
         self.attestor = SyncAttestor(cfg.sync_check, rollouts, learner, keep=cfg.staleness.versions + 2)
         self._sync_wait_s = 0.0  # perf/sync_check_wait_s: time syncs waited for older checks
+        self._truncation = TruncationMonitor(cfg.truncation) if cfg.truncation else None
         self._last_step_end: float | None = None  # perf/step_s: wall time between two steps' ends
 
     # -- the services a staleness strategy uses (:class:`~.staleness.LoopServices`) ---------------
@@ -371,6 +376,8 @@ class AsyncTrainingLoop:
                 del st.filtered[b]
             st.cond.notify_all()
         metrics.update(rollout_metrics(trajs, st.version))
+        if self._truncation is not None:  # one line when a token cap cut most episodes (rate-limited)
+            self._truncation.observe(st.step, metrics)
         metrics.update(dropped_metrics([t for g in dropped for t in g.trajs]))
         metrics.update({"perf/wait_for_rollouts_s": wait_s,
                         "perf/weight_sync_s": time.perf_counter() - t_sync,

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from ..rollout.timing import TIME_KEYS
-from ..rollout.trajectory import Trajectory, split_finish
+from ..rollout.trajectory import LENGTH_CAPPED, FinishReason, Trajectory, split_finish
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -90,7 +90,9 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
         ``rollout/model_tokens`` (tokens), ``rollout/turns``, ``rollout/tool_calls`` (executed
         tool calls per episode), ``rollout/invalid_action_rate`` (share of model turns the
         environment rejected as invalid), ``rollout/episodes``,
-        ``rollout/finish_<reason>`` fractions, ``time/rollout_llm_s``, ``time/rollout_env_s``,
+        ``rollout/finish_<reason>`` fractions, ``rollout/truncated_fraction`` /
+        ``rollout/max_new_tokens_cut_fraction`` (:func:`truncation_metrics`), ``time/rollout_llm_s``,
+        ``time/rollout_env_s``,
         ``time/rollout_other_s`` (:func:`rollout_time_metrics`), ``rollout/trained_len_p50`` …
         (:func:`length_reward_distribution`), ``staleness/in_flight_*`` / ``in_queue_*``
         (:func:`staleness_split_metrics`), and ``staleness/per_token``: a
@@ -113,12 +115,30 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
                                            / max(1, sum(t.turns for t in trajs))),
            "rollout/episodes": float(n)}
     out.update({f"rollout/finish_{k}": v / n for k, v in reasons.items()})
+    out.update(truncation_metrics(trajs))
     out.update(rollout_time_metrics(trajs))
     out.update(length_reward_distribution(trajs, "rollout/trained"))
     out.update(staleness_split_metrics(trajs, version - 1))
     if vers:
         out["staleness/per_token"] = [version - 1 - v for v in vers]  # type: ignore[assignment]
     return out
+
+
+def truncation_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """How many of the step's episodes a token cap cut (non-empty ``trajs``).
+
+    Returns:
+        ``rollout/max_new_tokens_cut_fraction``: share of episodes whose last model turn ended at
+        ``rollout.max_new_tokens`` (``info["length_capped"]``, the engine's ``finish_reason ==
+        "length"``); ``rollout/truncated_fraction``: that share plus the episodes the
+        ``rollout.max_total_tokens`` budget ended (``finish_reason == "max_total_tokens"``).
+    """
+    total = FinishReason.MAX_TOTAL_TOKENS.value
+    by_total = [split_finish(t.finish_reason)[0] == total for t in trajs]
+    by_new = [bool(t.info.get(LENGTH_CAPPED)) and not cut for t, cut in zip(trajs, by_total, strict=True)]
+    n = len(trajs)
+    return {"rollout/max_new_tokens_cut_fraction": sum(by_new) / n,
+            "rollout/truncated_fraction": (sum(by_new) + sum(by_total)) / n}
 
 
 def rollout_time_metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -23,7 +23,7 @@ from environments.errors import InfrastructureError
 from ..engines.base import EngineClosedError, EngineError, InferenceEngine, SamplingParams
 from .observation import ChatTurns, truncate_observation_ids
 from .timing import EpisodeClock
-from .trajectory import FinishReason, Trajectory, finish_text
+from .trajectory import LENGTH_CAPPED, FinishReason, Trajectory, finish_text
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,8 @@ async def run_episode(engine: InferenceEngine, env: Any, tokenizer: Any, sample:
         A turn cut by ``max_total_tokens`` is not passed to the environment (it is incomplete):
         ``finish_reason = "max_total_tokens"``; it earns no reward, the rewards of earlier
         steps are kept.
+        An episode the environment stepped has ``info[LENGTH_CAPPED]`` (``"length_capped"``): its
+        latest turn was cut at ``rollout.max_new_tokens``.
         Every trajectory's ``info`` has ``llm_s`` / ``env_s`` / ``other_s``: the episode's wall
         time in generation (retries included), in ``env.reset`` / ``env.step``, and the rest
         (:class:`~trainer.rollout.timing.EpisodeClock`).
@@ -234,6 +236,7 @@ async def _play(engine: InferenceEngine, env: Any, tokenizer: Any, sample: Mappi
         invalid = int(traj.info.get("invalid_actions", 0)) + int(bool(info.get("invalid")))
         traj.info = dict(info)
         traj.info["invalid_actions"] = invalid  # turns the env rejected as invalid, so far
+        traj.info[LENGTH_CAPPED] = res.finish_reason == "length"  # this turn cut at rollout.max_new_tokens
         try:  # on this turn's last model token, before the observation (spec: fold)
             traj.add_reward(reward)
         except (TypeError, ValueError) as e:  # NaN / non-number reward: an env bug

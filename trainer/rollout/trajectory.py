@@ -59,6 +59,11 @@ class FinishReason(str, Enum):
         return self in (FinishReason.INFRA_ERROR, FinishReason.ENGINE_ERROR, FinishReason.HISTORY_EDITED)
 
 
+#: ``Trajectory.info`` key: the episode's latest model turn was cut at ``rollout.max_new_tokens``
+#: (the engine's ``finish_reason == "length"``) and still passed to the environment; a turn cut by
+#: the episode's ``rollout.max_total_tokens`` ends it with ``finish_reason = "max_total_tokens"``.
+LENGTH_CAPPED = "length_capped"
+
 #: ``finish_reason`` prefixes of episodes ended by a failure of the infrastructure (see
 #: :class:`FinishReason`).
 INFRA_FAILURE_REASONS = tuple(r.value for r in FinishReason if r.infra)
