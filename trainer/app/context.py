@@ -26,7 +26,7 @@ import torch
 
 from environments.errors import InfrastructureError
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, plugin_settings
 from ..config.specs import agent_loop_config, learner_spec, task_spec, warm_start_cache_spec
 from ..errors import ConfigError, TrainingError
 from ..learner import Learner, make_learner, restore_learner
@@ -191,7 +191,11 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
             (ws_dir / "sft_metrics.json").write_text(json.dumps(metrics))
             return ws_dir, metrics
     t0 = time.time()
-    actor, tok = load_model_and_tokenizer(model_dir, dtype=getattr(torch, cfg.model.dtype),
+    backend = plugin_settings(cfg, "learner.backend")  # the learner's speed knobs serve the SFT too
+    autocast = getattr(backend, "autocast_dtype", None)
+    # with autocast the weights stay float32 (a bf16 base would take AdamW's updates in bf16)
+    actor, tok = load_model_and_tokenizer(model_dir, dtype=torch.float32 if autocast else
+                                          getattr(torch, cfg.model.dtype),
                                           attn_implementation=cfg.model.attn_implementation)
     try:
         traces = task.warm_start_traces(w, progress=cfg.logging.progress)
@@ -212,7 +216,9 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
             drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
         metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                                  seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_cfg,
-                                 schedule=w.schedule)
+                                 schedule=w.schedule,
+                                 shared_prefix_tokens=getattr(backend, "shared_prefix_tokens", 0),
+                                 autocast_dtype=getattr(torch, autocast) if autocast else None)
         metrics.update(drill)
     finally:
         torch.set_num_threads(threads)

@@ -144,6 +144,7 @@ class WarmStartCacheSpec:
         rollout: the ``rollout`` section (the cache leaves its RL-generation keys out of the key).
         warm_start: the ``warm_start`` section (the cache leaves ``cache_dir`` out of the key).
         seed: ``train.seed``. torch_threads: ``train.torch_threads``.
+        autocast_dtype: the learner backend's ``autocast_dtype`` (the SFT computes in it), or None.
     """
 
     model: ModelConfig
@@ -152,13 +153,17 @@ class WarmStartCacheSpec:
     warm_start: WarmStartConfig
     seed: int
     torch_threads: int
+    autocast_dtype: str | None = None
 
 
 def warm_start_cache_spec(cfg: ExperimentConfig) -> WarmStartCacheSpec:
     """The :class:`WarmStartCacheSpec` of ``cfg`` (its ``model``, ``task``, ``rollout`` and
-    ``warm_start`` sections, ``train.seed`` and ``train.torch_threads``)."""
+    ``warm_start`` sections, ``train.seed``, ``train.torch_threads`` and the learner backend's
+    ``autocast_dtype``)."""
     return WarmStartCacheSpec(model=cfg.model, task=cfg.task, rollout=cfg.rollout, warm_start=cfg.warm_start,
-                              seed=cfg.train.seed, torch_threads=cfg.train.torch_threads)
+                              seed=cfg.train.seed, torch_threads=cfg.train.torch_threads,
+                              autocast_dtype=getattr(plugin_settings(cfg, "learner.backend"),
+                                                     "autocast_dtype", None))
 
 
 def optimizer_settings(cfg: ExperimentConfig) -> OptimizerSettings:

@@ -40,7 +40,8 @@ def cache_key(spec: WarmStartCacheSpec) -> str:
     Returns:
         A 20-hex-digit key: SHA-256 of the canonical JSON of ``model``, ``task``, ``rollout``
         (minus the RL-generation keys :data:`_ROLLOUT_NOT_SFT`), ``warm_start`` (minus
-        ``cache_dir``), ``train.seed``, ``train.torch_threads`` and :data:`CACHE_FORMAT`.
+        ``cache_dir``), ``train.seed``, ``train.torch_threads``, the learner's ``autocast_dtype``
+        (only when set: keys of runs without it are unchanged) and :data:`CACHE_FORMAT`.
         RL settings (preset, algorithm, staleness, learning rates of RL,
         evaluation) are not part of it.
     """
@@ -50,6 +51,8 @@ def cache_key(spec: WarmStartCacheSpec) -> str:
     parts = {"format": CACHE_FORMAT, "model": dataclasses.asdict(spec.model),
              "task": dataclasses.asdict(spec.task), "rollout": rollout,
              "warm_start": ws, "seed": spec.seed, "torch_threads": spec.torch_threads}
+    if spec.autocast_dtype is not None:  # the SFT computes in it: another result
+        parts["autocast_dtype"] = spec.autocast_dtype
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
 

@@ -195,6 +195,35 @@ def test_sft_loss_decreases_and_ignores_observations(math_env_factory):
         sft_warm_start(model, tok, [], steps=1, batch_size=8, lr=1e-3, seed=0)
 
 
+def test_sft_with_a_shared_few_shot_prefix_is_the_plain_sft(math_env_factory):
+    """``shared_prefix_tokens``: traces whose prompts share a long few-shot prefix (here 200 tokens)
+    train exactly as without it (the prefix run once per batch instead of once per trace): the same
+    losses and weights to float32 rounding after 4 steps; bf16 autocast trains too (losses within
+    0.05 nats of float32's)."""
+    tok = build_byte_tokenizer()
+    few_shot = "Example: 12*34 is 408. Example: 56*78 is 4368. " * 4  # 200 bytes = 200 tokens
+    traces = [type(t)(few_shot + t.prompt, t.pieces)
+              for t in retool_traces(retool_arithmetic_samples(16, seed=4), math_env_factory)]
+    runs = {}
+    for name, kw in {"plain": {}, "shared": {"shared_prefix_tokens": 64},
+                     "bf16": {"shared_prefix_tokens": 64, "autocast_dtype": torch.bfloat16}}.items():
+        model = build_tiny_model(TinyModelConfig(seed=3, max_position_embeddings=512), len(tok),
+                                 tok.eos_token_id, tok.pad_token_id)
+        losses, embedded = [], []  # embedded: tokens through the embedding per forward
+        hook = model.get_decoder().embed_tokens.register_forward_hook(
+            lambda _m, args, _out, out=embedded: out.append(args[0].numel()))
+        sft_warm_start(model, tok, traces, steps=4, batch_size=4, lr=3e-3, seed=0, progress=False,
+                       on_step=lambda _, loss, out=losses: out.append(loss), **kw)
+        hook.remove()
+        runs[name] = (losses, torch.cat([p.detach().flatten() for p in model.parameters()]), sum(embedded))
+    assert max(abs(a - b) for a, b in zip(runs["plain"][0], runs["shared"][0], strict=True)) < 1e-5
+    assert float((runs["plain"][1] - runs["shared"][1]).abs().max()) < 1e-5
+    assert max(abs(a - b) for a, b in zip(runs["plain"][0], runs["bf16"][0], strict=True)) < 0.05
+    assert float((runs["plain"][1] - runs["bf16"][1]).abs().max()) > 0  # bf16 compute: not bit-equal
+    # the prefix really ran once per batch: 4 batches x 3 traces x >= 200 prefix tokens fewer embedded
+    assert runs["plain"][2] - runs["shared"][2] >= 4 * 3 * 200, (runs["plain"][2], runs["shared"][2])
+
+
 def test_short_sft_reproduces_the_trace_format_in_the_real_agent_loop(math_env_factory):
     """After a short SFT, greedy decoding through the real loop + engine + env calls the tool and
     the sandbox runs the code (a number comes back in <interpreter>)."""
