@@ -103,9 +103,10 @@ def _advice(cfg: ExperimentConfig, plan: MemoryPlan) -> str:
 
 @dataclass(frozen=True)
 class MemoryCheck:
-    """A passed check: the estimate and its one-line report (:meth:`report` prints it)."""
+    """A passed check: the estimate (None: the model's config could not be read, nothing checked)
+    and its one-line report (:meth:`report` prints it)."""
 
-    estimate: MemoryEstimate
+    estimate: MemoryEstimate | None
     line: str
 
     def report(self) -> None:
@@ -131,9 +132,14 @@ def check_memory(cfg: ExperimentConfig, machine: MachineMemory | None = None) ->
 
     Raises:
         ConfigError: the estimate exceeds the limit and ``learner.memory_check`` is on: one line
-            with both figures and the settings to change.
+            with both figures and the settings to change. A ``model.path`` whose ``config.json``
+            lacks the fields the estimate reads is not refused: a warning, and no check.
     """
-    plan = memory_plan(cfg)
+    try:
+        plan = memory_plan(cfg)
+    except ConfigError as e:  # a model family the estimate cannot read: say so, never refuse on it
+        log.warning("memory estimate skipped: %s", e)
+        return MemoryCheck(None, f"memory estimate: skipped ({e})")
     est = estimate_memory(plan)
     mem = machine if machine is not None else machine_memory()
     what = (f"micro-batch {plan.micro_batch} x {plan.seq_len} tokens, {plan.attn} attention, gradient "

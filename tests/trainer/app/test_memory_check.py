@@ -121,3 +121,22 @@ def test_estimate_is_within_25_percent_of_a_real_learner_steps_peak_rss(realmode
     est = estimate_memory(dataclasses.replace(memory_plan(cfg), engines=0)).total
     print(f"estimate {est / GIB:.2f} GiB, measured peak RSS {peak / GIB:.2f} GiB, ratio {peak / est:.2f}")
     assert 0.75 <= peak / est <= 1.25, (est / GIB, peak / GIB)
+
+
+def test_a_model_config_the_estimate_cannot_read_is_not_refused(realmodel_path, tmp_path, caplog):
+    """A model directory whose config.json lacks a field the estimate reads (another family's names)
+    starts with a warning instead of a refusal."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in Path(realmodel_path).iterdir():
+        if f.is_file() and f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    conf = json.loads((Path(realmodel_path) / "config.json").read_text())
+    conf["n_inner"] = conf.pop("intermediate_size")
+    (model / "config.json").write_text(json.dumps(conf))
+    cfg = load_config(SEARCH)
+    cfg.model.path = str(model)
+    with caplog.at_level(logging.WARNING, logger="trainer.app.memory_check"):
+        check = check_memory(cfg, MachineMemory(GIB, GIB, "test"))
+    assert check.estimate is None and "intermediate_size" in check.line
+    assert any(r.getMessage().startswith("memory estimate skipped: model.path=") for r in caplog.records)
