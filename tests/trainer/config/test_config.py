@@ -49,9 +49,9 @@ def _load(rel: str, tmp_path: Path, *overrides: str) -> ExperimentConfig:
 
 
 def test_config_files_present():
-    """One config per (task, preset), a CPU-tiny config per task (and the search task's real-model
-    main job, ``cpu_smollm``), the shared pieces."""
-    extra = {"search": {"cpu_smollm"}}
+    """One config per (task, preset), a CPU-tiny config per task (and each task's real-model job,
+    ``cpu_smollm``), the shared pieces."""
+    extra = {"search": {"cpu_smollm"}, "math_tool": {"cpu_smollm"}}
     for task in TASK_STALENESS:
         names = {p.stem for p in (CONFIGS / task).glob("*.yaml")}
         assert names == {*PRESET_NAMES, "cpu_tiny", "_paper", *extra.get(task, ())}, task
