@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "configs" / "search" / "cpu_smollm.yaml"
 
@@ -12,12 +14,11 @@ JOB = REPO / "configs" / "search" / "cpu_smollm.yaml"
 def local_search_job(tmp_path: Path, name: str = "cpu_smollm_local.yaml") -> Path:
     """The committed job's YAML with ``launcher: {kind: local}`` (an override cannot drop the Ray
     launcher's settings: ``launcher.kind=local`` is refused as 'takes no settings') and its
-    ``defaults`` made absolute, written to ``tmp_path / name``; its path."""
-    text = JOB.read_text()
-    start, end = text.index("\nlauncher:"), text.index("\nwarm_start:")
-    text = text[:start] + "\nlauncher:\n  kind: local" + text[end:]
-    tasks = REPO / "configs" / "tasks" / "search.yaml"
-    text = text.replace("defaults: [../tasks/search.yaml]", f"defaults: [{tasks}]")
+    ``defaults`` made absolute, written to ``tmp_path / name``; its path. Read and written as YAML
+    data, so the layout of the file (which keys come from its defaults) does not matter."""
+    job = yaml.safe_load(JOB.read_text())
+    job["launcher"] = {"kind": "local"}
+    job["defaults"] = [str((JOB.parent / d).resolve()) for d in job.get("defaults", [])]
     path = tmp_path / name
-    path.write_text(text)
+    path.write_text(yaml.safe_dump(job, sort_keys=False, allow_unicode=True))
     return path
