@@ -55,7 +55,7 @@ CASES = [
      "tensor_parallel_size × pipeline_parallel_size = 1 × 2"),
     (["train", "--config", CONFIG, "task.settings.nope=1"],
      "copc train: config error: task.settings.nope=1: unknown setting of MathToolSettings; known: "
-     "['arithmetic_kinds', 'tool_use_fraction']"),
+     "['arithmetic_kinds', 'tool_use_fraction', 'warm_start_data']"),
     (["eval", "--config", CONFIG, "train.total_steps=0"],
      "copc eval: config error: train.total_steps=0: must be >= 1"),
 ]
