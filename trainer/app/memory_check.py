@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ExperimentConfig, plugin_settings
+from ..config import ExperimentConfig, plugin_metadata, plugin_settings
 from ..errors import ConfigError
 from ..models.memory_estimate import (
     DTYPE_BYTES,
@@ -67,9 +67,8 @@ def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
     backend = plugin_settings(cfg, "learner.backend")
     autocast = getattr(backend, "autocast_dtype", None)
     actor, critic = cfg.learner.lora_settings()
-    workers = 1
-    if cfg.launcher.kind == "ray":
-        workers = int(getattr(plugin_settings(cfg, "launcher.kind"), "num_rollout_workers", 1))
+    remote = bool(plugin_metadata(cfg, "launcher.kind").get("rollout_workers", False))
+    workers = int(getattr(plugin_settings(cfg, "launcher.kind"), "num_rollout_workers", 1)) if remote else 1
     engines = workers if cfg.rollout.engine in IN_PROCESS_ENGINES else 0
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     return MemoryPlan(
@@ -83,7 +82,7 @@ def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
         attn=cfg.model.attn_implementation, chunk_tokens=int(getattr(backend, "logprob_chunk_tokens", 512)),
         engines=engines, engine_slots=cfg.rollout.engine_max_batch_size + PARK_SLOTS,
         engine_seq_len=cfg.rollout.max_total_tokens,
-        processes=1 + (workers if cfg.launcher.kind == "ray" else 0))
+        processes=1 + (workers if remote else 0))
 
 
 def _advice(cfg: ExperimentConfig, plan: MemoryPlan) -> str:

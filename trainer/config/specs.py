@@ -22,7 +22,7 @@ from ..learner.settings import LearnerConfig, OptimizerSettings, step_fields
 from ..learner.spec import LearnerSpec
 from ..plugins import absolute_plugins
 from ..rollout.agent_loop import AgentLoopConfig
-from . import plugin_settings
+from . import plugin_metadata, plugin_settings
 from .sections import ModelConfig, RolloutConfig, TaskConfig, WarmStartConfig
 from .task_spec import TaskSpec, task_spec  # noqa: F401 - re-exported: a task's spec and builder
 from .train_section import FixedStaleness
@@ -62,7 +62,8 @@ def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None
     run's :class:`~trainer.engines.registry.EngineCheck`: the engine's settings, the rollouts'
     sampling (``rollout.temperature`` / ``top_p`` / ``top_k`` / ``max_new_tokens``), whether the
     policy is a LoRA adapter (``learner.lora``), the fixed lag of ``train.staleness`` (the
-    effective one, :attr:`~trainer.config.ExperimentConfig.staleness`) and ``launcher.kind``.
+    effective one, :attr:`~trainer.config.ExperimentConfig.staleness`) and the launcher (its name,
+    whether it runs rollouts in worker processes).
 
     With ``evaluation`` (``copc eval``: no weight sync, and its own sampling, top_p 1, greedy or at
     ``eval.temperature``) the check gets the engine's settings only: default sampling, no LoRA, no
@@ -86,7 +87,8 @@ def preflight_engine(cfg: ExperimentConfig, *, evaluation: bool = False) -> None
                       sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                               max_new_tokens=r.max_new_tokens),
                       lora=cfg.learner.lora_settings()[0] is not None,
-                      fixed_lag=fixed_lag(cfg), launcher=cfg.launcher.kind))
+                      fixed_lag=fixed_lag(cfg), launcher=cfg.launcher.kind,
+                      rollout_workers=bool(plugin_metadata(cfg, "launcher.kind").get("rollout_workers"))))
 
 
 def agent_loop_config(cfg: ExperimentConfig) -> AgentLoopConfig:

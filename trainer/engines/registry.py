@@ -107,13 +107,15 @@ class EngineCheck:
         lora: the policy is a LoRA adapter (``learner.lora``): syncs move the adapter only.
         fixed_lag: the exact staleness ``k`` of ``train.staleness: {mode: fixed}`` (the engine then
             generates with version ``n - k`` while the learner is at ``n``), or None (bounded mode).
-        launcher: ``launcher.kind`` (``local``, ``ray``: each Ray rollout worker runs its own engine).
+        rollout_workers: the launcher runs rollouts in worker processes of its own, each making its
+            own engine (its ``rollout_workers`` capability, e.g. ``ray``); ``launcher`` its name.
     """
 
     settings: Any = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     lora: bool = False
     fixed_lag: int | None = None
+    rollout_workers: bool = False
     launcher: str = "local"
 
 

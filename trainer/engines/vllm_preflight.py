@@ -37,7 +37,7 @@ def vllm_preflight(check: EngineCheck) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     url = getattr(check.settings, "url", "")
-    if url and check.launcher != "local":
+    if url and check.rollout_workers:
         raise ConfigError(f"rollout.engine_settings.url={url} with launcher.kind={check.launcher}: each Ray "
                           "rollout worker launches its own server; attach to a running server with "
                           "launcher.kind=local, or leave url empty")

@@ -125,12 +125,14 @@ class RayLauncherSettings(RayClusterSettings):
 Launcher = Callable[[LaunchSpec], AbstractAsyncContextManager[tuple[Any, Any]]]
 
 #: The launchers (``launcher.kind``; a seam of :data:`trainer.plugins.SEAMS`, settings from
-#: ``launcher.settings``); capability metadata ``distributed_learner`` (bool, default True) and
+#: ``launcher.settings``); capability metadata ``distributed_learner`` (bool, default True),
 #: ``ray_cluster`` (bool, default False: it runs on the Ray cluster of its settings' ``address``, a
 #: :class:`~trainer.ray_util.RayClusterSettings`, so ``copc sweep`` runs its cells as Ray tasks on one
-#: cluster).
+#: cluster) and ``rollout_workers`` (bool, default False: rollouts run in worker processes of its
+#: own, each making its own engine, as many as its settings' ``num_rollout_workers``).
 LAUNCHERS: Registry[Launcher] = Registry("launcher", {"distributed_learner": (bool, True),
-                                                      "ray_cluster": (bool, False)}, key="launcher.kind")
+                                                      "ray_cluster": (bool, False),
+                                                      "rollout_workers": (bool, False)}, key="launcher.kind")
 
 
 @LAUNCHERS.register("local")
@@ -148,7 +150,8 @@ async def launch_local(spec: LaunchSpec) -> AsyncIterator[tuple[Any, Any]]:
         await rollouts.close()
 
 
-@LAUNCHERS.register("ray", distributed_learner=False, ray_cluster=True, settings=RayLauncherSettings)
+@LAUNCHERS.register("ray", distributed_learner=False, ray_cluster=True, rollout_workers=True,
+                    settings=RayLauncherSettings)
 def launch_ray(spec: LaunchSpec) -> AbstractAsyncContextManager[tuple[Any, Any]]:
     """The ``ray`` launcher (:func:`trainer.orchestration.ray_launcher.launch_ray`; Ray is imported
     only when it is used)."""
