@@ -431,8 +431,8 @@ class AsyncTrainingLoop:
         st = self.state
         self._last_step_end = time.perf_counter()
         await self.attestor.reference(st.version)  # before any sync can need it
+        await self.attestor.startup()  # the engine serves the learner's weights (before calibrating on them)
         await self.attestor.calibrate(st.version)  # a bf16 engine's tolerance, before any episode runs
-        await self.attestor.startup()  # the engine serves the learner's weights before any episode
         await self.cfg.staleness.start(self)
         self.attestor.unreferenced(st.history.versions(), st.version)  # a resume's kept versions
         producer = asyncio.create_task(self._producer())

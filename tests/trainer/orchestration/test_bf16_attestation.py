@@ -66,8 +66,10 @@ class TrainingTraffic(LocalRollouts):
             await partner
 
 
-def _run(tiny, dtype: str, *, sync: str = "honest", steps: int = 3):
-    """A 3-step LoRA run with a bf16 base (engine and learner); returns the attestor."""
+def _run(tiny, dtype: str, *, sync: str = "honest", steps: int = 3, engine_noise: float = 0.0):
+    """A 3-step LoRA run with a bf16 base (engine and learner); returns the attestor. ``engine_noise``:
+    the engine's first 4 weight tensors get that much Gaussian noise before the run (it serves other
+    weights than the learner's, as a server left by another run would)."""
     exp = load_config(None, [f"model.path={tiny}", "model.dtype=bfloat16", "model.attn_implementation=sdpa",
                              "learner.lora.rank=4", "learner.lora.alpha=8",
                              "learner.lora.target_modules=[q_proj,v_proj,up_proj]",
@@ -75,6 +77,10 @@ def _run(tiny, dtype: str, *, sync: str = "honest", steps: int = 3):
     learner = TorchLearner.from_spec(learner_spec(exp), tiny)
     tok = load_tokenizer(tiny)
     handle = make_engine("embedded", engine_spec(exp, tiny, tok, adapter=learner.export_adapter()))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in list(handle.engine.model.parameters())[:4]:
+            p.add_((torch.randn(p.shape, generator=g) * engine_noise).to(p.dtype))
     if sync == "stale":  # the version moves, the adapter does not: the engine keeps the initial one
         async def keep_adapter(adapter, version):
             handle.engine._version = version
@@ -133,6 +139,18 @@ def test_a_sync_that_keeps_the_old_adapter_still_fails_in_bf16(tiny):
         "train.sync_check_tolerance=0.0001)" in msg and "\n" not in msg
 
 
+def test_a_bf16_engine_on_other_weights_is_caught_at_start_up_not_calibrated_away(tiny):
+    """The start-up check runs before the calibration and against its own bound: before, the
+    calibration measured the engine's gap on whatever weights it held (here noise 0.5 on 4 tensors)
+    and made twice that the tolerance, so the start-up check passed and the run trained on them."""
+    with pytest.raises(TrainingError) as ei:
+        _run(tiny, "bfloat16", engine_noise=0.5)
+    msg = str(ei.value)
+    assert msg.startswith("weight sync check failed at start-up: before any sync the engine's log-probs "
+                          "differ by ") and "\n" not in msg
+    assert "at policy version 0 (tolerance 0.05 nats for a bfloat16 engine's probe prefilled alone)" in msg
+
+
 def test_float32_keeps_the_configured_tolerance():
     class Scorer:
         def next_token_logprobs(self, ids, t):
@@ -162,8 +180,9 @@ def test_copc_train_stopped_by_a_failed_check_exits_1_with_the_one_line(tmp_path
                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert res.returncode == 1, (res.returncode, res.stderr[-3000:])
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("copc train: stopped: weight sync check failed: after the sync the engine "
-                           "log-probs differ by ")
-    assert "at policy version 1 (train.sync_check_tolerance=1e-12)" in last
+    # a tolerance of 1e-12 fails the first check: since the start-up check, the one before any sync
+    assert last.startswith("copc train: stopped: weight sync check failed at start-up: before any sync the "
+                           "engine's log-probs differ by ")
+    assert "at policy version 0 (train.sync_check_tolerance=1e-12)" in last
     for bad in ("terminate called", "Fatal Python error", "Traceback"):
         assert bad not in res.stderr
