@@ -32,11 +32,18 @@ from pathlib import Path
 
 import httpx
 
+from ..errors import ConfigError
 from .sglang_lora import ADAPTER_PREFIX
 from .vllm_launcher import VLLMLauncher, VLLMLauncherConfig, VLLMLaunchError
 
 #: The worker-extension method that answers whether it is installed (``vllm_ext/copc_vllm_ext.py``).
 PING_METHOD = "copc_ping"
+
+
+class AttachError(VLLMLaunchError, ConfigError):
+    """The server at ``rollout.engine_settings.url`` cannot serve this run (one line naming the key):
+    a :class:`~trainer.errors.ConfigError`, so ``copc train`` / ``copc eval`` print it as a
+    configuration error and exit 2, and a :class:`~.vllm_launcher.VLLMLaunchError`."""
 
 
 def run_adapter_prefix() -> str:
@@ -93,7 +100,7 @@ def attach(url: str, cfg: VLLMLauncherConfig, timeout_s: float = 30.0) -> Attach
         The attached server.
 
     Raises:
-        VLLMLaunchError: one line naming ``rollout.engine_settings.url`` and what is wrong, with the
+        AttachError: one line naming ``rollout.engine_settings.url`` and what is wrong, with the
             command that starts a suitable server.
     """
     server = AttachedServer(url)
@@ -103,20 +110,22 @@ def attach(url: str, cfg: VLLMLauncherConfig, timeout_s: float = 30.0) -> Attach
         r = httpx.get(server.url + "/v1/models", timeout=timeout_s)
         models = r.json().get("data") if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as e:
-        raise VLLMLaunchError(f"{field}: no vLLM server answers ({type(e).__name__}: {e}){hint}") from None
+        raise AttachError(f"{field}: no vLLM server answers ({type(e).__name__}: {e}){hint}") from None
     if not isinstance(models, list):
-        raise VLLMLaunchError(f"{field}: GET /v1/models -> HTTP {r.status_code}, not a vLLM model list{hint}")
+        root = " (the url is the server's root, without /v1)" if r.status_code == 404 else ""
+        raise AttachError(f"{field}: GET /v1/models -> HTTP {r.status_code}, not a vLLM model list{root}"
+                          f"{hint}")
     base = next((m for m in models if isinstance(m, dict) and m.get("id") == cfg.served_model_name
                  and not m.get("parent")), None)
     if base is None:
         names = sorted(str(m.get("id")) for m in models if isinstance(m, dict))
-        raise VLLMLaunchError(f"{field}: serves {names}, not a base model named {cfg.served_model_name!r} "
+        raise AttachError(f"{field}: serves {names}, not a base model named {cfg.served_model_name!r} "
                               f"(--served-model-name){hint}")
     if Path(str(base.get("root"))).resolve() != Path(cfg.model_path).resolve():
-        raise VLLMLaunchError(f"{field}: serves {base.get('root')}, but this run's model is {cfg.model_path}"
+        raise AttachError(f"{field}: serves {base.get('root')}, but this run's model is {cfg.model_path}"
                               f"{hint}")
     if not isinstance(base.get("max_model_len"), int) or base["max_model_len"] < cfg.max_model_len:
-        raise VLLMLaunchError(f"{field}: its max_model_len is {base.get('max_model_len')}, below "
+        raise AttachError(f"{field}: its max_model_len is {base.get('max_model_len')}, below "
                               f"rollout.engine_settings.max_model_len={cfg.max_model_len}{hint}")
     try:
         r = httpx.post(server.url + "/collective_rpc", json={"method": PING_METHOD}, timeout=timeout_s)
@@ -125,7 +134,7 @@ def attach(url: str, cfg: VLLMLauncherConfig, timeout_s: float = 30.0) -> Attach
     except (httpx.HTTPError, ValueError):
         server.reloadable = False
     if cfg.reload_weights and not server.reloadable:
-        raise VLLMLaunchError(f"{field}: cannot reload weights in place (no /collective_rpc with COPC's "
+        raise AttachError(f"{field}: cannot reload weights in place (no /collective_rpc with COPC's "
                               f"worker extension: a full-weight or merged-LoRA run needs "
                               f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls){hint}")
     return server

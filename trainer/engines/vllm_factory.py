@@ -130,8 +130,9 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
 
     Raises:
         ValueError: a LoRA adapter with initial weights other than ``model_dir``'s.
-        VLLMLaunchError: the venv is missing or the server cannot start (with its log's tail), or
-            the server at ``settings.url`` cannot serve this run.
+        VLLMLaunchError: the venv is missing or the server cannot start (with its log's tail);
+            :class:`~.vllm_attach.AttachError` (also a ConfigError): the server at ``settings.url``
+            cannot serve this run.
         EngineError: the server refused the initial adapter.
     """
     import httpx
@@ -139,7 +140,7 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
     from .base import EngineError
     from .sglang_lora import ADAPTER_PREFIX, adapter_name
     from .vllm import VLLMEngine, VLLMEngineConfig
-    from .vllm_attach import run_adapter_prefix, start_or_attach
+    from .vllm_attach import AttachError, run_adapter_prefix, start_or_attach
     from .vllm_launcher import VLLMLauncherConfig
 
     s: VLLMSettings = spec.settings
@@ -171,10 +172,13 @@ def vllm_engine(spec: EngineSpec) -> EngineHandle:
         with httpx.Client(base_url=launcher.url, timeout=120.0) as c:  # the factory has no event loop
             r = c.post("/v1/load_lora_adapter", json={"lora_name": first, "lora_path": str(d0)})
         if r.status_code != 200:
-            hint = (" (an attached server needs --enable-lora, --max-lora-rank >= the adapter's rank and "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") if s.url else ""
-            raise EngineError(f"vLLM POST /v1/load_lora_adapter (initial adapter {first}) -> HTTP "
-                              f"{r.status_code}: {r.text[:300]}{hint}".replace("\n", " "))
+            what = (f"vLLM POST /v1/load_lora_adapter (initial adapter {first}) -> HTTP {r.status_code}: "
+                    f"{r.text[:300]}").replace("\n", " ")
+            if s.url:
+                raise AttachError(f"rollout.engine_settings.url={s.url}: {what} (an attached server needs "
+                                  "--enable-lora, --max-lora-rank >= the adapter's rank and "
+                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+            raise EngineError(what)
     except BaseException:
         launcher.close()
         raise

@@ -56,6 +56,23 @@ def test_a_server_to_attach_to_needs_no_venv_and_the_local_launcher(tmp_path):
                              "launcher.kind=local, or leave url empty")
 
 
+def test_copc_train_attached_to_nothing_is_one_config_error_line(tmp_path):
+    """The CLI a user runs: a url where nothing listens exits 2 with one ``config error`` line naming
+    the key and the command that starts a suitable server, no traceback (before: exit 1 and a
+    47-line traceback of VLLMLaunchError)."""
+    res = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", CONFIG,
+                          f"output_dir={tmp_path / 'run'}", "rollout.engine=vllm",
+                          "rollout.engine_settings={url: 'http://127.0.0.1:9'}", "learner.lora.rank=4",
+                          "warm_start.enabled=false", "eval.enabled=false", "logging.progress=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("copc train: config error: rollout.engine_settings.url=http://127.0.0.1:9: no "
+                           "vLLM server answers (ConnectError"), last
+    assert "; start one with: " in last and "--served-model-name policy" in last
+
+
 @pytest.mark.skipif(not HAVE_VENV, reason=f"{DEFAULT_VLLM_PYTHON} missing: bash scripts/setup.sh --vllm")
 def test_a_fixed_lag_needs_its_adapters_kept():
     with pytest.raises(ConfigError, match=r"^rollout\.engine_settings\.keep_adapters=2 with train\.staleness "
