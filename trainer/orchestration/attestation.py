@@ -90,10 +90,11 @@ PARTNER_LENGTHS = (9, 16, 32, 64, 128)
 #: First sampling seed of the start-up check's probes (apart from the sync checks' ``version × K``).
 STARTUP_SEED = 1 << 29
 #: The start-up check's tolerance for a reduced-precision engine (nats), its probes prefilled one at a
-#: time: alone, a bf16 probe equals the learner's reference to ~1e-5 (SmolLM2, T = 0.6) and a float32
-#: server's to ~3e-3 against a bf16-autocast learner, while other weights differ by ~0.6 (a server
-#: holding another run's weights) and another log-prob convention by ~1 (raw log-probs at T = 0.6).
-STARTUP_REDUCED_TOLERANCE = 0.05
+#: time. It catches gross differences only: a server of another implementation in bf16 differs from a
+#: bf16-autocast learner by up to 0.36 nats on SmolLM2 at T = 0.6 (vLLM, the search job's sync checks),
+#: the embedded engine by ~1e-5; another log-prob convention (raw at T = 0.6) differs by ~1, other
+#: weights by 0.7 to several nats. Smaller differences of weights are not separable from bf16 noise here.
+STARTUP_REDUCED_TOLERANCE = 1.0
 
 
 @dataclass(frozen=True)
