@@ -4,7 +4,9 @@ from __future__ import annotations
 
 ZERO_CAPS = "0000000000000000"
 
-#: Runs in every new worker through the normal call path; prints one JSON object.
+#: Runs in every new worker through the normal call path; prints one JSON object (at most 16 /tmp
+#: entries: a fresh /tmp has none or the bound ones, and with isolation="process" /tmp is the host's,
+#: whose 2,000 entries made the line exceed max_output_bytes and the self-check fail).
 PROBE = r"""
 import ctypes, json, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -18,7 +20,7 @@ except OSError:
 print(json.dumps({'uid': os.getuid(), 'caps': caps, 'nnp': st['NoNewPrivs'].strip(),
                   'seccomp': st['Seccomp'].strip(), 'user_namespaces': userns,
                   'net_interfaces': ifaces, 'cgroup': open('/proc/self/cgroup').read(),
-                  'tmp_entries': os.listdir('/tmp')}))
+                  'tmp_entries': sorted(os.listdir('/tmp'))[:16]}))
 """
 
 

@@ -274,3 +274,21 @@ def test_missing_bwrap_fails_clearly(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(SandboxUnavailableError, match="bubblewrap"):
         Sandbox(SandboxConfig(workers=1))
+
+
+def test_the_self_check_probe_line_stays_small_with_a_crowded_tmp():
+    """With isolation="process" the call's /tmp is the host's; with 3,000 entries there the probe's
+    JSON line exceeded max_output_bytes and the self-check refused the sandbox (seen with 2,016
+    leftover sockets in /tmp). Its /tmp listing is capped: the line stays far below the limit."""
+    import json
+    import subprocess
+    import sys
+
+    from environments.sandbox.selfcheck import PROBE
+
+    code = ("import os\nreal = os.listdir\n"
+            "os.listdir = lambda p: [f'entry-{i:05d}' for i in range(3000)] if p == '/tmp' else real(p)\n"
+            + PROBE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert len(out.encode()) < SandboxConfig().max_output_bytes // 4, len(out)
+    assert json.loads(out)["tmp_entries"] == [f"entry-{i:05d}" for i in range(16)]
