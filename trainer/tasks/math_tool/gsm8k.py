@@ -108,8 +108,7 @@ def gsm8k_traces(samples: Sequence[Mapping[str, Any]], env_factory: Callable[[],
             skipped[0] += 1
             return None
 
-    traces = [t for t in play_traces(usable, env_factory, play, progress=progress, desc="gsm8k traces")
-              if t is not None]
+    traces = play_traces(usable, env_factory, play, progress=progress, desc="gsm8k traces")  # drops None
     log.info("gsm8k_solutions warm-start: %d traces from %d rows (%d without a usable program)",
              len(traces), len(samples), skipped[0])
     return traces, skipped[0]
