@@ -5,17 +5,27 @@ PY := .venv/bin/python
 # give each seed its own output_dir). Set on the command line only: an ARGS in the environment is ignored.
 ARGS =
 
-.PHONY: setup main main-search main-search-tiny test lint bench clean
+.PHONY: setup main main-tiny main-search main-search-tiny main-math test lint bench clean
 
 setup:
 	@bash scripts/setup.sh
 
-main: setup
-	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml $(ARGS)
+# The main job trains a real pretrained model (issue 45): the search job, the one that meets its bar
+# (docs/search_main.md); the math job on the same model does not yet (docs/math_main.md).
+main: main-search
 
 main-search: setup
 	$(PY) -m trainer.cli model pull smollm2-135m-instruct
 	$(PY) -m trainer.cli train --config configs/search/cpu_smollm.yaml $(ARGS)
+
+# The tiny from-scratch math job (~2 minutes): the loop end to end, no real model.
+main-tiny: setup
+	$(PY) -m trainer.cli train --config configs/math_tool/cpu_tiny.yaml $(ARGS)
+
+# ReTool on GSM8K with the real model (work in progress: docs/math_main.md).
+main-math: setup
+	$(PY) -m trainer.cli model pull smollm2-135m-instruct
+	$(PY) -m trainer.cli train --config configs/math_tool/cpu_smollm.yaml $(ARGS)
 
 main-search-tiny: setup
 	$(PY) -m trainer.cli train --config configs/search/cpu_tiny.yaml $(ARGS)
