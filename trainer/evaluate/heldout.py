@@ -92,7 +92,8 @@ def summarize_records(records: Sequence[Mapping[str, Any]], k: int) -> dict[str,
         ``mean_reward``, ``em`` (mean exact match, the ``em`` score component; only when the
         records give one), ``n``, ``episodes`` (scored), ``infra_failed``, ``mean_turns``,
         ``tool_call_rate`` (fraction of episodes with >= 1 tool call), ``mean_tool_calls``,
-        ``mean_response_tokens``, ``invalid_action_rate`` (share of model turns the environment
+        ``mean_response_tokens``, ``answer_rate`` (fraction of episodes whose final answer the kind
+        extracted, e.g. a ``\\boxed{}``), ``invalid_action_rate`` (share of model turns the environment
         rejected) and ``finish/<reason>`` (fraction of all episodes, failed ones included;
         grouped by the part before ``':'``); all floats, NaN rates with no scored episode.
         ``accuracy_ci95_low`` / ``_high`` (and ``em_ci95_low`` / ``_high``):
@@ -114,6 +115,7 @@ def summarize_records(records: Sequence[Mapping[str, Any]], k: int) -> dict[str,
            "tool_call_rate": _mean([float(r["tool_calls"] > 0) for r in scored], m),
            "mean_tool_calls": _mean([r["tool_calls"] for r in scored], m),
            "mean_response_tokens": _mean([r["response_tokens"] for r in scored], m),
+           "answer_rate": _mean([float(r.get("answer") is not None) for r in scored], m),
            "invalid_action_rate": _mean([float(r.get("invalid_actions", 0)) for r in scored],
                                         sum(r["turns"] for r in scored))}
     out["accuracy_ci95_low"], out["accuracy_ci95_high"] = proportion_or_mean_interval(per_problem, k)

@@ -84,6 +84,17 @@ def test_summarize_k1_wilson_over_scored_problems():
     assert all(isinstance(v, float) for v in m.values())
 
 
+def test_summarize_answer_rate_counts_scored_episodes_with_an_extracted_answer():
+    """``answer_rate`` (issue 45 item 2: the math job's table): 3 of the 5 scored episodes carry a
+    ``final_answer`` (one of them wrong); the failed episode with an answer is not counted."""
+    trajs = [traj(1.0, sid=0, final_answer="72"), traj(0.0, sid=1, final_answer="7"),
+             traj(1.0, sid=2, final_answer="10"), traj(0.0, sid=3), traj(0.0, sid=4),
+             traj(0.0, sid=5, final_answer="1", finish="infra_error: sandbox")]
+    m = summarize(trajs, 1)
+    assert m["n"] == 5 and m["answer_rate"] == pytest.approx(3 / 5) and m["accuracy"] == pytest.approx(2 / 5)
+    assert summarize([traj(0.0, sid=0)], 1)["answer_rate"] == 0.0
+
+
 def test_summarize_k2_effective_size_wilson_of_per_problem_avg():
     outcomes = [(0, 0), (1, 0), (1, 1), (1, 1)]  # per-problem avg@2: 0, .5, 1, 1
     trajs = [traj(float(c), sid=i) for i, pair in enumerate(outcomes) for c in pair]
