@@ -19,6 +19,14 @@ traces is capped at ``k`` factors, and with γ = 1 the tail telescopes into
 ``Π c̃ · (Σ_{j≥t+k} r_j + V_boot − V_{t+k})``, a Monte-Carlo return anchored at ``V_{t+k}``.
 ``k ≥`` the number of action tokens is exactly V-trace (:func:`copc.vtrace_advantage_return`).
 
+That is the default reading of the tail, ``tail="product_kept"``. The description ("gives the
+tail a constant weight of 1") also reads as ``tail="literal"``: residuals beyond the prefix enter
+with weight ``γ^{j−t}`` and no product of traces,
+``D_t = P⁽ᵏ⁾_t + γ^k D⁽⁰⁾_{t+k}`` with ``P⁽ᵏ⁾`` the recursion above started from 0 (the first ``k``
+V-trace terms) and ``D⁽⁰⁾_{t+k}`` the Monte-Carlo tail ``k`` action tokens later (0 past the row).
+The two agree on-policy with λ = 1 and for ``k ≥`` the row's action tokens; otherwise they differ
+by ``γ^k (Π_{i<t+k} c_i − 1) D⁽⁰⁾_{t+k}`` (:class:`BraceSettings` states the default's source).
+
 The work is ``min(k, L)`` dense passes over the action tokens packed to the left (``L`` the
 longest row's count), each one fused multiply-add: no Python loop over tokens.
 """
@@ -32,6 +40,7 @@ from .advantages import check_row_lambda, prepare_estimator_inputs
 from .component_settings import (  # noqa: F401 - BraceSettings re-exported (defined without torch)
     DEFAULT_HORIZON,
     BraceSettings,
+    check_brace_tail,
     check_horizon,
 )
 from .scan import action_block_bounds, reverse_action_scan, td_residuals
@@ -50,16 +59,16 @@ def _unpack(packed: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
     return torch.where(mask, packed.gather(1, pos.clamp(min=0)), 0.0)
 
 
-def _shift(d: Tensor) -> Tensor:
-    """``d`` at the next packed position (0 after the last)."""
-    return torch.nn.functional.pad(d[:, 1:], (0, 1))
+def _shift(d: Tensor, n: int = 1) -> Tensor:
+    """``d`` ``n`` packed positions later (0 past the last)."""
+    return torch.nn.functional.pad(d[:, n:], (0, min(n, d.shape[1])))
 
 
 def brace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, logp_mu: Tensor,
                            loss_mask: Tensor, *, gamma: float = 1.0, lam: float | Tensor = 1.0,
                            rho_clip: float = 1.2, c_clip: float = 1.1,
                            horizon: int = DEFAULT_HORIZON, bootstrap_values: Tensor | None = None,
-                           obs_reward: str = "fold") -> tuple[Tensor, Tensor]:
+                           obs_reward: str = "fold", tail: str = "product_kept") -> tuple[Tensor, Tensor]:
     """BRACE critic targets and actor advantages (module docstring; ``docs/algorithm.md``, BRACE).
 
     Args:
@@ -72,13 +81,16 @@ def brace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, lo
             action-token count gives V-trace exactly.
         bootstrap_values: optional ``(B,)`` V after the last action token (truncated rows).
         obs_reward: ``"fold"`` or ``"error"`` (see :func:`copc.gae_advantage_return`).
+        tail: ``"product_kept"`` (default) or ``"literal"``: the weight of the residuals beyond
+            the ``k``-token prefix (module docstring; :class:`BraceSettings`).
 
     Returns:
         ``(advantages, returns)``, each ``(B, T)`` with ``values.dtype`` (float32 for half
         inputs), 0 at mask-0 positions, detached.
 
     Raises:
-        ValueError: as :func:`copc.vtrace_advantage_return`, plus ``horizon`` not an int ≥ 1.
+        ValueError: as :func:`copc.vtrace_advantage_return`, plus ``horizon`` not an int ≥ 1, or
+            ``tail`` not ``"product_kept"`` / ``"literal"`` (``"tail=…: must be one of …"``).
         TypeError: on non-tensor or non-floating inputs.
     """
     mask, x = prepare_estimator_inputs(rewards, values, loss_mask, gamma, lam, bootstrap_values, "skip",
@@ -87,6 +99,7 @@ def brace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, lo
         if not check_number(name, v) > 0.0:
             raise ValueError(f"{name} must be > 0, got {v!r}")
     check_horizon(horizon)
+    check_brace_tail(tail)
     values = x["values"]
     B, T = values.shape
     if isinstance(lam, Tensor):
@@ -97,7 +110,7 @@ def brace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, lo
     delta = td_residuals(x["rewards"], values, mask, gamma, x["bootstrap_values"], starts, ends, obs_reward)
     delta = torch.where(mask, delta, 0.0)
     # D⁽⁰⁾_s = Σ_{j≥s} γ^{j−s} δ_j over action tokens (the scan returns G at the next one)
-    tail = torch.add(delta, reverse_action_scan(delta, mask, gamma), alpha=gamma)
+    mc_tail = torch.add(delta, reverse_action_scan(delta, mask, gamma), alpha=gamma)
     pos = mask.cumsum(1) - 1
     L = int(pos[:, -1].max()) + 1
     with torch.no_grad():
@@ -106,9 +119,12 @@ def brace_advantage_return(rewards: Tensor, values: Tensor, logp_old: Tensor, lo
     lam_t = lam.to(values.device, values.dtype).unsqueeze(1) if isinstance(lam, Tensor) else lam
     p_rd = _pack(rho * delta, mask, pos, L)
     p_gc = _pack(gamma * lam_t * ratio.clamp(max=c_clip), mask, pos, L)
-    d = _pack(tail, mask, pos, L)
+    mc = _pack(mc_tail, mask, pos, L)
+    d = mc if tail == "product_kept" else torch.zeros_like(mc)  # literal: the prefix sum P⁽ᵏ⁾ first
     for _ in range(min(horizon, L)):  # beyond L passes nothing changes (every row is V-trace)
         d = torch.addcmul(p_rd, p_gc, _shift(d))
+    if tail == "literal" and horizon < L:
+        d = torch.add(d, _shift(mc, horizon), alpha=gamma ** horizon)
     returns = _unpack(d, mask, pos).add_(values)
     advantages = rho * (delta + gamma * _unpack(_shift(d), mask, pos))
     advantages = torch.where(mask, advantages, 0.0)

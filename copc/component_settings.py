@@ -82,26 +82,42 @@ class VTraceSettings:
 #: The paper's reported correction horizon (policy tokens).
 DEFAULT_HORIZON = 100
 
+#: The two readings of BRACE's tail beyond the ``k``-token prefix (:class:`BraceSettings`);
+#: the first is the default.
+BRACE_TAILS = ("product_kept", "literal")
+
 
 @dataclass(frozen=True)
 class BraceSettings(VTraceSettings):
     """The BRACE estimator's own knobs (``algorithm.estimator_settings`` of ``brace``): V-trace's
     ρ̄ and c̄ (:class:`VTraceSettings`; the ``brace`` preset writes the
-    paper's 1.2 and 1.1) and the horizon.
+    paper's 1.2 and 1.1), the horizon and the reading of the tail.
 
     Attributes:
         horizon: ``k`` ≥ 1, the number of policy tokens after ``t`` whose V-trace weights and
             traces enter the target of ``t`` (paper: 100).
+        tail: how a residual ``δ_j`` beyond the prefix (``j ≥ t + k``) is weighted in the target
+            of ``t`` (``docs/algorithm.md``, "BRACE"): ``"product_kept"`` (default):
+            ``γ^{j−t} Π_{i=t}^{t+k−1} c_i``, every per-token factor beyond the prefix is 1 and the
+            product of the ``k`` traces is kept; ``"literal"``: ``γ^{j−t}``, weight 1 and no
+            product. Source of the default: the spec's description, "V-trace-style residual
+            weights and traces whose product is capped at the first k policy tokens after t;
+            beyond the cap the weights are 1" (a capped product keeps its k factors) and the
+            seed's "BRACE forms a per-residual product of importance ratios, caps it at k = 100
+            tokens"; the literal reading is the seed's "and gives the tail a constant weight of 1".
 
     Raises:
-        ValueError: ``horizon`` not an int ≥ 1; ``rho_clip`` / ``c_clip`` not > 0.
+        ValueError: ``horizon`` not an int ≥ 1; ``rho_clip`` / ``c_clip`` not > 0; ``tail`` not
+            one of :data:`BRACE_TAILS`.
     """
 
     horizon: int = DEFAULT_HORIZON
+    tail: str = BRACE_TAILS[0]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_horizon(self.horizon)
+        check_brace_tail(self.tail)
 
 
 def check_horizon(k: object) -> int:
@@ -109,6 +125,13 @@ def check_horizon(k: object) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"horizon must be an int >= 1 (policy tokens), got {k!r}")
     return k
+
+
+def check_brace_tail(tail: object) -> str:
+    """``tail`` if it is one of :data:`BRACE_TAILS`; else ``ValueError("tail=<v!r>: ...")``."""
+    _setting(isinstance(tail, str) and tail in BRACE_TAILS, "tail", tail,
+             f"must be one of {', '.join(repr(t) for t in BRACE_TAILS)}")
+    return tail  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ class AlgorithmConfig:
             registered with (``ADVANTAGE_ESTIMATORS.register(name, settings=Cls)``), given as
             a mapping of its fields (or None: its defaults); None when it takes no settings.
             The estimator reads ``cfg.estimator_settings`` (``copc``: :class:`CopcSettings`
-            ``eta_a``; ``vtrace``: ``rho_clip``, ``c_clip``; ``brace``: those and ``horizon``;
+            ``eta_a``; ``vtrace``: ``rho_clip``, ``c_clip``; ``brace``: those, ``horizon`` and ``tail``;
             ``grpo``: ``std_normalize``).
         policy_loss_settings: the same for ``policy_loss`` (``cfg.policy_loss_settings``;
             ``dis``: ``eta_p``, ``ppo_clip_eps``; ``ppo``: :class:`PPOClip` ``clip_low``,

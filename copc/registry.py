@@ -126,13 +126,14 @@ def _vtrace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
 
 
 def _brace_rows(x: AdvantageInputs, cfg: AlgorithmConfig, lam: float | Tensor) -> tuple[Tensor, Tensor]:
-    """BRACE with ``lam`` a float or a per-row ``(B,)`` tensor; ρ̄, c̄ and ``k`` from its settings."""
+    """BRACE with ``lam`` a float or a per-row ``(B,)`` tensor; ρ̄, c̄, ``k`` and the tail's
+    reading from its settings."""
     x.require("values", "logp_old", "logp_mu", who="advantage estimator 'brace'")
     s = cfg.estimator_settings
     return brace_advantage_return(x.rewards, x.values, x.logp_old, x.logp_mu, x.loss_mask,
                                   gamma=cfg.gamma, lam=lam, rho_clip=s.rho_clip, c_clip=s.c_clip,
                                   horizon=s.horizon, bootstrap_values=x.bootstrap_values,
-                                  obs_reward=cfg.obs_reward)
+                                  obs_reward=cfg.obs_reward, tail=s.tail)
 
 
 def _brace(x: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:

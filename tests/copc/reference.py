@@ -91,11 +91,12 @@ def random_multiturn_mask(B: int, T: int, g: torch.Generator, obs_frac: float = 
 
 
 def brace_reference(rewards, values, logp_old, logp_mu, mask, gamma, lam, rho_clip, c_clip, k,
-                    bootstrap=None):
+                    bootstrap=None, tail="product_kept"):
     """BRACE, written from its description (docs/algorithm.md, "BRACE"), not from the recursion:
     ``v_t = V_t + Σ_{j≥t} γ^{j−t} (Π_{i=t}^{j−1} c̃_i) ρ̃_j δ_j`` with ``c̃_i, ρ̃_j`` the V-trace
     factors on the first ``k`` action tokens ``t … t+k−1`` and 1 beyond them (O(n²) per row);
-    advantages ``ρ_t (r_t + γ v_{t+1} − V_t)``. Returns (adv, ret) float64."""
+    ``tail="literal"``: a residual beyond the prefix (``j ≥ t + k``) has weight ``γ^{j−t}``, the
+    product of traces dropped; advantages ``ρ_t (r_t + γ v_{t+1} − V_t)``. Returns (adv, ret) float64."""
     adv = torch.zeros(mask.shape, dtype=torch.float64)
     ret = torch.zeros(mask.shape, dtype=torch.float64)
     for b, acts, r, v, v_after, ratio in _rows(rewards, values, mask, logp_old, logp_mu, bootstrap):
@@ -109,7 +110,8 @@ def brace_reference(rewards, values, logp_old, logp_mu, mask, gamma, lam, rho_cl
             for j in range(t, n):
                 in_cap = j - t < k
                 rho_j = min(rho_clip, ratio[j]) if in_cap else 1.0
-                total += gamma ** (j - t) * trace * rho_j * delta[j]
+                weight = trace if in_cap or tail == "product_kept" else 1.0
+                total += gamma ** (j - t) * weight * rho_j * delta[j]
                 trace *= lam * min(c_clip, ratio[j]) if in_cap else 1.0
             vs[t] = V[t] + total
         for t in range(n):

@@ -136,3 +136,87 @@ def test_settings_validate_the_horizon():
     assert BraceSettings().horizon == 100
     with pytest.raises(ValueError, match="horizon must be an int >= 1"):
         BraceSettings(horizon=0)
+
+
+def _three_tokens():
+    """One row of 3 action tokens: V = [0.5, 0.2, 0.4], outcome reward 1, ratios [2, 0.5, 1]."""
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    logp_mu = torch.tensor([[-1.0, -0.5, -0.2]], dtype=F64)
+    return {"rewards": torch.tensor([[0.0, 0.0, 1.0]], dtype=F64),
+            "values": torch.tensor([[0.5, 0.2, 0.4]], dtype=F64),
+            "logp_old": logp_mu + torch.tensor([[2.0, 0.5, 1.0]], dtype=F64).log(),
+            "logp_mu": logp_mu, "loss_mask": mask}
+
+
+@pytest.mark.parametrize("tail,exp_ret,exp_adv", [
+    # δ = [−0.3, 0.2, 0.6], ρ = [1.2, 0.5, 1], c = [1.1, 0.5, 1], Monte-Carlo tails M = [0.5, 0.8, 0.6];
+    # product kept: D2 = 0.6, D1 = 0.5·0.2 + 0.5·M2 = 0.4, D0 = 1.2·(−0.3) + 1.1·M1 = 0.52
+    ("product_kept", [1.02, 0.6, 1.0], [1.2 * (-0.3 + 0.4), 0.5 * (0.2 + 0.6), 0.6]),
+    # literal (weight 1, no product): D1 = 0.1 + M2 = 0.7, D0 = −0.36 + M1 = 0.44
+    ("literal", [0.94, 0.9, 1.0], [1.2 * (-0.3 + 0.7), 0.5 * (0.2 + 0.6), 0.6]),
+])
+def test_the_two_tail_readings_hand_computed_k1(tail, exp_ret, exp_adv):
+    adv, ret = copc.brace_advantage_return(**_three_tokens(), rho_clip=1.2, c_clip=1.1, horizon=1, tail=tail)
+    torch.testing.assert_close(ret, torch.tensor([exp_ret], dtype=F64), atol=1e-15, rtol=0)
+    torch.testing.assert_close(adv, torch.tensor([exp_adv], dtype=F64), atol=1e-15, rtol=0)
+
+
+def test_the_two_tail_readings_hand_computed_k2():
+    """k = 2 from t = 0: product kept −0.36 + 1.1·0.5·0.2 + 1.1·0.5·0.6 = 0.08; literal
+    −0.36 + 0.11 + 0.6 = 0.35 (the k = 2 tail is δ2 = 0.6 alone)."""
+    kept = copc.brace_advantage_return(**_three_tokens(), rho_clip=1.2, c_clip=1.1, horizon=2)[1]
+    lit = copc.brace_advantage_return(**_three_tokens(), rho_clip=1.2, c_clip=1.1, horizon=2,
+                                      tail="literal")[1]
+    assert kept[0, 0].item() == pytest.approx(0.5 + 0.08, abs=1e-15)
+    assert lit[0, 0].item() == pytest.approx(0.5 + 0.35, abs=1e-15)
+
+
+@pytest.mark.parametrize("tail", ["product_kept", "literal"])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.95, 0.9)])
+@pytest.mark.parametrize("k", [1, 3, 40])
+def test_each_tail_reading_matches_the_reference_loop_to_1e15(tail, gamma, lam, k):
+    """Random multi-turn rows of 60 tokens with bootstrap values, both readings against the slow
+    unrolled sum (float64)."""
+    g = torch.Generator().manual_seed(31 + k)
+    x = random_batch(g, 4, 60, F64)
+    boot = torch.randn(4, generator=g, dtype=F64)
+    adv, ret = copc.brace_advantage_return(**x, gamma=gamma, lam=lam, rho_clip=1.2, c_clip=1.1, horizon=k,
+                                           bootstrap_values=boot, tail=tail)
+    ra, rr = brace_reference(x["rewards"], x["values"], x["logp_old"], x["logp_mu"], x["loss_mask"],
+                             gamma, lam, 1.2, 1.1, k, boot, tail=tail)
+    scale = max(1.0, float(rr.abs().max()))
+    torch.testing.assert_close(ret, rr, atol=1e-15 * scale * 8, rtol=0)
+    torch.testing.assert_close(adv, ra, atol=1e-15 * scale * 8, rtol=0)
+
+
+def test_the_readings_differ_off_policy_and_agree_on_policy_or_beyond_the_row():
+    g = torch.Generator().manual_seed(12)
+    x = random_batch(g, 4, 80, F64)
+    kept = copc.brace_advantage_return(**x, horizon=2)[1]
+    lit = copc.brace_advantage_return(**x, horizon=2, tail="literal")[1]
+    assert (kept - lit).abs().max() > 0.1
+    for k in (80, 10**6):  # k ≥ the row: both are V-trace
+        torch.testing.assert_close(copc.brace_advantage_return(**x, horizon=k, tail="literal")[1],
+                                   copc.brace_advantage_return(**x, horizon=k)[1], atol=1e-15, rtol=0)
+    x["logp_mu"] = x["logp_old"].clone()  # on-policy, λ = 1: every weight 1 in both readings
+    torch.testing.assert_close(copc.brace_advantage_return(**x, horizon=2, tail="literal")[1],
+                               copc.brace_advantage_return(**x, horizon=2)[1], atol=1e-12, rtol=0)
+
+
+def test_the_tail_setting_reaches_the_estimator_and_bad_values_are_one_line():
+    assert BraceSettings().tail == "product_kept"
+    g = torch.Generator().manual_seed(13)
+    x = random_batch(g, 3, 40, F64)
+    inputs = copc.AdvantageInputs(rewards=x["rewards"], loss_mask=x["loss_mask"], values=x["values"],
+                                  logp_old=x["logp_old"], logp_mu=x["logp_mu"])
+    algo = copc.get_preset("brace", estimator_settings={"horizon": 2, "tail": "literal"},
+                           normalize_advantages=False)
+    _, ret = copc.compute_advantages(inputs, algo)
+    _, lit = copc.brace_advantage_return(**x, horizon=2, tail="literal")
+    torch.testing.assert_close(ret, lit, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"^tail='last': must be one of 'product_kept', 'literal'$"):
+        BraceSettings(tail="last")
+    with pytest.raises(ValueError, match=r"^estimator_settings.tail=.last.: must be one of"):
+        copc.get_preset("brace", estimator_settings={"tail": "last"})
+    with pytest.raises(ValueError, match="tail=None: must be one of"):
+        copc.brace_advantage_return(**x, tail=None)

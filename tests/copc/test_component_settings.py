@@ -42,7 +42,8 @@ def test_the_ppo_family_shares_ppo_clip_and_brace_extends_vtrace():
         assert issubclass(cls, PPOClip)
         assert {f.name for f in dataclasses.fields(PPOClip)} <= {f.name for f in dataclasses.fields(cls)}
     assert issubclass(copc.BraceSettings, VTraceSettings)
-    assert [f.name for f in dataclasses.fields(copc.BraceSettings)] == ["rho_clip", "c_clip", "horizon"]
+    brace_fields = [f.name for f in dataclasses.fields(copc.BraceSettings)]
+    assert brace_fields == ["rho_clip", "c_clip", "horizon", "tail"]
 
 
 def test_the_central_config_keeps_only_cross_cutting_fields():
