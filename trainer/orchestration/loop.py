@@ -24,8 +24,9 @@ Failures never hang the run and never become rewards:
   the last checkpoint (the learner may be half-updated, so it is not checkpointed); one of
   the weight sync or a hook propagates as is.
 
-Cumulative counters (:data:`~.state.COUNTERS`) are part of the checkpointed loop state and
-continue across a resume.
+Cumulative counters (:data:`~.state.COUNTERS`) and the per-version reward tallies
+(``rollout/*_by_version_total/v<k>``, :mod:`trainer.outputs.by_version`) are part of the
+checkpointed loop state and continue across a resume.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .prompts import PromptStream
 from .rollouts import LoopHooks, Rollouts, WeightSource
 from .staleness import BoundedAdmission, FixedLag, Staleness
 from .state import COUNTER_METRICS, COUNTERS, Group, LoopState
-from .step_metrics import dropped_metrics, rollout_metrics
+from .step_metrics import by_version_metrics, dropped_metrics, rollout_metrics
 from .truncation import TruncationMonitor, TruncationSettings
 
 __all__ = ["COUNTERS", "COUNTER_METRICS", "AsyncTrainingLoop", "BoundedAdmission", "FixedLag", "LoopConfig",
@@ -376,6 +377,7 @@ class AsyncTrainingLoop:
                 del st.filtered[b]
             st.cond.notify_all()
         metrics.update(rollout_metrics(trajs, st.version))
+        metrics.update(by_version_metrics(trajs, st.by_version))  # and the run's tallies (state.by_version)
         if self._truncation is not None:  # one line when a token cap cut most episodes (rate-limited)
             self._truncation.observe(st.step, metrics)
         metrics.update(dropped_metrics([t for g in dropped for t in g.trajs]))

@@ -1,11 +1,11 @@
 """The explicit state of a training loop: what the loop and its staleness strategy read and write.
 
-:class:`LoopState` holds the resumable part (step, policy version, cumulative counters, kept
-policy versions of the fixed-lag mode) and the run-time bookkeeping (prompt groups admitted,
-ready, pending; failure window; the condition producers and learner wait on). Checkpoints hold
-:meth:`LoopState.checkpoint` output, the same dictionary layout as before the state was a class
-(``prompts``, ``step``, ``version``, ``counters``, ``weight_history`` in fixed mode), so older
-checkpoints resume through :meth:`LoopState.resume`.
+:class:`LoopState` holds the resumable part (step, policy version, cumulative counters, per-version
+reward tallies, kept policy versions of the fixed-lag mode) and the run-time bookkeeping (prompt
+groups admitted, ready, pending; failure window; the condition producers and learner wait on).
+Checkpoints hold :meth:`LoopState.checkpoint` output, the same dictionary layout as before the state
+was a class (``prompts``, ``step``, ``version``, ``counters``, ``by_version``, ``weight_history`` in
+fixed mode), so older checkpoints resume through :meth:`LoopState.resume`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TrainingError
+from ..outputs.by_version import VersionTally
 from ..rollout.trajectory import Trajectory
 from .lag import WeightHistory
 from .prompts import PromptStream
@@ -59,6 +60,8 @@ class LoopState:
         version: the learner's policy version (number of updates done; starts at ``step``).
         counters: the cumulative :data:`COUNTERS` (missing ones start at 0).
         history: the kept policy versions of the fixed-lag mode (empty when bounded).
+        by_version: generating policy version → :class:`~trainer.outputs.by_version.VersionTally`
+            of the episodes trained so far (cumulative over resumes, like ``counters``).
         in_flight: prompt draws admitted and not yet trained (running or ready).
         ready: finished groups not yet trained.
         pending: fixed lag: running prompt draw → the batch it is generated for.
@@ -86,6 +89,7 @@ class LoopState:
     step: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     history: WeightHistory = field(default_factory=lambda: WeightHistory(0))
+    by_version: dict[int, VersionTally] = field(default_factory=dict)
     in_flight: set[int] = field(default_factory=set)
     ready: list[Group] = field(default_factory=list)
     pending: dict[int, int] = field(default_factory=dict)
@@ -121,24 +125,29 @@ class LoopState:
     def resume(cls, saved: Mapping[str, Any] | None) -> LoopState:
         """The state of a checkpoint's ``loop`` entry (:meth:`checkpoint` output; None: a new run).
 
-        Older checkpoints are read too: ``dropped_stale`` at the top level (before ``counters``)
-        and no ``weight_history`` (bounded mode, or fixed lag before kept versions were saved).
+        Older checkpoints are read too: ``dropped_stale`` at the top level (before ``counters``),
+        no ``weight_history`` (bounded mode, or fixed lag before kept versions were saved) and no
+        ``by_version`` (the per-version tallies start empty).
         The prompt stream's part is restored by the caller into its :class:`PromptStream`.
         """
         if not saved:
             return cls()
         counters = dict(saved.get("counters", {}))
         counters.setdefault("dropped_stale", int(saved.get("dropped_stale", 0)))
-        state = cls(step=int(saved["step"]), counters=counters)
+        by_version = {int(v): VersionTally.from_list(t) for v, t in dict(saved.get("by_version", {})).items()}
+        state = cls(step=int(saved["step"]), counters=counters, by_version=by_version)
         if saved.get("weight_history"):
             state.history.load_state_dict(dict(saved["weight_history"]))
         return state
 
     def checkpoint(self, prompts: PromptStream, keep_weights: bool) -> dict:
         """Resumable state: prompt stream (admitted-but-untrained prompts re-queued), step, version,
-        the cumulative counters and, when ``keep_weights`` (fixed lag), the kept policy versions."""
+        the cumulative counters, the per-version tallies (``by_version``: version →
+        ``[episodes, reward_sum, correct]``) and, when ``keep_weights`` (fixed lag), the kept policy
+        versions."""
         state = {"prompts": prompts.state_dict(sorted(self.in_flight)), "step": self.step,
-                 "version": self.version, "counters": dict(self.counters)}
+                 "version": self.version, "counters": dict(self.counters),
+                 "by_version": {v: t.as_list() for v, t in sorted(self.by_version.items())}}
         if keep_weights:
             state["weight_history"] = self.history.state_dict()
         return state

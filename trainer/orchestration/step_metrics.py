@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..outputs.by_version import VersionTally, pool, version_metrics
 from ..rollout.timing import TIME_KEYS
 from ..rollout.trajectory import LENGTH_CAPPED, FinishReason, Trajectory, split_finish
 
@@ -122,6 +123,37 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
     if vers:
         out["staleness/per_token"] = [version - 1 - v for v in vers]  # type: ignore[assignment]
     return out
+
+
+def generating_version(traj: Trajectory) -> int | None:
+    """The policy version that generated ``traj``: that of its first model token (the policy that
+    started the episode; later turns may be newer in bounded mode). None without a model token."""
+    return next((v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m), None)
+
+
+def tally_by_version(trajs: list[Trajectory]) -> dict[int, VersionTally]:
+    """Generating version (:func:`generating_version`) → count, reward sum and number with reward
+    > 0.5 of ``trajs``; episodes without a model token are left out."""
+    out: dict[int, VersionTally] = {}
+    for t in trajs:
+        v = generating_version(t)
+        if v is not None:
+            pool(out, {v: VersionTally(1, float(t.reward), float(t.reward > 0.5))})
+    return out
+
+
+def by_version_metrics(trajs: list[Trajectory], totals: dict[int, VersionTally]) -> dict[str, float]:
+    """The step's reward / accuracy / episodes by generating version, and the run's cumulative ones.
+
+    Adds the step's tallies to ``totals`` (version → :class:`~trainer.outputs.by_version.VersionTally`,
+    the loop state's, in place) and returns ``rollout/{reward,accuracy,episodes}_by_version/v<k>``
+    over ``trajs`` plus ``..._by_version_total/v<k>`` from ``totals`` for the versions ``trajs``
+    holds (:mod:`trainer.outputs.by_version`). E.g. versions 0, 0, 1 with rewards 1, 0, 1:
+    ``reward_by_version/v0`` 0.5, ``v1`` 1.0, ``episodes_by_version/v0`` 2, ``v1`` 1.
+    """
+    step = tally_by_version(trajs)
+    pool(totals, step)
+    return {**version_metrics(step), **version_metrics({v: totals[v] for v in step}, total=True)}
 
 
 def truncation_metrics(trajs: list[Trajectory]) -> dict[str, float]:
