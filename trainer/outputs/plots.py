@@ -8,6 +8,12 @@ file                  content
 ===================== ===================================================================
 reward_accuracy.png   reward (``.../reward_mean``, ``.../reward``) and accuracy (``.../accuracy``,
                       ``.../em``, ``.../avg@k``) vs step, one line per key
+reward_by_version.png reward and accuracy by policy version (beside the per-step curves above): x =
+                      policy version, y = the mean over all trained episodes that version
+                      generated, pooled over steps weighted by episode counts
+                      (``rollout/*_by_version/v<k>``, :mod:`.by_version`), with any held-out curve
+                      (``eval/*`` reward / accuracy keys) against ``eval/policy_version``; a third
+                      panel: episodes per generating version
 staleness.png         histogram of rollout staleness (policy versions behind) over the run:
                       summed per-step counts from ``staleness/hist`` (list, index = staleness)
                       or ``staleness/hist_<k>`` keys; else the distribution of the per-step
@@ -54,7 +60,9 @@ from typing import Any
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
+from .by_version import eval_by_version, pooled_from_metrics
 from .metrics_log import is_metric_number, metric_series
 
 _REWARD_RE = re.compile(r"(^|/)reward(_mean)?$")
@@ -125,6 +133,47 @@ def _plot_reward_accuracy(metrics: list[dict], path: Path) -> Path | None:
         _line_plot(ax, metrics, keys, label)
     fig.axes[0].set_title("reward and accuracy vs step")
     return _save(fig, path)
+
+
+def by_version_figure(metrics: list[dict]) -> Figure | None:
+    """The figure of ``reward_by_version.png`` (module docstring), unsaved.
+
+    Panels: reward, accuracy (each: the training episodes pooled by generating version,
+    :func:`~.by_version.pooled_from_metrics`, and the matching ``eval/*`` keys against
+    ``eval/policy_version``, :func:`~.by_version.eval_by_version`), episodes per version (bars).
+    Panels without data are left out; None when the run logged neither kind of key.
+    """
+    pooled = pooled_from_metrics(metrics)
+    vers = sorted(pooled)
+    evals = {label: eval_by_version(metrics, _keys(metrics, lambda k, r=rx: k.startswith("eval/")
+                                                   and bool(r.search(k))))
+             for label, rx in (("reward", _REWARD_RE), ("accuracy", _ACC_RE))}
+    panels = [label for label in ("reward", "accuracy") if vers or evals[label]]
+    if not panels:
+        return None
+    rows = len(panels) + bool(vers)
+    fig = Figure(figsize=(7, 3.2 * rows))
+    axes = [fig.add_subplot(rows, 1, 1)]
+    axes += [fig.add_subplot(rows, 1, i + 1, sharex=axes[0]) for i in range(1, rows)]
+    for ax, label in zip(axes, panels, strict=False):
+        if vers:
+            ax.plot(vers, [getattr(pooled[v], label) for v in vers], marker="o", markersize=3,
+                    label=f"rollout {label} (trained episodes, by generating version)")
+        for key, (xs, ys) in evals[label].items():
+            ax.plot(xs, ys, marker="s", markersize=4, linestyle="--", label=f"{key} (by eval/policy_version)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    if vers:
+        axes[-1].bar(vers, [pooled[v].episodes for v in vers], color="tab:gray")
+        axes[-1].set_ylabel("episodes trained")
+    for ax in axes:
+        ax.set_xlabel("policy version")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if vers:
+        axes[-1].set_xlabel("generating policy version")
+    fig.axes[0].set_title("reward and accuracy by policy version (pooled over steps)")
+    return fig
 
 
 def _staleness_counts(metrics: list[dict]) -> list[float] | None:
@@ -274,9 +323,8 @@ def _plot_rollout_time(metrics: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def _plot_diagnostics(metrics: list[dict], path: Path) -> Path | None:
-    """Write :func:`diagnostics_figure` to ``path``; None (nothing written) if it has no panel."""
-    fig = diagnostics_figure(metrics)
+def _plot_figure(fig: Figure | None, path: Path) -> Path | None:
+    """Write ``fig`` to ``path``; None (nothing written) for no figure."""
     return None if fig is None else _save(fig, path)
 
 
@@ -313,6 +361,7 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
     filtered = [k for k in FILTER_KEYS if _keys(metrics, lambda q, k=k: q == k)]
     written = [
         _plot_reward_accuracy(metrics, out / "reward_accuracy.png"),
+        _plot_figure(by_version_figure(metrics), out / "reward_by_version.png"),
         _plot_staleness(metrics, out / "staleness.png"),
         _simple(
             metrics,
@@ -335,6 +384,6 @@ def make_plots(metrics: list[dict], output_dir: str | Path) -> list[Path]:
         _plot_rollout_time(metrics, out / "rollout_time.png"),
         _simple(metrics, out / "filtered_groups.png", filtered, "prompt groups per step",
                 "dynamic sampling: groups dropped (one reward for all episodes) / trained"),
-        _plot_diagnostics(metrics, out / "diagnostics.png"),
+        _plot_figure(diagnostics_figure(metrics), out / "diagnostics.png"),
     ]
     return [p for p in written if p is not None]
