@@ -11,7 +11,9 @@ clip, observation handling, samples per prompt).
 The PPO-clip family (``ppo``, ``decoupled_ppo``, ``tis``, ``icepop``) shares :class:`PPOClip`;
 ``brace`` extends :class:`VTraceSettings` (its ρ̄, c̄) with its horizon
 (:class:`BraceSettings`). Every class validates its ranges at construction and
-raises ``ValueError`` naming the field and the value.
+raises ``ValueError`` naming the field and the value. The π-referenced value probes' knobs
+(:class:`ValueProbeSettings`, ``train.value_probes``) live here too: a learner diagnostic, not a
+registered plug-in, but torch-free like the rest.
 """
 
 from __future__ import annotations
@@ -258,3 +260,36 @@ class IcePopSettings(PPOClip):
             _above_zero(n, getattr(self, n))
         _setting(self.icepop_low < self.icepop_high, "icepop_low", self.icepop_low,
                  f"must be < icepop_high={self.icepop_high!r}")
+
+
+#: Default cap C of the value probes' episode weights π/µ (:mod:`copc.value_probes`).
+DEFAULT_SEQ_WEIGHT_CAP = 10.0
+#: Default window of the pooled value probes, in learner steps (:class:`ValueProbeSettings`).
+DEFAULT_PROBE_WINDOW = 32
+
+
+@dataclass(frozen=True)
+class ValueProbeSettings:
+    """The π-referenced value probes' knobs (``train.value_probes``; :mod:`copc.value_probes`,
+    :mod:`copc.value_probe_window`).
+
+    Attributes:
+        window_steps: W ≥ 1, the learner steps whose episodes the pooled probes
+            (``value/pooled_*``) rest on: the W·B episodes of the last W steps. Default 32: with
+            B = 16 episodes a step (the CPU jobs) that is 512 episodes, the size at which a V^µ
+            critic is told from a V^π one in ≥ 80 % of windows on the exact toy of
+            ``docs/research.md`` ("How much a probe can see"); 1 = no pooling.
+        weight_cap: the cap C > 0 of the episode weights min(π/µ, C) (Ionides 2008's truncated IS).
+
+    Raises:
+        ValueError: ``window_steps`` not an int ≥ 1; ``weight_cap`` not a number > 0.
+    """
+
+    window_steps: int = DEFAULT_PROBE_WINDOW
+    weight_cap: float = DEFAULT_SEQ_WEIGHT_CAP
+
+    def __post_init__(self) -> None:
+        w = self.window_steps
+        _setting(isinstance(w, int) and not isinstance(w, bool) and w >= 1, "window_steps", w,
+                 "must be an int >= 1 (learner steps)")
+        _above_zero("weight_cap", self.weight_cap)

@@ -17,20 +17,48 @@ on some episodes than µ — ``value/seq_weight_capped_frac`` says how often it 
 ``value/seq_weight_ess_frac`` (Kish ESS/B of the weights) how many episodes the estimate rests on.
 With µ = π every weight is 1 and Ê_π = Ê_µ, b̂ = 0. On a token tree with the exact V^π as critic
 the gap is 0 up to sampling error (``tests/copc/test_value_probes.py``).
+
+Standard errors (``value/se_gap``, ``value/se_b_hat``): the delta-method (linearised)
+variance of the ratio estimator, the weights taken as given (Owen 2013, §9.2: the self-normalised
+estimate's variance Σ_b w_b² (R_b − Ê_π)² / (Σ_b w_b)²). With ``w̄ = Σ_b w_b / n`` each episode's
+influence on the signed gap ``d = mean_b V̂_b − Ê_π`` and on b̂ is
+
+    ψ^d_b = (V̂_b − mean V̂) − w_b (R_b − Ê_π) / w̄,     ψ^b_b = w_b (R_b − Ê_π) / w̄ − (R_b − Ê_µ[R])
+    SE = √(Σ_b ψ_b²) / n
+
+A V^π critic's |d| exceeds 2 SE in about 5 % of batches; the gap is evidence against the critic
+tracking π only where it does. :mod:`copc.value_probe_window` pools these over steps.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ._checks import as_bool_mask, check_2d_float
+from .component_settings import DEFAULT_SEQ_WEIGHT_CAP
 
 Tensor = torch.Tensor
 
-#: Default cap C of the episode weights π/µ.
-DEFAULT_SEQ_WEIGHT_CAP = 10.0
+
+
+@dataclass(frozen=True)
+class ProbeTerms:
+    """Per-episode terms of the probes, float64 ``(n,)`` each over the ``n`` episodes (rows with an
+    action token): ``v`` V̂ before the first action token, ``r`` the return R, ``w`` the capped
+    weight min(π/µ, C), ``capped`` 1.0 where the cap bit (else 0.0)."""
+
+    v: Tensor
+    r: Tensor
+    w: Tensor
+    capped: Tensor
+
+    @staticmethod
+    def cat(parts: list[ProbeTerms]) -> ProbeTerms:
+        """The episodes of every part, in order (pooling batches: each episode counts once)."""
+        return ProbeTerms(*(torch.cat([getattr(p, f) for p in parts]) for f in ("v", "r", "w", "capped")))
 
 
 def first_values_and_returns(values: Tensor, rewards: Tensor, m: Tensor, gamma: float
@@ -47,6 +75,54 @@ def first_values_and_returns(values: Tensor, rewards: Tensor, m: Tensor, gamma: 
 
 
 @torch.no_grad()
+def probe_terms(values: Tensor, rewards: Tensor, logp_old: Tensor, logp_mu: Tensor, loss_mask: Tensor,
+                gamma: float, *, weight_cap: float = DEFAULT_SEQ_WEIGHT_CAP) -> ProbeTerms | None:
+    """The :class:`ProbeTerms` of a batch (arguments as :func:`policy_value_metrics`); None
+    without a row with an action token, or when a weight is not finite or all are 0.
+
+    Raises:
+        TypeError/ValueError: as :func:`policy_value_metrics`.
+    """
+    check_2d_float("values", values)
+    m = as_bool_mask(loss_mask, values.shape)
+    for name, t in (("rewards", rewards), ("logp_old", logp_old), ("logp_mu", logp_mu)):
+        check_2d_float(name, t, m.shape)
+    if not 0.0 <= float(gamma) <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    if not weight_cap > 0:
+        raise ValueError(f"weight_cap must be > 0, got {weight_cap!r}")
+    v_first, ret, rows = first_values_and_returns(values, rewards, m, gamma)
+    if not bool(rows.any()):
+        return None
+    log_w = torch.where(m, logp_old.double() - logp_mu.double(), 0.0).sum(dim=1)[rows]
+    capped = log_w > math.log(weight_cap)
+    w = log_w.clamp(max=math.log(weight_cap)).exp()
+    if not bool(torch.isfinite(w).all()) or float(w.sum()) == 0.0:
+        return None
+    return ProbeTerms(v_first[rows], ret[rows], w, capped.double())
+
+
+def probe_metrics(t: ProbeTerms, suffix: str = "", prefix: str = "") -> dict[str, float]:
+    """The probes of the episodes ``t`` (module docstring): ``value/policy_value_gap``,
+    ``value/b_hat``, their standard errors ``value/se_gap`` (of the signed gap) and
+    ``value/se_b_hat``, ``value/seq_weight_ess_frac``, ``value/seq_weight_capped_frac`` (each
+    ``value/<prefix><name><suffix>``)."""
+    n, w, r = t.w.numel(), t.w, t.r
+    w_sum = w.sum()
+    e_pi = (w * r).sum() / w_sum
+    e_mu = r.mean()
+    v_mean = t.v.mean()
+    is_part = w * (r - e_pi) / (w_sum / n)  # the self-normalised mean's influence
+    se_gap = float(((t.v - v_mean) - is_part).square().sum().sqrt()) / n
+    se_b = float((is_part - (r - e_mu)).square().sum().sqrt()) / n
+    values = {"policy_value_gap": abs(float(v_mean) - float(e_pi)), "b_hat": float(e_pi) - float(e_mu),
+              "se_gap": se_gap, "se_b_hat": se_b,
+              "seq_weight_ess_frac": float(w_sum ** 2 / (n * w.square().sum())),
+              "seq_weight_capped_frac": float(t.capped.mean())}
+    return {f"value/{prefix}{k}{suffix}": v for k, v in values.items()}
+
+
+@torch.no_grad()
 def policy_value_metrics(values: Tensor, rewards: Tensor, logp_old: Tensor, logp_mu: Tensor,
                          loss_mask: Tensor, gamma: float, *, weight_cap: float = DEFAULT_SEQ_WEIGHT_CAP,
                          suffix: str = "") -> dict[str, float]:
@@ -59,36 +135,14 @@ def policy_value_metrics(values: Tensor, rewards: Tensor, logp_old: Tensor, logp
         weight_cap: C > 0. suffix: appended to every key (e.g. ``"_s2"``).
 
     Returns:
-        ``value/policy_value_gap``, ``value/b_hat``, ``value/seq_weight_ess_frac``,
-        ``value/seq_weight_capped_frac`` (each + ``suffix``); ``{}`` without a row with an action
-        token, or when a weight is not finite (a NaN log-ratio).
+        :func:`probe_metrics` of the batch's episodes; ``{}`` without a row with an action token,
+        or when a weight is not finite (a NaN log-ratio).
 
     Raises:
         TypeError/ValueError: bad shapes/dtypes, γ outside [0, 1], ``weight_cap`` not > 0.
     """
-    check_2d_float("values", values)
-    m = as_bool_mask(loss_mask, values.shape)
-    for name, t in (("rewards", rewards), ("logp_old", logp_old), ("logp_mu", logp_mu)):
-        check_2d_float(name, t, m.shape)
-    if not 0.0 <= float(gamma) <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    if not weight_cap > 0:
-        raise ValueError(f"weight_cap must be > 0, got {weight_cap!r}")
-    v_first, ret, rows = first_values_and_returns(values, rewards, m, gamma)
-    if not bool(rows.any()):
-        return {}
-    log_w = torch.where(m, logp_old.double() - logp_mu.double(), 0.0).sum(dim=1)[rows]
-    capped = log_w > math.log(weight_cap)
-    w = log_w.clamp(max=math.log(weight_cap)).exp()
-    if not bool(torch.isfinite(w).all()) or float(w.sum()) == 0.0:
-        return {}
-    r, v = ret[rows], v_first[rows]
-    e_pi = float((w * r).sum() / w.sum())
-    e_mu = float(r.mean())
-    return {f"value/policy_value_gap{suffix}": abs(float(v.mean()) - e_pi),
-            f"value/b_hat{suffix}": e_pi - e_mu,
-            f"value/seq_weight_ess_frac{suffix}": float(w.sum() ** 2 / (w.numel() * w.square().sum())),
-            f"value/seq_weight_capped_frac{suffix}": float(capped.double().mean())}
+    t = probe_terms(values, rewards, logp_old, logp_mu, loss_mask, gamma, weight_cap=weight_cap)
+    return {} if t is None else probe_metrics(t, suffix)
 
 
 @torch.no_grad()
