@@ -198,7 +198,8 @@ def learner_config(cfg: ExperimentConfig, backend: Any = None) -> LearnerConfig:
     return LearnerConfig(optim=optimizer_settings(cfg), critic_warmup_steps=t.critic_warmup_steps,
                          num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
                          temperature=cfg.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
-                         critic_updates_per_step=t.critic_updates_per_step, **step_fields(own))
+                         critic_updates_per_step=t.critic_updates_per_step,
+                         value_probes=t.value_probe_settings, **step_fields(own))
 
 
 def learner_spec(cfg: ExperimentConfig) -> LearnerSpec:

@@ -16,6 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from copc.component_settings import ValueProbeSettings
+from seams.settings import build_settings
+
+from ..errors import ConfigError
 from .sections import require
 
 
@@ -172,6 +176,10 @@ class TrainConfig:
         max_filtered_groups_per_batch: with ``filter_groups``, at most this many groups are
             dropped for one batch; then it keeps groups whatever their rewards (a policy that
             never earns a reward does not stall the run).
+        value_probes: the π-referenced value probes' knobs, a mapping of
+            :class:`~copc.component_settings.ValueProbeSettings` fields (``window_steps``: the
+            pooled probes' window in steps, default 32; ``weight_cap``: default 10); parsed by
+            :attr:`value_probe_settings`.
     """
 
     total_steps: int = 100
@@ -192,6 +200,7 @@ class TrainConfig:
     max_infra_failure_fraction: float = 0.5
     filter_groups: bool = False
     max_filtered_groups_per_batch: int = 64
+    value_probes: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the key on a bad value."""
@@ -226,6 +235,19 @@ class TrainConfig:
                  "train.sync_check_tolerance", tol, "must be a number > 0 (nats) or null (off)")
         require(0.0 <= self.max_infra_failure_fraction <= 1.0, "train.max_infra_failure_fraction",
                  self.max_infra_failure_fraction, "must be in [0, 1]")
+        self.value_probe_settings  # noqa: B018 - parses (and so checks) train.value_probes
+
+    @property
+    def value_probe_settings(self) -> ValueProbeSettings:
+        """``value_probes`` as :class:`~copc.component_settings.ValueProbeSettings`.
+
+        Raises:
+            ConfigError: one line naming ``train.value_probes.<field>`` and the value.
+        """
+        try:
+            return build_settings(ValueProbeSettings, self.value_probes, "train.value_probes")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def staleness_settings(self) -> StalenessSettings:

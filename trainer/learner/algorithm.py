@@ -28,6 +28,7 @@ import torch
 
 import copc
 from copc.advantages import length_adaptive_lambda, per_row_lambda
+from copc.component_settings import ValueProbeSettings
 from copc.metrics import (
     abs_log_ratio_by_staleness,
     advantage_channel_ess,
@@ -35,7 +36,8 @@ from copc.metrics import (
     value_bias_metrics,
 )
 from copc.policy_losses import positive_lm_loss
-from copc.value_probes import policy_value_by_staleness
+from copc.value_probe_window import ValueProbeWindow
+from copc.value_probes import policy_value_by_staleness, probe_terms
 
 from ..rollout.batch import RolloutBatch
 from .settings import LearnerConfig
@@ -100,13 +102,16 @@ class ActorCriticAlgorithm:
             ``seed · 1000003 + n``).
         critic_updates_per_step: ``K`` ≥ 1 critic updates on every mini-batch for its one actor
             update (SAO's critic recipe, arXiv 2607.07508, K = 2); 1: the usual one.
+        value_probes: the π-referenced value probes' window and weight cap
+            (:class:`~copc.component_settings.ValueProbeSettings`); None: the defaults.
 
     Raises:
         ValueError: a count < 1.
     """
 
     def __init__(self, algo: copc.AlgorithmConfig, *, num_mini_batches: int = 1, micro_batch_size: int = 8,
-                 critic_warmup_steps: int = 0, seed: int = 0, critic_updates_per_step: int = 1) -> None:
+                 critic_warmup_steps: int = 0, seed: int = 0, critic_updates_per_step: int = 1,
+                 value_probes: ValueProbeSettings | None = None) -> None:
         if num_mini_batches < 1 or micro_batch_size < 1 or critic_updates_per_step < 1:
             raise ValueError(f"num_mini_batches={num_mini_batches!r}, micro_batch_size="
                              f"{micro_batch_size!r} and critic_updates_per_step="
@@ -115,13 +120,31 @@ class ActorCriticAlgorithm:
         self.algo, self.num_mini_batches, self.micro_batch_size = algo, num_mini_batches, micro_batch_size
         self.critic_warmup_steps, self.seed = critic_warmup_steps, seed
         self.value_bias = ValueBiasTracker()
+        self.value_probes = value_probes or ValueProbeSettings()
+        self.value_probe_window = ValueProbeWindow(self.value_probes)
 
     @classmethod
     def from_config(cls, algo: copc.AlgorithmConfig, cfg: LearnerConfig) -> ActorCriticAlgorithm:
         """The algorithm of ``algo`` with the step settings of a :class:`LearnerConfig`."""
         return cls(algo, num_mini_batches=cfg.num_mini_batches, micro_batch_size=cfg.micro_batch_size,
                    critic_warmup_steps=cfg.critic_warmup_steps, seed=cfg.seed,
-                   critic_updates_per_step=cfg.critic_updates_per_step)
+                   critic_updates_per_step=cfg.critic_updates_per_step, value_probes=cfg.value_probes)
+
+    def diagnostics_state_dict(self) -> dict:
+        """The diagnostics' learner state for a checkpoint: the value-bias EMA
+        (:class:`ValueBiasTracker`) and the pooled value probes' window (:class:`ValueProbeWindow`)."""
+        return {**self.value_bias.state_dict(), **self.value_probe_window.state_dict()}
+
+    def load_diagnostics_state_dict(self, state: dict) -> None:
+        """Restore :meth:`diagnostics_state_dict` output (one without the window, from an older
+        checkpoint, starts an empty window).
+
+        Raises:
+            ValueError: as :meth:`ValueBiasTracker.load_state_dict` /
+                :meth:`ValueProbeWindow.load_state_dict`.
+        """
+        self.value_bias.load_state_dict(state)
+        self.value_probe_window.load_state_dict(state)
 
     def advantages(self, batch: RolloutBatch, logp_old: Tensor, values_old: Tensor | None,
                    version: int, *, steps_done: int | None = None) -> tuple[StepInputs, dict[str, float]]:
@@ -340,7 +363,9 @@ class ActorCriticAlgorithm:
         * with a critic: ``critic/value_bias``, ``critic/value_bias_abs``,
           ``critic/value_bias_drift`` (advances :attr:`value_bias`), all against µ's returns; and
           against π (:mod:`copc.value_probes`): ``value/policy_value_gap``, ``value/b_hat``,
-          ``value/seq_weight_{ess,capped}_frac``, also per staleness level (``…_s{k}``).
+          ``value/seq_weight_{ess,capped}_frac``, ``value/se_gap``, ``value/se_b_hat``, also per
+          staleness level (``…_s{k}``); and pooled over the last ``value_probes.window_steps``
+          steps (:class:`ValueProbeWindow`, advanced here): ``value/pooled_*``.
 
         Args:
             batch: the rollout batch (loss mask, behavior log-probs, token versions, rewards).
@@ -365,8 +390,11 @@ class ActorCriticAlgorithm:
         if values_old is not None:
             out.update(value_bias_metrics(values_old, batch.rewards, mask, self.algo.gamma))
             out.update(self.value_bias.update(out))
+            cap, gamma = self.value_probes.weight_cap, self.algo.gamma
             out.update(policy_value_by_staleness(values_old, batch.rewards, logp_old, mu, batch.versions,
-                                                 version, mask, self.algo.gamma))
+                                                 version, mask, gamma, weight_cap=cap))
+            out.update(self.value_probe_window.update(
+                probe_terms(values_old, batch.rewards, logp_old, mu, mask, gamma, weight_cap=cap)))
         return out
 
 

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from copc.component_settings import ValueProbeSettings
+
 from ..models.settings import DEFAULT_CHUNK_TOKENS, LoraSettings
 
 #: ``learner.optimizer`` values.
@@ -112,6 +114,8 @@ class LearnerConfig:
         shared_prefix_tokens: shortest common prefix of a micro-batch's rows run once
             (``learner.backend_settings.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`);
             0: off.
+        value_probes: the π-referenced value probes' pooling window and weight cap
+            (``train.value_probes``, :class:`~copc.component_settings.ValueProbeSettings`).
 
     Raises:
         ValueError: ``logprob_chunk_tokens`` or ``critic_updates_per_step`` not an int >= 1, or an
@@ -131,6 +135,7 @@ class LearnerConfig:
     critic_freeze_attention: bool = False
     autocast_dtype: str | None = None
     shared_prefix_tokens: int = 0
+    value_probes: ValueProbeSettings = field(default_factory=ValueProbeSettings)
 
     def __post_init__(self) -> None:
         for key, n in (("learner.backend_settings.logprob_chunk_tokens", self.logprob_chunk_tokens),

@@ -328,15 +328,18 @@ def test_learner_step_logs_every_diagnostic_with_hand_values(tiny):
     assert m2["critic/value_bias"] == pytest.approx(bias2, abs=1e-5)
     assert m2["critic/value_bias_drift"] == pytest.approx(bias2 + 1.125, abs=1e-5)
     assert learner.algorithm.value_bias.ema == pytest.approx(0.9 * -1.125 + 0.1 * bias2, abs=1e-5)
-    assert resumed.step(b)["critic/value_bias_drift"] == pytest.approx(m2["critic/value_bias_drift"],
-                                                                       abs=1e-5)
+    r2 = resumed.step(b)
+    assert r2["critic/value_bias_drift"] == pytest.approx(m2["critic/value_bias_drift"], abs=1e-5)
+    # the pooled probes' window survives the round trip too: both pool the 2 steps' 4 episodes
+    assert m2["value/pooled_episodes"] == r2["value/pooled_episodes"] == 4.0
+    assert r2["value/pooled_policy_value_gap"] == pytest.approx(m2["value/pooled_policy_value_gap"], abs=1e-5)
 
 
 def test_old_checkpoint_without_diagnostics_loads(tiny):
     learner = _learner(tiny)
     learner.algorithm.value_bias.ema = 3.0
     state = learner.state_dict()
-    assert state["diagnostics"] == {"value_bias_ema": 3.0}
+    assert state["diagnostics"]["value_bias_ema"] == 3.0 and state["diagnostics"]["value_probe_window"] == []
     del state["diagnostics"]
     fresh = _learner(tiny)
     fresh.algorithm.value_bias.ema = 7.0
@@ -354,7 +357,7 @@ def test_critic_free_learner_has_no_value_bias(tiny):
     assert "diag/advantage_ess_frac" not in m and "advantage/clipped_frac" not in m  # no advantage channel
     assert m["diag/policy_ess_frac"] == pytest.approx(POLICY_ESS, abs=1e-4)  # sao: DIS, η_P = 0.5
     assert {f"diag/abs_log_ratio_s{k}" for k in (1, 2, 3)} <= m.keys()
-    assert learner.state_dict()["diagnostics"] == {"value_bias_ema": None}
+    assert learner.state_dict()["diagnostics"] == {"value_bias_ema": None, "value_probe_window": []}
 
 
 # ---------------------------------------------------------------------------- logging and plots

@@ -234,7 +234,7 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
         if self.critic_opt is not None:
             self.critic_opt.scheduler.load_state_dict(small["critic_sched"])
         self.steps_done = int(small["steps_done"])
-        self.algorithm.value_bias.load_state_dict(small["diagnostics"])
+        self.algorithm.load_diagnostics_state_dict(small["diagnostics"])
 
     # -- backend part ----------------------------------------------------------------------
     def _dcp_state(self) -> dict[str, Any]:
@@ -245,7 +245,7 @@ class FSDPRankLearner(TransformersForward, TemplateLearner):
 
     def _small_state(self) -> dict[str, Any]:
         out = {"steps_done": self.steps_done, "actor_sched": self.actor_opt.scheduler.state_dict(),
-               "diagnostics": self.algorithm.value_bias.state_dict()}
+               "diagnostics": self.algorithm.diagnostics_state_dict()}
         if self.critic_opt is not None:
             out["critic_sched"] = self.critic_opt.scheduler.state_dict()
         return out

@@ -255,7 +255,7 @@ class TorchLearner(TransformersForward, TemplateLearner):
         out = {**role_state("actor", self.actor, self.cfg.lora),
                "actor_opt": self.actor_opt.optimizer.state_dict(),
                "actor_sched": self.actor_opt.scheduler.state_dict(), "steps_done": self.steps_done,
-               "diagnostics": self.algorithm.value_bias.state_dict()}
+               "diagnostics": self.algorithm.diagnostics_state_dict()}
         if self.critic is not None:
             out.update(role_state("critic", self.critic, self.cfg.critic_lora),
                        critic_opt=self.critic_opt.optimizer.state_dict(),
@@ -273,7 +273,7 @@ class TorchLearner(TransformersForward, TemplateLearner):
         self.actor_opt.optimizer.load_state_dict(state["actor_opt"])
         self.actor_opt.scheduler.load_state_dict(state["actor_sched"])
         self.steps_done = int(state["steps_done"])
-        self.algorithm.value_bias.load_state_dict(state.get("diagnostics", {"value_bias_ema": None}))
+        self.algorithm.load_diagnostics_state_dict(state.get("diagnostics", {"value_bias_ema": None}))
         if self.critic is not None:
             load_role_state("critic", self.critic, self.cfg.critic_lora, state)
             self.critic_opt.optimizer.load_state_dict(state["critic_opt"])

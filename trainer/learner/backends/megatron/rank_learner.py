@@ -205,8 +205,8 @@ class MegatronRankLearner(TemplateLearner):
             dist.barrier(group=self.ctx.cpu_group)
             dist_checkpointing.save(self._sharded_state(model, opt, is_loading=False), str(directory / name))
         if self.ctx.is_rank0:
-            torch.save({"steps_done": self.steps_done, "diagnostics": self.algorithm.value_bias.state_dict()},
-                       directory / SMALL_STATE)
+            small = {"steps_done": self.steps_done, "diagnostics": self.algorithm.diagnostics_state_dict()}
+            torch.save(small, directory / SMALL_STATE)
         dist.barrier(group=self.ctx.cpu_group)
 
     def load(self, directory: Path) -> None:
@@ -228,7 +228,7 @@ class MegatronRankLearner(TemplateLearner):
             opt.load_sharded_state_dict(state["optimizer"])
         small = torch.load(directory / SMALL_STATE, map_location="cpu", weights_only=True)
         self.steps_done = int(small["steps_done"])
-        self.algorithm.value_bias.load_state_dict(small["diagnostics"])
+        self.algorithm.load_diagnostics_state_dict(small["diagnostics"])
 
     # -- backend part ----------------------------------------------------------------------
     @staticmethod
