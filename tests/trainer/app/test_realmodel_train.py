@@ -19,6 +19,7 @@ import pytest
 import torch
 from search_server import CORPUS, QA_DIR  # tests/trainer on sys.path
 
+import copc
 from trainer.app.run import run_experiment
 from trainer.config import load_config
 from trainer.outputs.checkpoint import CheckpointManager
@@ -173,5 +174,57 @@ def test_two_rl_steps_of_the_search_main_job(realmodel_path, tmp_path, capsys):
     ckpt = CheckpointManager(out / "checkpoints")
     state = ckpt.load(ckpt.latest())["learner"]
     for role in ("actor_lora", "critic_lora"):  # after 2 steps the critic's B has had a gradient too
+        b = [t for n, t in state[role]["tensors"].items() if "lora_B" in n]
+        assert b and any(torch.count_nonzero(t) > 0 for t in b), role
+
+
+def test_two_rl_steps_of_the_math_main_job(realmodel_path, tmp_path):
+    """``configs/math_tool/cpu_smollm.yaml`` (the math job on the real model, issue 45 item 5) as
+    committed, cut to a warm-start of 8 steps on 32 GSM8K-solution traces and 2 RL steps of 2 prompts
+    (4 GSM8K training rows, groups of 4 episodes): the warm-start ran on the real sandbox's traces,
+    the RL episodes called the real sandbox, every ``<interpreter>`` block is masked from the loss,
+    both roles' LoRA adapters moved, and the held-out evaluation (one problem) wrote its accuracy,
+    tool-call, answer and invalid-action rates before and after RL to ``summary.json``."""
+    rows = (REPO / "data" / "gsm8k_train.jsonl").read_text().splitlines()[:5]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(rows[:4]) + "\n")
+    held = tmp_path / "held.jsonl"
+    held.write_text(rows[4] + "\n")
+    out = tmp_path / "run"
+    overrides = [f"model.path={realmodel_path}", f"output_dir={out}", f"task.train_data=[{data}]",
+                 f"task.eval_data=[{held}]", "eval.num_samples=1", "task.max_eval_samples=1",
+                 "warm_start.num_examples=32", "warm_start.steps=8", "warm_start.batch_size=4",
+                 "train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=4",
+                 "train.max_filtered_groups_per_batch=2",
+                 "train.staleness={mode: fixed, lag: 2, groups_in_flight: 4}",
+                 "rollout.max_new_tokens=160", "logging.samples_per_step=8", "logging.progress=false",
+                 "checkpoint.every_steps=2",
+                 # 8 SFT steps leave the model near 0 accuracy: with 1/0 rewards every return and
+                 # advantage would be 0 and nothing would move; DAPO's -1 for a wrong answer gives both
+                 # roles a gradient (as test_one_lora_copc_step_through_the_real_tool's math case)
+                 "task.env_kwargs.reward.incorrect_reward=-1"]
+    job = load_config(str(REPO / "configs/math_tool/cpu_smollm.yaml"), [f"model.path={realmodel_path}"])
+    assert job.train.staleness == {"mode": "fixed", "lag": 2, "groups_in_flight": 8}
+    assert job.model.dtype == "bfloat16" and job.learner.lora is not None and job.train.filter_groups
+    assert job.warm_start.enabled and job.warm_start.kind == "gsm8k_solutions"
+    preset = copc.get_preset(job.preset)  # the paper's eta_P = eta_A = 0.5
+    assert (preset.policy_loss_settings.eta_p, preset.estimator_settings.eta_a) == (0.5, 0.5)
+    summary = run_experiment(load_config(str(REPO / "configs/math_tool/cpu_smollm.yaml"), overrides))
+    assert summary["steps"] == 2 and summary["trained_uids"] == 4
+    assert summary["warm_start"]["sft/steps"] == 8 and summary["warm_start"]["sft/traces"] == 32
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x) for x in lines if '"actor/pg_loss"' in x]
+    assert len(steps) == 2 and all(s["rollout/episodes"] == 8 for s in steps)
+    assert sum(s["time/rollout_env_s"] for s in steps) > 0
+    recs = read_samples(out)
+    calls = sum(r["tool_calls"] for r in recs)
+    assert calls >= 1, [r["tool_calls"] for r in recs]
+    assert sum(_tool_spans_masked(r, "<interpreter>", "</interpreter>") for r in recs) == calls
+    for key in ("eval_before", "eval_after"):
+        assert {"accuracy", "tool_call_rate", "answer_rate", "invalid_action_rate"} <= set(summary[key]), \
+            summary[key]
+    ckpt = CheckpointManager(out / "checkpoints")
+    state = ckpt.load(ckpt.latest())["learner"]
+    for role in ("actor_lora", "critic_lora"):
         b = [t for n, t in state[role]["tensors"].items() if "lora_B" in n]
         assert b and any(torch.count_nonzero(t) > 0 for t in b), role
