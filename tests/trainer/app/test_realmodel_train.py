@@ -205,7 +205,7 @@ def test_two_rl_steps_of_the_math_main_job(realmodel_path, tmp_path):
                  "task.env_kwargs.reward.incorrect_reward=-1"]
     job = load_config(str(REPO / "configs/math_tool/cpu_smollm.yaml"), [f"model.path={realmodel_path}"])
     assert job.train.staleness == {"mode": "fixed", "lag": 2, "groups_in_flight": 8}
-    assert job.model.dtype == "bfloat16" and job.learner.lora is not None and job.train.filter_groups
+    assert job.model.dtype == "bfloat16" and job.learner.lora is not None and not job.train.filter_groups
     assert job.warm_start.enabled and job.warm_start.kind == "gsm8k_solutions"
     preset = copc.get_preset(job.preset)  # the paper's eta_P = eta_A = 0.5
     assert (preset.policy_loss_settings.eta_p, preset.estimator_settings.eta_a) == (0.5, 0.5)
