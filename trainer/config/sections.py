@@ -188,7 +188,8 @@ class RolloutConfig:
     Attributes:
         engine: a registered engine (:mod:`trainer.engines.registry`): ``embedded``
             (in-process, CPU default) | ``sglang`` (GPU server) | a user's.
-        temperature, top_p, top_k: sampling (the learner uses the same temperature).
+        temperature, top_p, top_k: sampling (the learner uses the same three: its log-probs replay
+            the sampler's top-k / top-p support, :mod:`trainer.logprobs`).
         max_new_tokens: tokens per model turn.
         n_samples_per_prompt: episodes per prompt: >= 2 when the advantage estimator
             ``needs_groups`` (registry metadata; ``grpo``/``dapo``), and equal to the algorithm's

@@ -178,8 +178,9 @@ def optimizer_settings(cfg: ExperimentConfig) -> OptimizerSettings:
 
 def learner_config(cfg: ExperimentConfig, backend: Any = None) -> LearnerConfig:
     """The step settings (:class:`~trainer.learner.settings.LearnerConfig`) of ``cfg``: ``train``,
-    ``learner.optimizer``, ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature``,
-    with the step fields of the backend's own settings.
+    ``learner.optimizer``, ``learner.lora`` / ``learner.critic_lora`` and ``rollout.temperature`` /
+    ``top_k`` / ``top_p`` (the learner's log-probs replay the sampler's support), with the step
+    fields of the backend's own settings.
 
     Args:
         cfg: the validated experiment config.
@@ -197,7 +198,8 @@ def learner_config(cfg: ExperimentConfig, backend: Any = None) -> LearnerConfig:
     lora, critic_lora = cfg.learner.lora_settings()
     return LearnerConfig(optim=optimizer_settings(cfg), critic_warmup_steps=t.critic_warmup_steps,
                          num_mini_batches=t.num_mini_batches, micro_batch_size=t.micro_batch_size,
-                         temperature=cfg.rollout.temperature, seed=t.seed, lora=lora, critic_lora=critic_lora,
+                         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                         top_p=cfg.rollout.top_p, seed=t.seed, lora=lora, critic_lora=critic_lora,
                          critic_updates_per_step=t.critic_updates_per_step,
                          value_probes=t.value_probe_settings, **step_fields(own))
 

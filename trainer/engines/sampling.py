@@ -1,7 +1,8 @@
 """Batched next-token sampling with per-row parameters, and the behavior log-probs.
 
-Log-probs follow :mod:`trainer.logprobs`: ``log softmax(logits / T)[token]`` on the raw
-logits, before top-k / top-p truncation (which only shapes *which* token is drawn).
+Log-probs follow :mod:`trainer.logprobs`: the log-prob of the drawn token under the distribution it
+was drawn from, computed from the raw logits: ``log softmax(logits / T)[token]`` without truncation,
+renormalised over the top-k / top-p support (:func:`trainer.logprobs.support_logits`) with it.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from collections.abc import Sequence
 
 import torch
 
-from ..logprobs import token_logprobs
+from ..logprobs import support_logits, token_logprobs, truncates
 from .base import SamplingParams
 
 Tensor = torch.Tensor
 
 
 def filtered_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Temperature-scaled logits with top-k / top-p truncation applied per row.
+    """Temperature-scaled logits with top-k / top-p truncation applied per row: the sampler's
+    support, :func:`trainer.logprobs.support_logits` of ``logits.float() / temperature`` (the
+    function the learner's log-probs use, so the two cannot drift).
 
     Args:
         logits: ``(n, V)`` float32 raw logits.
@@ -27,32 +30,8 @@ def filtered_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 
     Returns:
         ``(n, V)`` float32 with ``-inf`` on excluded tokens (at least one token kept per row).
-        When no row truncates, the scaled logits are returned without sorting; when rows use
-        top-k but none top-p, only the ``max k`` best tokens per row are selected (``topk``),
-        no full sort.
     """
-    scaled = logits.float() / temperature[:, None]
-    use_k, use_p = top_k > 0, top_p < 1
-    if not bool((use_k | use_p).any()):
-        return scaled
-    V = scaled.shape[1]
-    if not bool(use_p.any()):
-        k = top_k.clamp(max=V)
-        vals, idx = scaled.topk(int(k.max()), dim=1)
-        vals = vals.masked_fill(torch.arange(vals.shape[1], device=logits.device)[None, :] >= k[:, None],
-                                -torch.inf)
-        kept = torch.full_like(scaled, -torch.inf).scatter(1, idx, vals)
-        return torch.where(use_k[:, None], kept, scaled)
-    sorted_logits, order = scaled.sort(dim=1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(use_k, top_k.clamp(max=V), torch.full_like(top_k, V))
-    drop = rank >= k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, -torch.inf), dim=1)
-    mass_before = probs.cumsum(1) - probs  # probability of strictly better tokens
-    drop |= (mass_before >= top_p[:, None]) & use_p[:, None]  # top_p = 1: no rounding-off of the tail
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
-    return torch.full_like(scaled, -torch.inf).scatter(1, order, sorted_logits)
+    return support_logits(logits.float() / temperature[:, None], top_k, top_p)
 
 
 def draw(scores: Tensor, uniforms: Tensor) -> Tensor:
@@ -88,17 +67,20 @@ def sample_next(logits: Tensor, params: Sequence[SamplingParams],
     their uniforms from one batched ``torch.rand`` on the global torch RNG; a row with its own
     (seeded) generator takes its uniform from it, so a seeded request gives the same tokens
     whatever else is in the batch. Log-probs are computed with
-    :func:`trainer.logprobs.token_logprobs` once per distinct temperature.
+    :func:`trainer.logprobs.token_logprobs` once per distinct ``(temperature, top_k, top_p)``:
+    over the truncated, renormalised support when the row truncates
+    (:func:`trainer.logprobs.truncates`), the learner's convention.
 
     Args:
         logits: ``(n, V)`` raw logits of the last position of each row.
         params: per-row :class:`SamplingParams` (``len == n``).
         generators: per-row RNG (None: the global torch RNG), ``len == n``.
         sampling_logits: optional ``(n, V)`` processed logits to sample from instead of
-            ``logits``; the returned log-probs still come from the raw ``logits``.
+            ``logits``; the returned log-probs still come from the raw ``logits`` (with the
+            row's truncation).
 
     Returns:
-        ``(n,)`` int64 ids and ``(n,)`` float32 log-probs under ``softmax(logits / T)``.
+        ``(n,)`` int64 ids and ``(n,)`` float32 log-probs (:func:`trainer.logprobs.token_logprobs`).
 
     Raises:
         ValueError: if ``params`` or ``generators`` do not have one entry per row.
@@ -122,11 +104,25 @@ def sample_next(logits: Tensor, params: Sequence[SamplingParams],
             if generators[i] is not None:
                 u[j] = torch.rand((), dtype=torch.float64, device=dev, generator=generators[i])
         ids[sub] = draw(filtered_logits(src[sub], temp, top_k, top_p), u)
-    temps = [p.temperature for p in params]
-    if len(set(temps)) == 1:
-        return ids, token_logprobs(logits, ids, temps[0])
-    lp = torch.empty(n, dtype=torch.float32, device=dev)
-    for t in set(temps):
-        idx = torch.tensor([i for i, ti in enumerate(temps) if ti == t], device=dev)
-        lp[idx] = token_logprobs(logits[idx], ids[idx], t)
+    keys = [(p.temperature, p.top_k, p.top_p) for p in params]
+    if len(set(keys)) == 1:
+        lp = _behavior_logprobs(logits, ids, *keys[0])
+    else:
+        lp = torch.empty(n, dtype=torch.float32, device=dev)
+        for key in set(keys):
+            idx = torch.tensor([i for i, k in enumerate(keys) if k == key], device=dev)
+            lp[idx] = _behavior_logprobs(logits[idx], ids[idx], *key)
     return ids, lp
+
+
+def _behavior_logprobs(logits: Tensor, ids: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """``(n,)`` float32 :func:`trainer.logprobs.token_logprobs` of ``ids`` under the raw ``logits``
+    with one ``(temperature, top_k, top_p)``. A token outside the raw support (only possible when
+    a logits processor chose it from other logits) keeps its untruncated log-prob, so µ is always
+    finite; the learner then finds it outside π's support (ratio 0, masked)."""
+    lp = token_logprobs(logits, ids, temperature, top_k=top_k, top_p=top_p)
+    if truncates(top_k, top_p):
+        out = torch.isneginf(lp)
+        if bool(out.any()):
+            lp = torch.where(out, token_logprobs(logits, ids, temperature), lp)
+    return lp

@@ -99,6 +99,9 @@ class LearnerConfig:
         critic_warmup_steps: first steps update only the critic.
         num_mini_batches: updates per step. micro_batch_size: rows per forward/backward.
         temperature: sampling temperature of the rollouts (log-probs are of ``logits / T``).
+        top_k / top_p: the rollouts' truncation (``rollout.top_k`` / ``rollout.top_p``): with
+            ``top_k > 1`` or ``top_p < 1`` the actor's log-probs are taken over the sampler's
+            renormalised support (:mod:`trainer.logprobs`); -1 / 1: untruncated.
         seed: mini-batch permutation seed.
         lora / critic_lora: the actor's / critic's LoRA adapter (``learner.lora`` /
             ``learner.critic_lora``), None: the model is fully fine-tuned.
@@ -127,6 +130,8 @@ class LearnerConfig:
     num_mini_batches: int = 1
     micro_batch_size: int = 8
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
     seed: int = 0
     lora: LoraSettings | None = None
     critic_lora: LoraSettings | None = None

@@ -94,13 +94,14 @@ def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
 
 def token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                  score_mask: Tensor, *, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 entropy: bool = False, shared_prefix_tokens: int = 0) -> tuple[Tensor, Tensor | None]:
+                 entropy: bool = False, shared_prefix_tokens: int = 0, top_k: int = -1,
+                 top_p: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the tokens at the columns ``score_mask`` selects, each token
     ``input_ids[b, i]`` scored by the model's distribution at column ``i − 1``.
 
     The same values as ``token_logprobs(model(...).logits[:, :-1], input_ids[:, 1:],
-    temperature)`` at those columns, computed from the selected hidden states only, the head
-    applied ``chunk_tokens`` rows at a time (forward and backward).
+    temperature, top_k=top_k, top_p=top_p)`` at those columns, computed from the selected hidden
+    states only, the head applied ``chunk_tokens`` rows at a time (forward and backward).
 
     Args:
         model: see :func:`output_head` (refused there when unsupported).
@@ -110,6 +111,8 @@ def token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, po
         temperature: > 0. chunk_tokens: >= 1.
         entropy: also the entropy (nats) of each scored position's distribution at ``temperature``.
         shared_prefix_tokens: see :func:`final_hidden_states`.
+        top_k / top_p: the rollout's truncation (log-probs over the sampler's renormalised
+            support, :func:`~trainer.models.chunked_logprobs.chunked_token_scores`; -1 / 1: none).
 
     Returns:
         ``(logp, entropy)``: ``(N,)`` float32, ``N = score_mask.sum()``, in row-major order
@@ -129,7 +132,7 @@ def token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, po
     hidden = final_hidden_states(model, input_ids, attention_mask, position_ids, shared_prefix_tokens)[:, :-1]
     return chunked_token_scores(hidden[keep[:, 1:]], head.weight, input_ids[:, 1:][keep[:, 1:]],
                                 bias=head.bias, temperature=temperature, scale=head.scale,
-                                chunk_tokens=chunk_tokens, entropy=entropy)
+                                chunk_tokens=chunk_tokens, entropy=entropy, top_k=top_k, top_p=top_p)
 
 
 @torch.no_grad()

@@ -14,9 +14,10 @@ from trainer.models.loading import load_model_and_tokenizer
 from trainer.models.tiny import TinyModelConfig, build_byte_tokenizer, build_tiny_model, save_tiny_checkpoint
 
 
-def recompute(model, prompt, new, temperature):
+def recompute(model, prompt, new, temperature, top_k=-1, top_p=1.0):
     ids = torch.tensor([prompt + new])
-    return sequence_logprobs(model, ids, torch.ones_like(ids), temperature)[0, len(prompt):]
+    return sequence_logprobs(model, ids, torch.ones_like(ids), temperature, top_k=top_k,
+                             top_p=top_p)[0, len(prompt):]
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 0.8, 20)])
@@ -35,7 +36,7 @@ def test_logprobs_match_learner_forward_batched(model_tok, temperature, top_p, t
     prompts, res = asyncio.run(main())
     for p, r in zip(prompts, res, strict=True):
         assert len(r.token_ids) == len(r.logprobs) == len(r.versions) > 0
-        lp = recompute(model, p, r.token_ids, temperature)
+        lp = recompute(model, p, r.token_ids, temperature, top_k, top_p)  # over the sampler's support
         assert (lp - torch.tensor(r.logprobs)).abs().max().item() < 1e-5
 
 

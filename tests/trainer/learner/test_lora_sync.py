@@ -89,10 +89,10 @@ def _play(engine, tok, prompts, sampling):
     return asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts)))
 
 
-def _learner_logprobs(model, batch, temperature):
+def _learner_logprobs(model, batch, temperature, top_p=1.0):
     model.eval()
     with torch.no_grad():
-        return response_logprobs(model, batch, temperature)
+        return response_logprobs(model, batch, temperature, top_p=top_p)
 
 
 def test_engine_logprobs_equal_the_learners_for_every_synced_adapter_version(tiny):
@@ -117,10 +117,10 @@ def test_engine_logprobs_equal_the_learners_for_every_synced_adapter_version(tin
             batch = to_batch(trajs, tok.pad_token_id)
             mask = batch.loss_mask.bool()
             # ... is the adapter version the learner recomputes with: per-token log-probs equal
-            lp = _learner_logprobs(learner.actor, batch, sampling.temperature)
+            lp = _learner_logprobs(learner.actor, batch, sampling.temperature, sampling.top_p)
             diffs.append(float((lp - batch.logp_mu)[mask].abs().max()))
             if previous is not None:  # and it is not the previous version's adapter
-                stale = _learner_logprobs(previous, batch, sampling.temperature)
+                stale = _learner_logprobs(previous, batch, sampling.temperature, sampling.top_p)
                 assert float((stale - batch.logp_mu)[mask].abs().max()) > 1e-3
             previous = copy.deepcopy(learner.actor)
             await asyncio.to_thread(learner.step, batch)  # a real optimizer step

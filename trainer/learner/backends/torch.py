@@ -50,10 +50,12 @@ Tensor = torch.Tensor
 def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy: bool = False,
                     scorer: Callable[..., tuple[Tensor, Tensor | None]] | None = None,
-                    shared_prefix_tokens: int = 0) -> tuple[Tensor, Tensor | None]:
+                    shared_prefix_tokens: int = 0, top_k: int = -1, top_p: float = 1.0
+                    ) -> tuple[Tensor, Tensor | None]:
     """``(B, T)`` float32 log-probs (and entropies) of the response's model tokens: token ``t`` (column
     ``P + t``) scored by the distribution at column ``P + t − 1``, ``log softmax(logits / temperature)``
-    (:mod:`trainer.logprobs`); 0 at columns with ``loss_mask`` 0 (observation and padding tokens).
+    restricted to the sampler's top-k / top-p support when it truncates (:mod:`trainer.logprobs`;
+    ``-inf`` for a token outside it); 0 at columns with ``loss_mask`` 0 (observation and padding tokens).
 
     The hidden states are taken at the model tokens only and the LM head is applied in chunks of
     ``chunk_tokens`` with recomputation in backward (:func:`trainer.models.lm_head.token_scores`): no
@@ -68,6 +70,7 @@ def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
         shared_prefix_tokens: a common prefix of the rows of at least this many tokens is run once
             (``learner.backend_settings.shared_prefix_tokens``, :mod:`trainer.models.shared_prefix`; 0:
             off; not passed to a ``scorer``).
+        top_k / top_p: the rollout's truncation (``rollout.top_k`` / ``rollout.top_p``; -1 / 1: none).
 
     Returns:
         ``(logp, entropy)``, ``(B, T)`` float32 each (entropy None when not asked for).
@@ -77,15 +80,16 @@ def response_scores(model: nn.Module, b: RolloutBatch, temperature: float, *,
     score_mask[:, b.prompt_len:] = mask
     fn = scorer or (lambda *a, **k: token_scores(model, *a, shared_prefix_tokens=shared_prefix_tokens, **k))
     lp, ent = fn(b.input_ids, b.attention_mask, b.position_ids, score_mask, temperature=temperature,
-                 chunk_tokens=chunk_tokens, entropy=entropy)
+                 chunk_tokens=chunk_tokens, entropy=entropy, top_k=top_k, top_p=top_p)
     lp = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
     return lp, None if ent is None else ent.new_zeros(mask.shape).masked_scatter(mask, ent)
 
 
 def response_logprobs(model: nn.Module, b: RolloutBatch, temperature: float, *,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS, top_k: int = -1,
+                      top_p: float = 1.0) -> Tensor:
     """``(B, T)`` float32 log-probs of the response's model tokens (:func:`response_scores`)."""
-    return response_scores(model, b, temperature, chunk_tokens=chunk_tokens)[0]
+    return response_scores(model, b, temperature, chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p)[0]
 
 
 def enable_activation_checkpointing(*models: nn.Module | None) -> None:
@@ -131,12 +135,14 @@ class TransformersForward:
 
     def scores(self, mb: RolloutBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
         """The actor's response log-probs (and entropies) of ``mb`` (:func:`response_scores`, chunks of
-        ``cfg.logprob_chunk_tokens``), float32, under :meth:`forward_context`."""
+        ``cfg.logprob_chunk_tokens``, the rollouts' ``cfg.top_k`` / ``cfg.top_p`` support), float32,
+        under :meth:`forward_context`."""
         width, mb = mb.loss_mask.shape[1], mb.trimmed()
         with self.forward_context():
             lp, ent = response_scores(self.actor, mb, self.cfg.temperature, entropy=entropy,
                                       scorer=self.scorer, chunk_tokens=self.cfg.logprob_chunk_tokens,
-                                      shared_prefix_tokens=self.cfg.shared_prefix_tokens)
+                                      shared_prefix_tokens=self.cfg.shared_prefix_tokens,
+                                      top_k=self.cfg.top_k, top_p=self.cfg.top_p)
         return pad_response(lp, width), None if ent is None else pad_response(ent, width)
 
     def logprobs(self, mb: RolloutBatch) -> Tensor:

@@ -37,6 +37,7 @@ from torch import nn
 import copc
 
 from ....errors import ConfigError
+from ....logprobs import truncates
 from ....rollout.batch import RolloutBatch
 from ...algorithm import ActorCriticAlgorithm, MiniBatchDenominators, StepInputs
 from ...backend_settings import DistributedSettings
@@ -103,7 +104,9 @@ class MegatronRankLearner(TemplateLearner):
             backward pass. Same gradients, less activation memory.
 
     Raises:
-        ConfigError: ``model.dtype`` other than float32 on CPU; CPU ranks (gloo) on a CUDA
+        ConfigError: ``rollout.top_k > 1`` or ``rollout.top_p < 1`` (the vocabulary-parallel
+            log-probs do not replay the sampler's top-k / top-p support, :mod:`trainer.logprobs`);
+            ``model.dtype`` other than float32 on CPU; CPU ranks (gloo) on a CUDA
             machine; pipeline size ≠ 1; tensor-parallel
             size not dividing heads / vocabulary; an architecture mbridge does not know.
         MegatronVersionError: megatron-core / mbridge not at the pinned versions.
@@ -111,6 +114,11 @@ class MegatronRankLearner(TemplateLearner):
 
     def __init__(self, model_dir: str | Path, algo: copc.AlgorithmConfig, cfg: LearnerConfig,
                  ctx: RankContext, dtype: torch.dtype = torch.float32, recompute: bool = False) -> None:
+        if truncates(cfg.top_k, cfg.top_p):
+            raise ConfigError(f"rollout.top_k={cfg.top_k!r} / rollout.top_p={cfg.top_p!r} with "
+                              "learner.backend=megatron: its vocabulary-parallel log-probs are untruncated "
+                              "and cannot replay the sampler's top-k / top-p support; use top_k=-1 and "
+                              "top_p=1, or the torch / fsdp backend")
         shims.check_versions()
         shims.apply_checkpoint_shims()
         on_gpu = ctx.device.type == "cuda"
