@@ -40,6 +40,7 @@ from copc.value_probe_window import ValueProbeWindow
 from copc.value_probes import policy_value_by_staleness, probe_terms
 
 from ..rollout.batch import RolloutBatch
+from .outside_support import floor_outside_support, is_outside, outside_support_fraction, support_loss_mask
 from .settings import LearnerConfig
 from .step_metrics import MetricAccumulator, ValueBiasTracker
 
@@ -163,12 +164,19 @@ class ActorCriticAlgorithm:
 
         Returns:
             ``(StepInputs, metrics)``; metrics: :meth:`off_policy_diagnostics`,
-            ``advantage/mean``, ``advantage/returns_mean``, ``perf/advantage_s`` and, with the
-            VAPO options, ``advantage/actor_lam_mean`` / ``critic/mc_targets``.
+            ``advantage/mean``, ``advantage/returns_mean``, ``perf/advantage_s``,
+            ``diag/outside_support_frac`` and, with the VAPO options, ``advantage/actor_lam_mean`` /
+            ``critic/mc_targets``.
+
+        Action tokens outside π_old's top-k / top-p support (``logp_old`` ``-inf``) are floored
+        (:func:`~trainer.learner.outside_support.floor_outside_support`: ratio π_old/µ exactly 0 for
+        the estimator and the diagnostics), counted in ``diag/outside_support_frac`` and masked
+        from the policy loss (:meth:`policy_loss`); ``StepInputs.logp_old`` holds the floored values.
 
         Call it once per learner step: it advances the value-bias EMA (:class:`ValueBiasTracker`).
         """
         mask = batch.loss_mask
+        logp_old, outside = floor_outside_support(logp_old, mask)
         t0 = time.perf_counter()
         warmup = steps_done is not None and self.in_critic_warmup(steps_done, values_old is not None)
         adv, returns, extra = self.estimate(copc.AdvantageInputs(
@@ -176,6 +184,7 @@ class ActorCriticAlgorithm:
             logp_mu=batch.logp_mu, scores=batch.scores, group_ids=batch.group_ids), critic_warmup=warmup)
         metrics: dict[str, float] = {"perf/advantage_s": time.perf_counter() - t0, **extra}
         metrics.update(self.off_policy_diagnostics(batch, logp_old, values_old, version))
+        metrics["diag/outside_support_frac"] = outside_support_fraction(outside, mask)
         m = mask.bool()
         metrics["advantage/mean"] = float(adv[m].mean()) if m.any() else 0.0
         metrics["advantage/returns_mean"] = float(returns[m].mean()) if m.any() else 0.0
@@ -313,13 +322,22 @@ class ActorCriticAlgorithm:
         :meth:`denominators`, else this micro-batch's own, exact only when it is the whole
         mini-batch); metrics gain ``actor/pos_lm_loss`` (the NLL before μ) and
         ``actor/pos_lm_token_frac``.
+
+        Action tokens outside the top-k / top-p support of π (``logp`` ``-inf``) or of π_old
+        (``x.logp_old`` floored by :meth:`advantages`) have ratio 0 and are masked from the loss
+        (they contribute 0; ``den`` unchanged: :mod:`trainer.learner.outside_support`); their share
+        of the micro-batch's action tokens is ``actor/outside_support_frac``.
         """
+        logp, out_now = floor_outside_support(logp, mb.loss_mask)
+        mask = support_loss_mask(mb.loss_mask, out_now, is_outside(x.logp_old) & mb.loss_mask.bool())
         loss, metrics = copc.compute_policy_loss(logp, copc.PolicyLossInputs(
             logp_old=x.logp_old, logp_mu=mb.logp_mu, advantages=x.advantages,
-            loss_mask=mb.loss_mask, denominators=den), self.algo)
+            loss_mask=mask, denominators=den), self.algo)
+        dropped = mb.loss_mask.bool() & ~mask.bool()
+        metrics = {**metrics, "actor/outside_support_frac": outside_support_fraction(dropped, mb.loss_mask)}
         if self.algo.pos_lm_coef > 0.0:
             pos_den = den.positive if isinstance(den, MiniBatchDenominators) else None
-            lm, lm_metrics = positive_lm_loss(logp, mb.loss_mask, self.positive_episodes(mb),
+            lm, lm_metrics = positive_lm_loss(logp, mask, self.positive_episodes(mb),
                                               loss_agg_mode=self.algo.loss_agg_mode, denominators=pos_den)
             loss = loss + self.algo.pos_lm_coef * lm
             metrics = {**metrics, **lm_metrics}
@@ -359,7 +377,8 @@ class ActorCriticAlgorithm:
         * ``advantage/ratio_*``: statistics of ``π_old/µ`` (every preset); with an advantage
           channel also ``advantage/clipped_{,low_,high_}frac`` and ``diag/advantage_ess_frac``;
         * with a policy channel: ``diag/policy_masked_{,low_,high_}frac``, ``diag/policy_ess_frac``;
-        * ``staleness/mean|max|min`` and ``diag/abs_log_ratio_s{k}`` per staleness level k;
+        * ``staleness/mean|max|min`` and ``diag/abs_log_ratio_s{k}`` per staleness level k (over
+          the tokens inside π_old's support: a floored one's log-ratio is not a distance);
         * with a critic: ``critic/value_bias``, ``critic/value_bias_abs``,
           ``critic/value_bias_drift`` (advances :attr:`value_bias`), all against µ's returns; and
           against π (:mod:`copc.value_probes`): ``value/policy_value_gap``, ``value/b_hat``,
@@ -386,7 +405,8 @@ class ActorCriticAlgorithm:
         if pol_iv is not None:
             out.update(policy_channel_diagnostics(logp_old, mu, mask, *pol_iv))
         out.update(copc.staleness_metrics(batch.versions, version, mask))
-        out.update(abs_log_ratio_by_staleness(logp_old, mu, batch.versions, version, mask))
+        in_support = support_loss_mask(mask, is_outside(logp_old) & mask.bool())
+        out.update(abs_log_ratio_by_staleness(logp_old, mu, batch.versions, version, in_support))
         if values_old is not None:
             out.update(value_bias_metrics(values_old, batch.rewards, mask, self.algo.gamma))
             out.update(self.value_bias.update(out))
