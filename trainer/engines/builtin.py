@@ -75,15 +75,24 @@ class SGLangSettings:
 
 
 def sglang_preflight(check: object) -> None:
-    """SGLang needs a CUDA GPU and the ``sglang`` package (``check``, an
-    :class:`~trainer.engines.registry.EngineCheck`, is not read).
+    """SGLang needs untruncated sampling (its log-probs are not those of a top-k / top-p
+    distribution: :func:`~trainer.engines.sglang_protocol.check_sampling` on ``check.sampling``,
+    ``check`` an :class:`~trainer.engines.registry.EngineCheck`), a CUDA GPU and the ``sglang`` package.
 
     Raises:
-        ConfigError: naming ``rollout.engine`` and how to fix it.
+        ConfigError: naming ``rollout.top_p`` / ``top_k`` or ``rollout.engine`` and how to fix it.
     """
     import torch
 
     from ..errors import ConfigError
+    from .sglang_protocol import check_sampling
+
+    sampling = getattr(check, "sampling", None)
+    if sampling is not None:
+        try:
+            check_sampling(sampling)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
         raise ConfigError("rollout.engine='sglang' needs a CUDA GPU and the sglang package "

@@ -5,8 +5,11 @@
 Log-prob semantics (SGLang >= 0.4.7, ``python/sglang/srt/layers/sampler.py``; top-p
 renormalisation of returned log-probs was removed by sgl-project/sglang#5961): for a
 sampled request SGLang returns ``log softmax(logits / temperature)[token]``, computed
-before top-p/top-k truncation, which is exactly the convention of
-:mod:`trainer.logprobs`. Two SGLang behaviours would break that and are excluded:
+before top-p/top-k truncation. That is the convention of :mod:`trainer.logprobs` without
+truncation only: with ``top_p < 1`` or ``top_k > 1`` the learner takes log-probs over the sampler's
+truncated, renormalised support, which SGLang does not report, so :func:`check_sampling` refuses
+them (read from SGLang's sampler, not run here: no GPU). Two more SGLang behaviours would break the
+convention and are excluded:
 
 * ``top_k == 1`` (and temperature < 1e-6) is SGLang's greedy path, which reports
   ``log_softmax(logits)`` at temperature 1: :func:`build_generate_payload` rejects
@@ -24,12 +27,29 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainer.engines.base import EngineError, GenerationResult, SamplingParams, StopReason
+from trainer.logprobs import truncates
 
 #: SGLang's ``_SAMPLING_EPS`` (``srt/sampling/sampling_params.py``): a temperature below it is greedy.
 SGLANG_SAMPLING_EPS = 1e-6
 #: the "stop string" SGLang reports when a sampled id falls outside the vocabulary (NaN logits:
 #: ``Req._check_vocab_boundary_finish`` in ``srt/managers/schedule_batch.py``).
 SGLANG_NAN_MATCH = "NaN happened"
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Refuse top-k / top-p sampling (:func:`trainer.logprobs.truncates`): SGLang reports the
+    untruncated ``log softmax(logits / T)``, not the log-probs of the truncated distribution it
+    samples from, which the learner's ratios need (renormalising client-side from
+    ``top_logprobs_num`` could serve ``top_k > 1``; not implemented).
+
+    Raises:
+        ValueError: ``top_p < 1`` or ``top_k > 1`` (not greedy), naming the ``rollout`` keys.
+    """
+    if truncates(params.top_k, params.top_p):
+        raise ValueError(f"rollout.top_p={params.top_p!r} / rollout.top_k={params.top_k!r} with "
+                         "rollout.engine=sglang: SGLang reports untruncated log-probs, not those of the "
+                         "top-k / top-p distribution it samples from, which the learner replays; use "
+                         "top_p=1 and top_k=-1, or rollout.engine=vllm / embedded")
 
 
 def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
@@ -51,8 +71,9 @@ def build_generate_payload(prompt_ids: Sequence[int], params: SamplingParams, *,
     Raises:
         ValueError: bad ``prompt_ids``; ``top_k == 1`` with ``temperature != 1``, or a temperature
             below :data:`SGLANG_SAMPLING_EPS` (SGLang samples greedily and reports log-probs at
-            temperature 1 then).
+            temperature 1 then); top-k / top-p sampling (:func:`check_sampling`).
     """
+    check_sampling(params)
     if isinstance(prompt_ids, (str, bytes)) or not len(prompt_ids):
         raise ValueError(f"prompt_ids={prompt_ids!r}: must be a non-empty sequence of token ids")
     ids = []

@@ -135,7 +135,8 @@ class VLLMEngine:
         """Generate from ``prompt_ids`` with the adapter (or base model) of the current version.
 
         Raises:
-            ValueError: bad ``prompt_ids``, or top_p < 1 / top_k > 0 (refused: see :mod:`.vllm_protocol`).
+            ValueError: bad ``prompt_ids``, or greedy at a temperature other than 1 (refused: see
+                :mod:`.vllm_protocol`).
             EngineError: HTTP failure after retries, or a malformed answer.
         """
         build_completion_payload(prompt_ids, params, self.config.served_model_name)  # refuse before waiting

@@ -1,7 +1,7 @@
 """The ``vllm`` engine's preflight: what can be refused before any work (no server started, no
 model loaded), in one line naming the key: a sampling setting under which vLLM's log-probs are not
-the learner's convention, a missing server virtualenv, a server to attach to under the Ray
-launcher, and too few adapters kept for a fixed lag.
+the learner's convention (greedy at a temperature other than 1), a missing server virtualenv, a
+server to attach to under the Ray launcher, and too few adapters kept for a fixed lag.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def vllm_preflight(check: EngineCheck) -> None:
             :class:`~trainer.engines.vllm_factory.VLLMSettings` or None for the defaults).
 
     Raises:
-        ConfigError: ``rollout.top_p < 1`` or ``rollout.top_k > 1`` (vLLM's processed log-probs are
-            then renormalised over the kept tokens), or greedy ``rollout.top_k = 1`` at a temperature
-            other than 1 (:func:`~.vllm_protocol.check_sampling`); ``url`` (attach to a running
+        ConfigError: greedy ``rollout.top_k = 1`` at a temperature other than 1
+            (:func:`~.vllm_protocol.check_sampling`; top-k / top-p sampling is served: its processed
+            log-probs are the truncated ones the learner replays); ``url`` (attach to a running
             server) with the Ray launcher; no interpreter at ``rollout.engine_settings.python``
             when a server is to be launched (naming ``scripts/setup.sh --vllm``);
             ``keep_adapters`` below ``k + 1`` for a LoRA policy under a fixed lag ``k`` (the adapter

@@ -5,9 +5,10 @@
 Log-prob semantics (vLLM 0.32, measured in /work/shared/docs/vllm_cpu.md and by the ``vllm`` tests): a
 server started with ``--logprobs-mode processed_logprobs`` reports the log-probs of the distribution it
 samples from, after temperature *and* top-k / top-p. Without top-k / top-p that is
-``log softmax(logits / T)[token]``, the convention of :mod:`trainer.logprobs`; with them it is
-renormalised over the kept tokens (off by ~0.1 nats at top_p 0.9), which the learner cannot recompute.
-So :func:`check_sampling` refuses top_p < 1 and top_k > 1 in one line.
+``log softmax(logits / T)[token]``; with them it is renormalised over the kept tokens. Both are the
+convention of :mod:`trainer.logprobs`, whose learner side replays the same top-k / top-p support
+(:func:`trainer.logprobs.support_logits`, the set vLLM's ``apply_top_k_top_p`` keeps up to ties and
+rounding), so ``top_p`` and ``top_k`` are sent as asked.
 
 Greedy decoding (``top_k = 1`` at temperature 1, how evaluation encodes ``temperature = 0``: see
 :func:`trainer.evaluate.runner.eval_sampling_params`) is sent as ``temperature: 0``, vLLM's greedy:
@@ -29,22 +30,16 @@ from .base import EngineError, GenerationResult, SamplingParams, StopReason
 def check_sampling(params: SamplingParams) -> None:
     """Refuse sampling settings under which vLLM's log-probs are not :mod:`trainer.logprobs`'s.
 
-    Greedy (``top_k == 1``) is accepted at temperature 1 only (:func:`is_greedy`).
+    Greedy (``top_k == 1``) is accepted at temperature 1 only (:func:`is_greedy`); top-k / top-p
+    sampling is accepted (vLLM's processed log-probs are the truncated ones the learner replays).
 
     Raises:
-        ValueError: ``top_p < 1``, ``top_k > 1``, or ``top_k == 1`` at a temperature other than 1,
-            naming the ``rollout`` key and value.
+        ValueError: ``top_k == 1`` at a temperature other than 1, naming the ``rollout`` key and value.
     """
-    why = ("vLLM reports log-probs renormalised over the kept tokens, not the learner's convention "
-           "(untruncated log softmax(logits / T)); use top_p=1 and top_k=-1 with rollout.engine=vllm")
-    if params.top_p < 1:
-        raise ValueError(f"rollout.top_p={params.top_p!r} with rollout.engine=vllm: {why}")
     if params.top_k == 1 and params.temperature != 1.0:
         raise ValueError(f"rollout.top_k=1 (greedy) with rollout.temperature={params.temperature!r} and "
                          "rollout.engine=vllm: vLLM's greedy decoding reports log-probs at temperature 1, "
                          "not log softmax(logits / T); use temperature=1 or top_k=-1")
-    if params.top_k > 1:
-        raise ValueError(f"rollout.top_k={params.top_k!r} with rollout.engine=vllm: {why}")
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -63,9 +58,10 @@ def build_completion_payload(prompt_ids: Sequence[int], params: SamplingParams, 
         model: the served base model's name or a loaded LoRA adapter's name.
 
     Returns:
-        The body: ``prompt`` (ids), ``max_tokens``, ``temperature``, ``top_p`` 1, ``top_k`` -1,
-        ``logprobs`` 0 (the sampled token's), ``return_tokens_as_token_ids``, ``return_token_ids``,
-        ``stop``, ``include_stop_str_in_output``, ``ignore_eos``, ``skip_special_tokens`` false,
+        The body: ``prompt`` (ids), ``max_tokens``, ``temperature``, ``top_p`` and ``top_k`` (1 and
+        -1 for greedy or when off), ``logprobs`` 0 (the sampled token's),
+        ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop``, ``include_stop_str_in_output``,
+        ``ignore_eos``, ``skip_special_tokens`` false,
         ``seed`` when given.
 
     Raises:
@@ -79,10 +75,12 @@ def build_completion_payload(prompt_ids: Sequence[int], params: SamplingParams, 
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"prompt_ids[{i}]={t!r}: token ids must be ints >= 0")
         ids.append(int(t))
+    greedy = is_greedy(params)
     body: dict[str, Any] = {
         "model": model, "prompt": ids, "max_tokens": int(params.max_new_tokens),
-        "temperature": 0.0 if is_greedy(params) else float(params.temperature),
-        "top_p": 1.0, "top_k": -1, "logprobs": 0,
+        "temperature": 0.0 if greedy else float(params.temperature),
+        "top_p": 1.0 if greedy else float(params.top_p),
+        "top_k": -1 if greedy or params.top_k <= 0 else int(params.top_k), "logprobs": 0,
         "return_tokens_as_token_ids": True, "return_token_ids": True, "stop": list(params.stop),
         "include_stop_str_in_output": True, "ignore_eos": bool(params.ignore_eos),
         "skip_special_tokens": False, "stream": False}

@@ -10,9 +10,12 @@ import json
 import pytest
 
 from trainer.engines.base import EngineError, SamplingParams
+from trainer.engines.builtin import sglang_preflight
+from trainer.engines.registry import EngineCheck
 from trainer.engines.sglang import SGLangEngineConfig
 from trainer.engines.sglang_launcher import SGLangLauncherConfig, build_command
 from trainer.engines.sglang_protocol import build_generate_payload, parse_generate_response
+from trainer.errors import ConfigError
 
 # ---------------------------------------------------------------- configs and command line
 
@@ -59,18 +62,18 @@ def test_build_command_exact():
 # ---------------------------------------------------------------- request mapping
 
 def test_generate_payload_mapping():
-    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=12,
+    p = SamplingParams(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=12,
                        stop=("</code>", "</answer>"), seed=5, ignore_eos=True)
     body = build_generate_payload([1, 2, 3], p)
     assert body == {
         "input_ids": [1, 2, 3],
-        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 12,
+        "sampling_params": {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_new_tokens": 12,
                             "stop": ["</code>", "</answer>"], "no_stop_trim": True, "ignore_eos": True,
                             "skip_special_tokens": False},
         "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0, "stream": False}
-    seeded = build_generate_payload((4,), SamplingParams(top_k=20, seed=5), forward_seed=True)
+    seeded = build_generate_payload((4,), SamplingParams(top_k=-1, seed=5), forward_seed=True)
     assert seeded["sampling_params"]["sampling_seed"] == 5
-    assert seeded["sampling_params"]["top_k"] == 20
+    assert seeded["sampling_params"]["top_k"] == -1
     assert json.loads(json.dumps(seeded)) == seeded  # JSON-serialisable as is
 
 
@@ -79,6 +82,19 @@ def test_generate_payload_mapping():
 def test_generate_payload_rejects_bad_prompt(ids, match):
     with pytest.raises(ValueError, match=match):
         build_generate_payload(ids, SamplingParams())
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=20), dict(top_k=5, top_p=0.5)])
+def test_top_p_and_top_k_are_refused_naming_the_keys(kw):
+    """SGLang reports untruncated log-probs (sampler.py, sgl-project/sglang#5961), not those of the
+    top-k / top-p distribution it samples from, which the learner's ratios replay (issue 46 item 1):
+    refused in the payload and in the engine's preflight (no GPU needed for the refusal)."""
+    p = SamplingParams(temperature=0.7, **kw)
+    with pytest.raises(ValueError, match=r"^rollout\.top_p=.* / rollout\.top_k=.* with rollout\.engine=sgl"):
+        build_generate_payload([1], p)
+    with pytest.raises(ConfigError, match=r"rollout\.engine=sglang: SGLang reports untruncated"):
+        sglang_preflight(EngineCheck(sampling=p))
+    assert build_generate_payload([1], SamplingParams(top_k=1, top_p=0.5))["sampling_params"]["top_k"] == 1
 
 
 def test_generate_payload_rejects_greedy_topk_with_temperature():

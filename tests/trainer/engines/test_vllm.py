@@ -57,19 +57,21 @@ def test_settings_refuse_bad_values_in_one_line():
     assert VLLMSettings().python == DEFAULT_VLLM_PYTHON and VLLMSettings().dtype == "float32"
 
 
-def test_top_p_and_top_k_are_refused():
-    with pytest.raises(ValueError, match=r"^rollout.top_p=0.9 with rollout.engine=vllm: .*top_p=1 "):
-        build_completion_payload([1, 2], SamplingParams(top_p=0.9), "policy")
-    with pytest.raises(ValueError, match=r"^rollout.top_k=5 with rollout.engine=vllm"):
-        build_completion_payload([1, 2], SamplingParams(top_k=5), "policy")
+def test_top_p_and_top_k_are_sent_as_asked():
+    """vLLM's processed log-probs with top-k / top-p are those of the truncated distribution, which
+    the learner replays (issue 46 item 1): the request carries them; off, they are 1 and -1."""
+    body = build_completion_payload([1, 2], SamplingParams(temperature=0.7, top_p=0.9, top_k=20), "policy")
+    assert body["top_p"] == 0.9 and body["top_k"] == 20 and body["temperature"] == 0.7
+    assert build_completion_payload([1, 2], SamplingParams(top_k=0), "policy")["top_k"] == -1
     body = build_completion_payload([1, 2], SamplingParams(temperature=0.7, seed=3, stop=("x",)), "a")
     assert body["prompt"] == [1, 2] and body["logprobs"] == 0 and body["seed"] == 3 and body["top_p"] == 1.0
+    assert body["top_k"] == -1
 
 
 def test_greedy_is_sent_as_temperature_0_and_only_at_temperature_1():
     """Evaluation's greedy (``top_k=1`` at temperature 1) is vLLM's ``temperature: 0`` (its log-probs
     are then log softmax(logits), those at temperature 1); greedy at another temperature is refused."""
-    body = build_completion_payload([1, 2], SamplingParams(top_k=1, seed=5), "policy")
+    body = build_completion_payload([1, 2], SamplingParams(top_k=1, top_p=0.5, seed=5), "policy")
     assert body["temperature"] == 0.0 and body["top_k"] == -1 and body["top_p"] == 1.0 and body["seed"] == 5
     assert build_completion_payload([1], SamplingParams(temperature=1.0), "p")["temperature"] == 1.0
     with pytest.raises(ValueError, match=r"^rollout.top_k=1 \(greedy\) with rollout.temperature=0.6 and "

@@ -1,6 +1,7 @@
 """The ``vllm`` engine's preflight (issue 43): what the engine cannot serve exactly is refused in one
-line before any work — top_p / top_k (vLLM's log-probs would be renormalised over the kept tokens),
-a missing server virtualenv, too few adapters kept for a fixed lag — through the real config and
+line before any work — greedy at a temperature other than 1 (vLLM would report temperature-1
+log-probs; top_p / top_k are served: their processed log-probs are the truncated ones the learner
+replays), a missing server virtualenv, too few adapters kept for a fixed lag — through the real config and
 the real ``copc train`` command. No server is started."""
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ def _check(*overrides: str) -> None:
     preflight_engine(load_config(CONFIG, ["rollout.engine=vllm", *overrides]))
 
 
-def test_top_p_and_top_k_are_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"^rollout\.top_p=0\.9 with rollout\.engine=vllm: .*use top_p=1 "
-                                          r"and top_k=-1"):
-        _check("rollout.top_p=0.9")
-    with pytest.raises(ConfigError, match=r"^rollout\.top_k=20 with rollout\.engine=vllm: "):
-        _check("rollout.top_k=20")
+def test_top_p_and_top_k_pass_and_greedy_off_temperature_1_is_refused_naming_the_key():
+    venv = [] if HAVE_VENV else ["rollout.engine_settings.url=http://127.0.0.1:9"]  # attach: no venv needed
+    _check("rollout.top_p=0.9", "rollout.top_k=20", *venv)  # processed log-probs are the truncated ones
+    with pytest.raises(ConfigError, match=r"^rollout\.top_k=1 \(greedy\) with rollout\.temperature=0\.6 "):
+        _check("rollout.top_k=1", "rollout.temperature=0.6")
 
 
 def test_a_missing_server_venv_names_the_setup_command(tmp_path):
@@ -98,9 +98,11 @@ def test_adapters_kept_are_derived_from_the_fixed_lag():
 def test_copc_train_refuses_before_any_work(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config", CONFIG,
-                           f"output_dir={out}", "rollout.engine=vllm", "rollout.top_p=0.95"],
+                           f"output_dir={out}", "rollout.engine=vllm", "rollout.top_k=1",
+                           "rollout.temperature=0.6"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        "copc train: config error: rollout.top_p=0.95 with rollout.engine=vllm: "), proc.stderr
+        "copc train: config error: rollout.top_k=1 (greedy) with rollout.temperature=0.6 and "
+        "rollout.engine=vllm: "), proc.stderr
     assert not (out / "init_model").exists() and not (out / "checkpoints").exists()  # nothing was built
