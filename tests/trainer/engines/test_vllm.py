@@ -117,11 +117,11 @@ def vllm_server(tmp_path_factory):
 
 
 def _learner_logprobs(model, adapter: AdapterWeights, prompt: list[int], out: list[int],
-                      t: float) -> torch.Tensor:
+                      t: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
     load_adapter_tensors(model, adapter.tensors)
     ids = torch.tensor([prompt + out])
     with torch.no_grad():
-        lp = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=t)
+        lp = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=t, top_k=top_k, top_p=top_p)
     return lp[0, len(prompt):]
 
 
@@ -205,6 +205,29 @@ def test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch(vl
     for p, r in zip(PROMPTS, results[1::2], strict=True):  # the sampled neighbours keep their T = 0.7
         ref = _learner_logprobs(model, adapters[handle.engine.version], p, r.token_ids, 0.7)
         assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_top_p_top_k_processed_logprobs_are_the_learners_truncated_ones(vllm_server):
+    """Issue 46 item 1: at T 0.7, top_p 0.9, top_k 20 vLLM's processed log-probs are those of the
+    truncated, renormalised distribution, and the learner replays that support: every token is inside
+    it (finite) and equals the learner's log-prob within 1e-4 (the float32 agreement of the
+    untruncated case); the untruncated learner log-probs differ."""
+    handle, model, _, loop, adapters = vllm_server
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, ignore_eos=True, seed=7)
+
+    async def go():
+        return await asyncio.gather(*(handle.engine.generate(p, params) for p in PROMPTS))
+
+    results, adapter = loop.run(go()), adapters[handle.engine.version]
+    untruncated_gap = 0.0
+    for p, r in zip(PROMPTS, results, strict=True):
+        got = torch.tensor(r.logprobs)
+        ref = _learner_logprobs(model, adapter, p, r.token_ids, 0.7, top_k=20, top_p=0.9)
+        assert torch.isfinite(ref).all()
+        assert torch.allclose(got, ref, atol=1e-4, rtol=0)
+        full = _learner_logprobs(model, adapter, p, r.token_ids, 0.7)
+        untruncated_gap = max(untruncated_gap, float((got - full).abs().max()))
+    assert untruncated_gap > 1e-3
 
 
 def test_one_adapter_per_version_under_concurrent_syncs(vllm_server):
@@ -360,6 +383,7 @@ def test_zz_server_killed_mid_generation_is_one_engine_error(vllm_server):
 for _name in ("test_ids_and_logprobs_equal_the_learners", "test_seed_and_stop_string",
               "test_seeded_requests_whose_prompts_overflow_one_batch_do_not_crash_the_server",
               "test_greedy_is_the_argmax_with_logprobs_at_temperature_1_in_a_mixed_batch",
+              "test_top_p_top_k_processed_logprobs_are_the_learners_truncated_ones",
               "test_one_adapter_per_version_under_concurrent_syncs",
               "test_no_request_lost_or_mixed_across_10_syncs_under_32_concurrent",
               "test_a_server_holding_other_weights_is_caught_before_any_step",
