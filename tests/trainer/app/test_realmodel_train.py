@@ -196,7 +196,7 @@ def test_two_rl_steps_of_the_math_main_job(realmodel_path, tmp_path):
                  "warm_start.num_examples=32", "warm_start.steps=8", "warm_start.batch_size=4",
                  "train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=4",
                  "train.max_filtered_groups_per_batch=2",
-                 "train.staleness={mode: fixed, lag: 2, groups_in_flight: 4}",
+                 "train.staleness={mode: fixed, lag: 2}",
                  "rollout.max_new_tokens=160", "logging.samples_per_step=8", "logging.progress=false",
                  "checkpoint.every_steps=2",
                  # 8 SFT steps leave the model near 0 accuracy: with 1/0 rewards every return and
@@ -204,7 +204,7 @@ def test_two_rl_steps_of_the_math_main_job(realmodel_path, tmp_path):
                  # roles a gradient (as test_one_lora_copc_step_through_the_real_tool's math case)
                  "task.env_kwargs.reward.incorrect_reward=-1"]
     job = load_config(str(REPO / "configs/math_tool/cpu_smollm.yaml"), [f"model.path={realmodel_path}"])
-    assert job.train.staleness == {"mode": "fixed", "lag": 2, "groups_in_flight": 8}
+    assert job.train.staleness == {"mode": "fixed", "lag": 2}
     assert job.model.dtype == "bfloat16" and job.learner.lora is not None and not job.train.filter_groups
     assert job.warm_start.enabled and job.warm_start.kind == "gsm8k_solutions"
     preset = copc.get_preset(job.preset)  # the paper's eta_P = eta_A = 0.5
