@@ -41,7 +41,8 @@ diagnostics.png       off-policy diagnostics vs step, one panel per group presen
                       per staleness level (``diag/abs_log_ratio_s<k>``, one curve per k);
                       (4) critic value bias, |bias| and drift (``critic/value_bias*``, against µ's
                       returns); (5) the critic against π: ``value/policy_value_gap`` and
-                      ``value/b_hat`` (:mod:`copc.value_probes`)
+                      ``value/b_hat`` (:mod:`copc.value_probes`), each step's and pooled over
+                      ``train.value_probes.window_steps`` (``value/pooled_*``)
 ===================== ===================================================================
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, so no global figure
@@ -77,7 +78,8 @@ POLICY_MASK_FALLBACK = ("actor/dis_masked_low_frac", "actor/dis_masked_high_frac
 ADVANTAGE_CLIP_KEYS = ("advantage/clipped_low_frac", "advantage/clipped_high_frac")
 ESS_KEYS = ("diag/policy_ess_frac", "diag/advantage_ess_frac")
 VALUE_BIAS_KEYS = ("critic/value_bias", "critic/value_bias_abs", "critic/value_bias_drift")
-VALUE_PI_KEYS = ("value/policy_value_gap", "value/b_hat")
+VALUE_PI_KEYS = ("value/policy_value_gap", "value/b_hat", "value/pooled_policy_value_gap",
+                 "value/pooled_b_hat")
 
 
 #: ``tool_calls.png`` curves, in legend order.
@@ -274,7 +276,7 @@ def diagnostics_figure(metrics: list[dict]) -> Figure | None:
         (level_keys, "mean |log ρ|  (π_old vs µ)", "mean |log ρ| by staleness level k"),
         (_present(metrics, VALUE_BIAS_KEYS), "V(first action) − return", "critic value bias and drift"),
         (_present(metrics, VALUE_PI_KEYS), "return units",
-         "critic vs π: |mean V − Ê_π[R]| and b̂ = Ê_π[R] − Ê_µ[R]"),
+         "critic vs π: |mean V − Ê_π[R]| and b̂ = Ê_π[R] − Ê_µ[R] (per step; pooled over a window)"),
     ]
     panels = [p for p in panels if p[0]]
     if not panels:
@@ -287,14 +289,14 @@ def diagnostics_figure(metrics: list[dict]) -> Figure | None:
         ax.ticklabel_format(axis="y", useOffset=False)
         if any("ess_frac" in k for k in keys):  # ESS/N ∈ [0, 1]
             ax.set_ylim(-0.02, 1.05)
-        elif keys is not level_keys and not {"critic/value_bias", "value/b_hat"} & set(keys):  # fractions
+        elif keys is not level_keys and not {"critic/value_bias", *VALUE_PI_KEYS} & set(keys):  # fractions
             ax.set_ylim(*_fraction_ylim(metrics, keys))
         if keys is level_keys and len(keys) > 1:  # staleness levels coloured along a colour map
             cmap = matplotlib.colormaps["viridis"]
             for j, line in enumerate(ax.get_lines()):
                 line.set_color(cmap(j / (len(keys) - 1)))
             ax.legend(fontsize=8)
-        if {"critic/value_bias", "value/b_hat"} & set(keys):
+        if {"critic/value_bias", *VALUE_PI_KEYS} & set(keys):
             ax.axhline(0.0, color="gray", linewidth=0.8)
     return fig
 
