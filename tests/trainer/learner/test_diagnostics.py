@@ -397,7 +397,8 @@ def test_diagnostics_png_has_one_panel_per_group(tmp_path):
     # the pooled probes (issue 46 item 3) are drawn in that panel beside the per-step ones
     pooled = {**probes, "value/pooled_policy_value_gap": 0.02, "value/pooled_b_hat": -0.01}
     panel = diagnostics_figure([{**r, **pooled} for r in _history()]).axes[-1]
-    labels = [ln.get_label() for ln in panel.get_lines() if not ln.get_label().startswith("_")]  # not the 0 line
+    # the panel's curves, less the unlabelled 0 line
+    labels = [ln.get_label() for ln in panel.get_lines() if not ln.get_label().startswith("_")]
     assert sorted(labels) == sorted(pooled)
     assert "diagnostics.png" not in [p.name for p in make_plots([{"step": 1, "x": 1.0}], tmp_path / "none")]
 
