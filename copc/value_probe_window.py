@@ -65,7 +65,10 @@ class ValueProbeWindow:
         """
         if terms is None:
             return {}
-        self.steps.append(terms)
+        # kept on the CPU in float64: a checkpoint loads it there, and a backend whose batch lives on
+        # a GPU (megatron) would otherwise join CPU and GPU tensors after a resume
+        self.steps.append(ProbeTerms(*(getattr(terms, c).detach().to("cpu", torch.float64)
+                                       for c in _COLUMNS)))
         pooled = ProbeTerms.cat(list(self.steps))
         return {**probe_metrics(pooled, prefix="pooled_"), "value/pooled_episodes": float(pooled.w.numel()),
                 "value/pooled_steps": float(len(self.steps))}

@@ -124,6 +124,23 @@ def test_state_round_trip_old_checkpoints_and_bad_state():
         c.load_state_dict({"value_probe_window": [torch.zeros(3, 2)]})
 
 
+def test_the_window_keeps_cpu_float64_whatever_the_step_s_terms_are():
+    """A checkpoint reloads the window on the CPU in float64; steps must be stored the same way, or a
+    backend whose batch lives on a GPU (megatron) joins CPU and GPU tensors after a resume (found by
+    review; no GPU here, so the invariant is tested with float32 terms)."""
+    g = torch.Generator().manual_seed(7)
+    t32 = probe_terms(*_batch(g, 4), 1.0)
+    t32 = ProbeTerms(*(x.float() for x in (t32.v, t32.r, t32.w, t32.capped)))
+    w = ValueProbeWindow(ValueProbeSettings(window_steps=3))
+    w.update(t32)
+    assert all(getattr(w.steps[0], c).dtype == torch.float64 and getattr(w.steps[0], c).device.type == "cpu"
+               for c in ("v", "r", "w", "capped"))
+    restored = ValueProbeWindow(ValueProbeSettings(window_steps=3))
+    restored.load_state_dict(w.state_dict())
+    nxt = probe_terms(*_batch(g, 5), 1.0)
+    assert restored.update(nxt) == w.update(nxt)
+
+
 @pytest.mark.parametrize("bad,msg", [({"window_steps": 0}, "window_steps=0: must be an int >= 1"),
                                      ({"window_steps": 2.0}, "window_steps=2.0"),
                                      ({"weight_cap": 0}, "weight_cap=0: must be a number > 0")])
