@@ -238,6 +238,8 @@ class RolloutConfig:
                      "needs rollout.use_chat_template=true (it is a chat-template turn)")
         require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
         require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        require(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+                "rollout.top_k", self.top_k, "must be -1 or 0 (off) or a positive int")
         for k in ("max_new_tokens", "n_samples_per_prompt", "concurrency", "max_total_tokens",
                   "max_turns", "max_observation_tokens", "engine_max_batch_size"):
             require(getattr(self, k) >= 1, f"rollout.{k}", getattr(self, k), "must be >= 1")

@@ -242,6 +242,7 @@ def test_dotted_overrides():
     (["train.staleness.max=-1"], "train.staleness.max=-1"),
     (["rollout.engine=tensorrt"], "rollout.engine='tensorrt'"),  # not a registered engine
     (["eval.temperature=-0.5"], "eval.temperature"),
+    (["rollout.top_k=-5"], "rollout.top_k=-5: must be -1 or 0 (off) or a positive int"),
     (["algorithm.estimator_settings.eta_a=2"],
      "algorithm.estimator_settings.eta_a=2.0: must be a number in [0, 1]"),
     (["algorithm.eta_a=0.2"], "algorithm.eta_a: moved to algorithm.estimator_settings.eta_a "
