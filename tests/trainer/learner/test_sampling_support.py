@@ -79,6 +79,23 @@ def test_truncated_logprobs_equal_a_slow_per_row_loop(top_k, top_p):
     assert torch.equal(kept.gather(1, ids[:, None]).squeeze(1), fin)
 
 
+def test_top_k_with_top_p_takes_the_top_k_path_and_keeps_the_full_sort_s_support():
+    """Review finding: top_k with top_p sorted the whole vocabulary per token; rows that all have a
+    top-k now take their ``topk`` (the nucleus lies inside the k best). Same kept logits as the full
+    sort, which a batch holding one top-p-only row still takes."""
+    g = torch.Generator().manual_seed(3)
+    scaled = torch.randn(9, 400, generator=g) * 2
+    k = torch.tensor([20, 20, 5, 1, 400, 3, 20, -1, 0])
+    p = torch.tensor([0.9, 1.0, 0.5, 0.9, 0.95, 0.999, 0.3, 1.0, 1.0])
+    fast = support_logits(scaled, k, p)  # every top-p row has a top-k
+    mixed = support_logits(torch.cat([scaled, scaled[:1]]), torch.cat([k, torch.tensor([-1])]),
+                           torch.cat([p, torch.tensor([0.8])]))  # one top-p-only row: the full sort
+    assert torch.equal(fast, mixed[:9])
+    assert torch.equal(fast[7:], scaled[7:])  # rows without truncation untouched
+    kept = torch.isfinite(fast).sum(1)
+    assert kept[0] <= 20 and kept[1] == 20 and kept[3] == 1 and 1 <= kept[6] <= 20
+
+
 def test_top_p_1_and_top_k_off_are_the_untruncated_convention_bit_for_bit():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 6, 50, generator=g)
