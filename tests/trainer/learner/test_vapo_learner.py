@@ -176,6 +176,8 @@ def test_policy_loss_without_the_option_is_unchanged():
     ref, ref_met = copc.compute_policy_loss(batch.logp_mu, copc.PolicyLossInputs(
         logp_old=x.logp_old, logp_mu=batch.logp_mu, advantages=x.advantages, loss_mask=batch.loss_mask,
         denominators=copc.batch_denominators(batch.loss_mask)), alg.algo)
+    # the learner adds its count of tokens outside π's sampling support (none: no top-k / top-p here)
+    assert met.pop("actor/outside_support_frac") == 0.0
     assert torch.equal(loss, ref) and met == ref_met
 
 
