@@ -221,7 +221,8 @@ def parity_batch(engine: Any, tok: Any, temperature: float, top_p: float, seed: 
 def step_logprob_parity(ctx: StepContext) -> dict:
     """Behavior log-probs from the embedded engine on the device vs the learner's recomputation
     (``trainer.learner.backends.torch.response_logprobs``, the torch backend's forward) of the same
-    tokens by a separate copy of the weights on the device.
+    tokens by a separate copy of the weights on the device, over the same top-p support the engine
+    sampled from (issue 46 item 1: both sides use the truncated, renormalised distribution).
 
     Reports, per dtype (float32, bfloat16) and sampling setting (T = 1; T = 0.7, top-p 0.9), the
     max and mean |Δ log-prob| over model tokens. Passes iff every float32 max is ≤ 1e-5 (the
@@ -248,7 +249,8 @@ def step_logprob_parity(ctx: StepContext) -> dict:
             for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
                 batch = parity_batch(engine, tok, temperature, top_p, seed=7)
                 with torch.no_grad():
-                    lp = response_logprobs(learner_model, batch_to(batch, dev), temperature).float().cpu()
+                    lp = response_logprobs(learner_model, batch_to(batch, dev), temperature,
+                                           top_p=top_p).float().cpu()  # the sampler's support replayed
                 mask = batch.loss_mask.bool()
                 diff = (lp - batch.logp_mu)[mask].abs()
                 key = f"{dtype_name}_T{temperature:g}_p{top_p:g}"
