@@ -165,6 +165,13 @@ class ExperimentConfig:
                               f"{kind} launcher hosts the learner in one process); use launcher.kind=local "
                               "with learner.backend_settings.launch=ray to run the learner ranks as Ray "
                               "actors")
+        r = self.rollout
+        if r.top_k != 1 and (r.top_k > 1 or r.top_p < 1) \
+                and not plugin_metadata(self, "learner.backend").get("truncated_sampling", True):
+            raise ConfigError(f"rollout.top_k={r.top_k!r} / rollout.top_p={r.top_p!r} with learner.backend="
+                              f"{backend!r}: this backend's log-probs are untruncated and cannot replay the "
+                              "sampler's top-k / top-p support; use top_k=-1 and top_p=1, or the torch / "
+                              "fsdp backend")
         algo = self.algorithm_config()
         _ = self.staleness  # a preset's own staleness vs train.staleness
         n = self.rollout.n_samples_per_prompt

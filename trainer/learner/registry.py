@@ -37,11 +37,14 @@ Factory = Callable[..., Any]
 #: ``learner.backend_settings.world_size`` rank processes; set by :func:`register_rank_learner`),
 #: ``tensor_parallel`` and ``pipeline_parallel`` (it accepts a ``tensor_parallel_size`` /
 #: ``pipeline_parallel_size`` > 1 in its :class:`~trainer.learner.backend_settings.DistributedSettings`),
-#: ``lora`` (it trains ``learner.lora`` / ``learner.critic_lora`` adapters and has ``export_adapter()``).
+#: ``lora`` (it trains ``learner.lora`` / ``learner.critic_lora`` adapters and has ``export_adapter()``),
+#: ``truncated_sampling`` (default True: its log-probs replay the sampler's top-k / top-p support,
+#: :mod:`trainer.logprobs`; False refuses ``rollout.top_k`` / ``top_p`` truncation at config load).
 #: A backend's other features are its settings dataclass's fields (``settings=``): a setting it
 #: lacks is refused.
 LEARNER_METADATA = {"distributed": (bool, False), "tensor_parallel": (bool, False),
-                    "pipeline_parallel": (bool, False), "lora": (bool, False)}
+                    "pipeline_parallel": (bool, False), "lora": (bool, False),
+                    "truncated_sampling": (bool, True)}
 
 #: The learner-backend registry, ``learner.backend`` → factory (:data:`~trainer.learner.base.LearnerFactory`;
 #: ``torch``, ``fsdp`` and ``megatron`` registered below); a :class:`seams.registry.Registry`.
@@ -118,4 +121,5 @@ register_rank_learner("fsdp", LazyRef("trainer.learner.backends.fsdp:build_fsdp_
 _MEGATRON = "trainer.learner.backends.megatron"
 if importlib.util.find_spec(_MEGATRON) is not None:  # the package imports Megatron-core only in the ranks
     register_rank_learner("megatron", LazyRef(f"{_MEGATRON}:build_rank_learner"),
-                          settings=DistributedSettings, tensor_parallel=True)
+                          settings=DistributedSettings, tensor_parallel=True,
+                          truncated_sampling=False)  # refused at load: rank_learner.py's log-probs

@@ -216,7 +216,8 @@ def test_a_learner_backend_from_a_plugin_file_gets_its_settings_and_capabilities
     built = make_learner(learner_spec(cfg), tmp_path)
     assert built[1].rank == 4 and built[1].alpha == 16.0 and built[2] == tmp_path
     assert dict(plugin_metadata(cfg, "learner.backend")) == {"distributed": False, "tensor_parallel": False,
-                                                              "pipeline_parallel": False, "lora": False}
+                                                              "pipeline_parallel": False, "lora": False,
+                                                              "truncated_sampling": True}
     with pytest.raises(ConfigError, match=r"^learner\.lora: learner\.backend='lora' does not train LoRA"):
         load_config(None, [*base, "learner.lora.rank=4"])  # lora=False: the capability is checked
     with pytest.raises(ConfigError, match=r"^learner\.backend_settings\.rank='x': must be an int$"):

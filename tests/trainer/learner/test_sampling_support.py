@@ -275,3 +275,11 @@ def test_the_runs_sampling_settings_reach_the_learner_and_megatron_refuses_trunc
     assert (lc.temperature, lc.top_k, lc.top_p) == (0.7, 20, 0.9)
     with pytest.raises(ConfigError, match=r"^rollout\.top_k=20 / rollout\.top_p=0\.9 with learner"):
         MegatronRankLearner("/nonexistent", copc.get_preset("copc"), lc, None)
+    # and at load, before any rank starts (its registry metadata: truncated_sampling=False; review)
+    with pytest.raises(ConfigError, match=r"^rollout\.top_k=20 / rollout\.top_p=0\.9 with "
+                                          r"learner\.backend='megatron': this backend's log-probs are"):
+        load_config(str(ROOT / "configs/math_tool/cpu_tiny.yaml"),
+                    ["rollout.top_p=0.9", "rollout.top_k=20", "learner.backend=megatron"])
+    for backend in ("torch", "fsdp"):  # these replay the support
+        load_config(str(ROOT / "configs/math_tool/cpu_tiny.yaml"),
+                    ["rollout.top_p=0.9", "rollout.top_k=20", f"learner.backend={backend}"])
