@@ -63,33 +63,29 @@ def support_logits(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
                                 -torch.inf)
         kept = torch.full_like(scaled, -torch.inf).scatter(1, idx, vals)
         return torch.where(use_k[:, None], kept, scaled)
-    if bool((use_k | ~use_p).all()):  # every top-p row also has a top-k: its nucleus lies in its k best
-        kept = _nucleus_in_top_k(scaled, top_k.clamp(max=V), top_p, use_k, use_p)
+    if bool((use_k | ~use_p).all()):  # every top-p row also has a top-k: its nucleus lies in its k best,
+        # so a topk of them replaces a sort of the vocabulary (645 ms -> 19 ms at 256 x 32,000, k 20, p 0.9)
+        k = top_k.clamp(max=V)
+        vals, idx = scaled.topk(int(torch.where(use_k, k, 1).max()), dim=1)
+        kept = torch.full_like(scaled, -torch.inf).scatter(1, idx, _keep_nucleus(vals, k, top_p, use_p))
         return torch.where((use_k | use_p)[:, None], kept, scaled)
     sorted_logits, order = scaled.sort(dim=1, descending=True)
-    rank = torch.arange(V, device=scaled.device)[None, :]
     k = torch.where(use_k, top_k.clamp(max=V), torch.full_like(top_k, V))
-    drop = rank >= k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, -torch.inf), dim=1)
+    kept = _keep_nucleus(sorted_logits, k, top_p, use_p)
+    return torch.full_like(scaled, -torch.inf).scatter(1, order, kept)
+
+
+def _keep_nucleus(desc: Tensor, k: Tensor, top_p: Tensor, use_p: Tensor) -> Tensor:
+    """The drop rule of :func:`support_logits` on ``(n, m)`` logits sorted descending per row (the
+    whole vocabulary, or a ``topk`` holding every row's ``k`` best): ``-inf`` from rank ``k`` on and
+    where the renormalised mass of the strictly better kept tokens is already ``>= top_p`` (rows with
+    ``use_p``); the best token always kept."""
+    drop = torch.arange(desc.shape[1], device=desc.device)[None, :] >= k[:, None]
+    probs = torch.softmax(desc.masked_fill(drop, -torch.inf), dim=1)
     mass_before = probs.cumsum(1) - probs  # probability of strictly better tokens
     drop |= (mass_before >= top_p[:, None]) & use_p[:, None]  # top_p = 1: no rounding-off of the tail
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
-    return torch.full_like(scaled, -torch.inf).scatter(1, order, sorted_logits)
-
-
-def _nucleus_in_top_k(scaled: Tensor, k: Tensor, top_p: Tensor, use_k: Tensor, use_p: Tensor) -> Tensor:
-    """:func:`support_logits` when every top-p row also has a top-k: the ``max k`` best tokens per
-    row (``topk``, descending) instead of a sort of the whole vocabulary, the same drop rule inside
-    them (a review measured 645 ms against 19 ms at 256 x 32,000, top_k 20, top_p 0.9). Rows
-    without ``use_k`` are returned by the caller untouched; ``(n, V)`` float32, ``-inf`` dropped."""
-    vals, idx = scaled.topk(int(torch.where(use_k, k, 1).max()), dim=1)
-    drop = torch.arange(vals.shape[1], device=scaled.device)[None, :] >= k[:, None]
-    probs = torch.softmax(vals.masked_fill(drop, -torch.inf), dim=1)
-    mass_before = probs.cumsum(1) - probs  # probability of strictly better tokens
-    drop |= (mass_before >= top_p[:, None]) & use_p[:, None]
-    drop[:, 0] = False
-    return torch.full_like(scaled, -torch.inf).scatter(1, idx, vals.masked_fill(drop, -torch.inf))
+    return desc.masked_fill(drop, -torch.inf)
 
 
 def truncated_scores(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
