@@ -165,7 +165,7 @@ class ExperimentConfig:
                               f"{kind} launcher hosts the learner in one process); use launcher.kind=local "
                               "with learner.backend_settings.launch=ray to run the learner ranks as Ray "
                               "actors")
-        r = self.rollout
+        r = self.rollout  # the rule of trainer.logprobs.truncates, not imported: it loads torch
         if r.top_k != 1 and (r.top_k > 1 or r.top_p < 1) \
                 and not plugin_metadata(self, "learner.backend").get("truncated_sampling", True):
             raise ConfigError(f"rollout.top_k={r.top_k!r} / rollout.top_p={r.top_p!r} with learner.backend="
