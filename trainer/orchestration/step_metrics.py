@@ -9,6 +9,10 @@ from ..outputs.by_version import VersionTally, pool, version_metrics
 from ..rollout.timing import TIME_KEYS
 from ..rollout.trajectory import LENGTH_CAPPED, FinishReason, Trajectory, split_finish
 
+#: An episode counts as correct in ``rollout/accuracy`` and ``rollout/accuracy_by_version/*`` when its
+#: reward exceeds this (1/0 and DAPO's 1/-1 rewards).
+CORRECT_REWARD = 0.5
+
 
 def _quantile(xs: list[float], q: float) -> float:
     """The ``q``-quantile of ``xs`` by nearest rank: the ``⌈q·n⌉``-th smallest (``q`` in (0, 1],
@@ -107,7 +111,7 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, Any]:
         reasons[key] = reasons.get(key, 0) + 1
     vers = [v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
     out = {"rollout/reward_mean": sum(rewards) / n,
-           "rollout/accuracy": sum(r > 0.5 for r in rewards) / n,
+           "rollout/accuracy": sum(r > CORRECT_REWARD for r in rewards) / n,
            "rollout/response_tokens": sum(len(t.response_ids) for t in trajs) / n,
            "rollout/model_tokens": sum(t.num_model_tokens for t in trajs) / n,
            "rollout/turns": sum(t.turns for t in trajs) / n,
@@ -138,7 +142,7 @@ def tally_by_version(trajs: list[Trajectory]) -> dict[int, VersionTally]:
     for t in trajs:
         v = generating_version(t)
         if v is not None:
-            pool(out, {v: VersionTally(1, float(t.reward), float(t.reward > 0.5))})
+            pool(out, {v: VersionTally(1, float(t.reward), float(t.reward > CORRECT_REWARD))})
     return out
 
 
