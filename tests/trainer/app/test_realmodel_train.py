@@ -195,8 +195,6 @@ def test_two_rl_steps_of_the_math_main_job(realmodel_path, tmp_path):
                  f"task.eval_data=[{held}]", "eval.num_samples=1", "task.max_eval_samples=1",
                  "warm_start.num_examples=32", "warm_start.steps=8", "warm_start.batch_size=4",
                  "train.total_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=4",
-                 "train.max_filtered_groups_per_batch=2",
-                 "train.staleness={mode: fixed, lag: 2}",
                  "rollout.max_new_tokens=160", "logging.samples_per_step=8", "logging.progress=false",
                  "checkpoint.every_steps=2",
                  # 8 SFT steps leave the model near 0 accuracy: with 1/0 rewards every return and
