@@ -11,6 +11,7 @@ each seam is chosen by name from the config: ``task.env`` → :mod:`trainer.task
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from ..outputs.metrics_log import MetricsLogger
 from ..rollout.agent_loop import AgentLoopConfig
 from ..rollout.observation import check_chat_template
 from ..warmstart.cache import cache_key, restore, store
+from .memory_check import check_sft_memory
 
 log = logging.getLogger(__name__)
 
@@ -207,18 +209,21 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     torch.set_num_threads(max(threads, os.cpu_count() or 1))  # nothing else computes during the SFT
     try:
         drill = {}
+        fits = functools.partial(check_sft_memory, cfg)  # refuses before the first step, naming the fix
         plan = task.drill_plan()  # the task's copy drills (its settings), if any
         if plan is not None:
             drills = task.drill_traces(plan.steps * plan.batch_size, w.seed)
             drill = sft_warm_start(actor, tok, drills, steps=plan.steps, batch_size=plan.batch_size,
                                    lr=plan.lr, seed=w.seed, progress=cfg.logging.progress,
-                                   agent_cfg=agent_cfg, schedule="constant")
+                                   agent_cfg=agent_cfg, schedule="constant",
+                                   micro_batch_size=w.micro_batch_size, check_memory=fits)
             drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
         metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                                  seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_cfg,
                                  schedule=w.schedule,
                                  shared_prefix_tokens=getattr(backend, "shared_prefix_tokens", 0),
-                                 autocast_dtype=getattr(torch, autocast) if autocast else None)
+                                 autocast_dtype=getattr(torch, autocast) if autocast else None,
+                                 micro_batch_size=w.micro_batch_size, check_memory=fits)
         metrics.update(drill)
     finally:
         torch.set_num_threads(threads)

@@ -50,6 +50,15 @@ def _dims(cfg: ExperimentConfig) -> ModelDims:
                      kv_heads=t.num_kv_heads, qkv_bias=t.arch == "qwen2")
 
 
+def _read_dims(cfg: ExperimentConfig) -> ModelDims:
+    """:func:`_dims`, its failures as one :class:`ConfigError` naming ``model.path``."""
+    try:
+        return _dims(cfg)
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(f"model.path={cfg.model.path!r}: cannot read its config.json for the memory "
+                          f"estimate ({type(e).__name__}: {e})") from None
+
+
 def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg``: the learner's micro-batch at ``rollout.max_total_tokens``
     (the longest a row can be), its dtypes, LoRA, checkpointing and attention, and one in-process
@@ -59,11 +68,7 @@ def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
     Raises:
         ConfigError: ``model.path`` has no readable ``config.json`` with the fields the estimate needs.
     """
-    try:
-        dims = _dims(cfg)
-    except (OSError, KeyError, ValueError) as e:
-        raise ConfigError(f"model.path={cfg.model.path!r}: cannot read its config.json for the memory "
-                          f"estimate ({type(e).__name__}: {e})") from None
+    dims = _read_dims(cfg)
     backend = plugin_settings(cfg, "learner.backend")
     autocast = getattr(backend, "autocast_dtype", None)
     actor, critic = cfg.learner.lora_settings()
@@ -73,6 +78,7 @@ def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     return MemoryPlan(
         dims=dims, param_bytes=param_bytes, act_bytes=2 if autocast or param_bytes == 2 else 4,
+        mixed_precision=bool(autocast) and param_bytes == 4,
         lora_rank=actor.rank if actor else 0, lora_targets=tuple(actor.target_modules) if actor else (),
         critic_lora_rank=critic.rank if critic else 0,
         critic_lora_targets=tuple(critic.target_modules) if critic else (),
@@ -83,6 +89,57 @@ def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
         engines=engines, engine_slots=cfg.rollout.engine_max_batch_size + PARK_SLOTS,
         engine_seq_len=cfg.rollout.max_total_tokens,
         processes=1 + (workers if remote else 0))
+
+
+def sft_memory_plan(cfg: ExperimentConfig, rows: int, seq_len: int) -> MemoryPlan:
+    """The :class:`MemoryPlan` of the supervised warm-start's largest forward: a full fine-tune of
+    ``model.path`` (float32 weights under the learner's ``autocast_dtype``, else ``model.dtype``; no
+    critic, no engine: the SFT runs before either exists) on ``rows`` rows of ``seq_len`` tokens.
+
+    Raises:
+        ConfigError: ``model.path`` has no readable ``config.json`` with the fields the estimate needs.
+    """
+    dims = _read_dims(cfg)
+    autocast = getattr(plugin_settings(cfg, "learner.backend"), "autocast_dtype", None)
+    param_bytes = 4 if autocast else DTYPE_BYTES[cfg.model.dtype]
+    return MemoryPlan(dims=dims, param_bytes=param_bytes, act_bytes=2 if autocast else param_bytes,
+                      mixed_precision=bool(autocast), critic=False, micro_batch=rows, seq_len=seq_len,
+                      attn=cfg.model.attn_implementation, engines=0, processes=1)
+
+
+def check_sft_memory(cfg: ExperimentConfig, rows: int, seq_len: int,
+                     machine: MachineMemory | None = None) -> MemoryEstimate | None:
+    """Refuse a warm-start whose largest forward (``rows`` rows of ``seq_len`` tokens: a
+    micro-batch of its longest traces) cannot fit, before its first step.
+
+    Args:
+        cfg: the validated experiment config. rows: traces per forward
+            (``warm_start.micro_batch_size``, else ``batch_size``). seq_len: the longest trace, tokens.
+        machine: the memory to compare with; None: :func:`machine_memory`.
+
+    Returns:
+        The estimate (None: the model's config could not be read; nothing checked).
+
+    Raises:
+        ConfigError: the estimate exceeds the machine's limit and ``learner.memory_check`` is on:
+            one line with both figures and ``warm_start.micro_batch_size`` to set.
+    """
+    try:
+        plan = sft_memory_plan(cfg, rows, seq_len)
+    except ConfigError as e:
+        log.warning("warm-start memory estimate skipped: %s", e)
+        return None
+    est = estimate_memory(plan)
+    mem = machine if machine is not None else machine_memory()
+    if est.total > mem.limit and cfg.learner.memory_check:
+        fix = f"warm_start.micro_batch_size={max(1, rows // 2)}" if rows > 1 else \
+            "model.attn_implementation=sdpa" if plan.attn == "eager" else "a smaller model"
+        raise ConfigError(
+            f"memory: the warm-start needs ~{est.total / GIB:.1f} GiB at its peak ({rows} traces x "
+            f"{seq_len} tokens per forward; {est.line()}) but this machine has {mem.limit / GIB:.1f} GiB "
+            f"({mem.source}); change: {fix} (or learner.memory_check=false to start anyway)")
+    log.info("warm-start memory estimate: %s (%d traces x %d tokens per forward)", est.line(), rows, seq_len)
+    return est
 
 
 def _advice(cfg: ExperimentConfig, plan: MemoryPlan) -> str:

@@ -254,6 +254,10 @@ class WarmStartConfig:
         kind: a warm-start kind the task supports (``retool_arithmetic`` for math_tool,
             ``search_r1`` for search; checked by the task's ``check_warm_start``).
         num_examples: generated traces. steps: optimizer steps. batch_size: sequences per step.
+        micro_batch_size: sequences per forward/backward, their gradients accumulated into the
+            step's (the loss stays the mean over the whole batch's action tokens); 0 (default): the
+            whole batch in one forward. Bounds the warm-start's peak memory, which is checked
+            before its first step (``learner.memory_check``).
         lr: learning rate. seed: generator seed.
         schedule: ``cosine`` (warm-up then decay to 0.1 lr) or ``constant`` (after 20 warm-up steps).
             The task's own warm-start knobs (share of traces using the tool, copy drills, ...) are
@@ -269,6 +273,7 @@ class WarmStartConfig:
     num_examples: int = 2000
     steps: int = 300
     batch_size: int = 16
+    micro_batch_size: int = 0
     lr: float = 1e-3
     seed: int = 0
     schedule: str = "cosine"
@@ -283,6 +288,8 @@ class WarmStartConfig:
         for k in ("num_examples", "steps", "batch_size"):
             require(getattr(self, k) >= 1, f"warm_start.{k}", getattr(self, k), "must be >= 1")
         require(self.lr > 0, "warm_start.lr", self.lr, "must be > 0")
+        require(0 <= self.micro_batch_size <= self.batch_size, "warm_start.micro_batch_size",
+                self.micro_batch_size, f"must be in [0, batch_size={self.batch_size}] (0: the whole batch)")
 
 
 @dataclass

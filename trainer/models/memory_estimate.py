@@ -22,7 +22,15 @@ at the peak of a training step, from the model's shape (:class:`ModelDims`, read
   sdpa kernel keeps only its ``B x H x T`` log-sum-exp); with checkpointing each layer keeps its
   input (``h`` per token) and one layer's full set is live during its recomputation; the backward
   pass holds one more layer's worth of activation gradients; the chunked LM head holds
-  ``3 x chunk x V`` float32 (logits, log-softmax, gradient);
+  ``3 x chunk x V`` float32 (logits, log-softmax, gradient). **Mixed precision** (float32 weights
+  computed under bfloat16 autocast, ``mixed_precision``: the warm-start's full fine-tune) keeps
+  ``6h + 2 kv`` float32 elements per token and layer (the residual stream and both RMSNorms' input
+  and output, ``4h``; the rotary embedding's products with its float32 cos/sin, ``2 (h + kv)``) and
+  ``3h + 2 kv + 4i`` bfloat16 ones (the cast inputs of q/k/v and ``o_proj``, q/k/v, the MLP's four),
+  plus the bfloat16 copy of every layer weight autocast saves for backward; counted with torch's
+  saved-tensor hooks on SmolLM2 (``tests/trainer/app/test_memory_check.py``). Its peak RSS is
+  higher than what is saved by :data:`MIXED_TRANSIENT_FRACTION` of the layers' count: freed cast
+  temporaries the allocator keeps (measured, not derived);
 * **engines**: each rollout engine's own copy of the weights at ``model.dtype`` and its KV cache
   (``slots x engine_seq_len x layers x 2 x kv`` elements at ``param_bytes``);
 * **runtime**: ``RUNTIME_BYTES`` per process (Python, torch, tokenizers: measured ~0.4-0.5 GiB).
@@ -44,6 +52,10 @@ from typing import Any
 GIB = 1024 ** 3
 #: Resident memory of one Python process with torch and transformers imported (bytes).
 RUNTIME_BYTES = GIB // 2
+#: Under mixed precision, peak RSS beyond the counted terms, as a fraction of the decoder layers'
+#: saved activations: 0.53-0.66 measured on SmolLM2's warm-start (4 and 16 rows of 641 tokens, bf16
+#: autocast on float32 weights, 2026-12-07; docs/models.md), rounded up within that range.
+MIXED_TRANSIENT_FRACTION = 0.6
 #: Bytes per element of each ``model.dtype`` / activation dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -120,6 +132,8 @@ class MemoryPlan:
     Attributes:
         dims: the model's shape. param_bytes: bytes per parameter (``model.dtype``).
         act_bytes: bytes per activation element (2 with a bfloat16 base or bfloat16 autocast).
+        mixed_precision: float32 weights computed under bfloat16 autocast (the per-layer count
+            of the module docstring's "Mixed precision"; ``act_bytes`` is then not read).
         lora_rank / lora_targets: the actor's adapter (rank 0: full fine-tuning).
         critic_lora_rank / critic_lora_targets: the critic's adapter (rank 0: full fine-tuning).
         critic: the preset trains a critic.
@@ -134,6 +148,7 @@ class MemoryPlan:
     dims: ModelDims
     param_bytes: int = 4
     act_bytes: int = 4
+    mixed_precision: bool = False
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     critic_lora_rank: int = 0
@@ -178,19 +193,33 @@ def _states(dims: ModelDims, rank: int, targets: tuple[str, ...], param_bytes: i
     return weights, dims.params * param_bytes * 3
 
 
+def _layer_bytes_per_token(plan: MemoryPlan) -> int:
+    """Bytes one decoder layer saves for backward per token (see the module docstring)."""
+    d = plan.dims
+    if plan.mixed_precision:
+        return 4 * (6 * d.hidden + 2 * d.kv) + 2 * (3 * d.hidden + 2 * d.kv + 4 * d.intermediate)
+    return (8 * d.hidden + 3 * d.kv + 4 * d.intermediate) * plan.act_bytes
+
+
 def activation_bytes(plan: MemoryPlan) -> int:
     """Peak activation bytes of one micro-batch's forward + backward (see the module docstring)."""
     d, b, t = plan.dims, plan.micro_batch, plan.seq_len
     tokens = b * t
-    per_layer = tokens * (8 * d.hidden + 3 * d.kv + 4 * d.intermediate) * plan.act_bytes
+    low = 2 if plan.mixed_precision else plan.act_bytes  # attention's dtype
+    per_layer = tokens * _layer_bytes_per_token(plan)
     if plan.attn == "eager":
-        per_layer += b * d.heads * t * t * plan.act_bytes
+        per_layer += b * d.heads * t * t * low
     else:  # a fused kernel: output (counted above) and a float32 log-sum-exp per row and head
         per_layer += b * d.heads * t * 4
-    kept = tokens * d.hidden * plan.act_bytes * d.layers + per_layer if plan.gradient_checkpointing \
+    resid = 4 if plan.mixed_precision else plan.act_bytes  # a checkpointed layer keeps its input
+    kept = tokens * d.hidden * resid * d.layers + per_layer if plan.gradient_checkpointing \
         else per_layer * d.layers
+    if plan.mixed_precision:
+        live = 1 if plan.gradient_checkpointing else d.layers  # layers whose temporaries are live at once
+        kept += int(MIXED_TRANSIENT_FRACTION * tokens * _layer_bytes_per_token(plan) * live)
     head = 3 * min(plan.chunk_tokens, tokens) * d.vocab * 4
-    return kept + per_layer + head  # + one layer's activation gradients in backward
+    casts = 2 * (d.params - d.vocab * d.hidden * (1 if d.tied else 2)) if plan.mixed_precision else 0
+    return kept + per_layer + head + casts  # + one layer's activation gradients in backward
 
 
 def estimate_memory(plan: MemoryPlan) -> MemoryEstimate:

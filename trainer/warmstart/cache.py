@@ -40,13 +40,16 @@ def cache_key(spec: WarmStartCacheSpec) -> str:
     Returns:
         A 20-hex-digit key: SHA-256 of the canonical JSON of ``model``, ``task``, ``rollout``
         (minus the RL-generation keys :data:`_ROLLOUT_NOT_SFT`), ``warm_start`` (minus
-        ``cache_dir``), ``train.seed``, ``train.torch_threads``, the learner's ``autocast_dtype``
-        (only when set: keys of runs without it are unchanged) and :data:`CACHE_FORMAT`.
+        ``cache_dir``, and ``micro_batch_size`` when 0), ``train.seed``, ``train.torch_threads``,
+        the learner's ``autocast_dtype`` (only when set: keys of runs without it are unchanged)
+        and :data:`CACHE_FORMAT`.
         RL settings (preset, algorithm, staleness, learning rates of RL,
         evaluation) are not part of it.
     """
     ws = dataclasses.asdict(spec.warm_start)
     ws.pop("cache_dir", None)
+    if not ws.get("micro_batch_size"):  # 0, the whole batch: keys from before the setting are unchanged
+        ws.pop("micro_batch_size", None)
     rollout = {k: v for k, v in dataclasses.asdict(spec.rollout).items() if k not in _ROLLOUT_NOT_SFT}
     parts = {"format": CACHE_FORMAT, "model": dataclasses.asdict(spec.model),
              "task": dataclasses.asdict(spec.task), "rollout": rollout,

@@ -103,8 +103,12 @@ def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.
 
 
 def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
-                      loss_mask: torch.Tensor, shared_prefix_tokens: int = 0) -> torch.Tensor:
+                      loss_mask: torch.Tensor, shared_prefix_tokens: int = 0,
+                      num_tokens: int | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy (nats per token) over positions with ``loss_mask == 1``.
+
+    ``num_tokens``: divide the summed cross-entropy by this instead of the count of those
+    positions (a micro-batch's share of its batch's mean: the whole batch's count).
 
     Token ``i`` is predicted from the model's distribution at ``i - 1``. Args are ``(B, L)`` int64
     tensors (right padding); returns a scalar float32 tensor (differentiable). The output head is
@@ -121,7 +125,33 @@ def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Ten
     keep[:, 0] = False  # nothing predicts the first token
     pos = (attn.long().cumsum(1) - 1).clamp(min=0)
     logp, _ = token_scores(model, ids, attn, pos, keep, shared_prefix_tokens=shared_prefix_tokens)
-    return -logp.sum() / keep.sum().clamp(min=1)
+    return -logp.sum() / (keep.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1))
+
+
+def _predicted(row: tuple[list[int], list[int]]) -> int:
+    """Loss tokens of one right-padded row that something predicts (all but a masked-in first)."""
+    return sum(row[1]) - (row[1][0] if row[1] else 0)
+
+
+def _sft_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rows: list[tuple[list[int], list[int]]],
+              pad: int, micro: int, shared_prefix_tokens: int, autocast_dtype: torch.dtype | None,
+              max_grad_norm: float) -> float:
+    """One optimizer step on ``rows``: ``micro`` rows per forward/backward (each micro-batch padded
+    to its own longest row), gradients accumulated so the step's loss is the mean over every
+    row's action tokens, as one forward of all rows would give. Returns that loss (nats/token)."""
+    total = sum(_predicted(r) for r in rows)
+    opt.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for i in range(0, len(rows), micro):
+        ids, attn, lm = _batch(rows[i:i + micro], pad)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            loss = action_token_loss(model, ids, attn, lm, shared_prefix_tokens, num_tokens=total)
+        loss.backward()
+        loss_sum += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    return loss_sum
 
 
 def _check_sft_args(traces: Sequence[Any], steps: Any, batch_size: Any, lr: Any, schedule: str) -> None:
@@ -163,7 +193,8 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
                    agent_cfg: AgentLoopConfig | None = None, weight_decay: float = 0.0,
                    warmup_frac: float = 0.05, max_grad_norm: float = 1.0, schedule: str = "cosine",
                    on_step: Callable[[int, float], None] | None = None, shared_prefix_tokens: int = 0,
-                   autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+                   autocast_dtype: torch.dtype | None = None, micro_batch_size: int = 0,
+                   check_memory: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Supervised warm start: AdamW on the action-token next-token loss of ``traces``.
 
     Batches are drawn without replacement from a seeded permutation (reshuffled each epoch).
@@ -188,13 +219,18 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
         autocast_dtype: compute the forward and backward in this dtype on the float32 weights
             (``torch.autocast``, e.g. ``torch.bfloat16``: ~1.4-2x faster on an AVX512-bf16 CPU;
             the learner's ``autocast_dtype``); None: the weights' dtype.
+        micro_batch_size: traces per forward/backward, gradients accumulated over the step's
+            batch (same loss and update up to float rounding); 0: the whole batch at once.
+        check_memory: called once before the first step with ``(traces per forward, longest
+            trace in tokens)``, the worst forward the run can meet; it raises to refuse.
 
     Returns:
         ``{"sft/loss_first", "sft/loss_last" (mean of the last ``min(10, steps)`` steps),
         "sft/steps", "sft/seconds", "sft/action_tokens" (per epoch), "sft/traces"}``.
 
     Raises:
-        ValueError: on empty ``traces`` or a bad ``steps`` / ``batch_size`` / ``lr``, or a
+        ValueError: on empty ``traces`` or a bad ``steps`` / ``batch_size`` / ``micro_batch_size`` /
+            ``lr``, or a
             trace longer than the model's context (``max_position_embeddings``).
     """
     from ..outputs.progress import phase_bar
@@ -206,6 +242,11 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
         if len(x) > max_len:
             raise ValueError(f"sft_warm_start: trace {i} has {len(x)} tokens, more than the model's "
                              f"{max_len}-token context")
+    if not isinstance(micro_batch_size, int) or micro_batch_size < 0:
+        raise ValueError(f"sft_warm_start: micro_batch_size={micro_batch_size!r} must be an int >= 0")
+    micro = min(micro_batch_size or batch_size, batch_size)
+    if check_memory is not None:
+        check_memory(micro, max(len(x) for x, _ in rows))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -220,16 +261,9 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
             if len(order) < batch_size:
                 order += torch.randperm(len(rows), generator=gen).tolist()
             idx, order = order[:batch_size], order[batch_size:]
-            ids, attn, lm = _batch([rows[i] for i in idx], pad)
-            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
-                                enabled=autocast_dtype is not None):
-                loss = action_token_loss(model, ids, attn, lm, shared_prefix_tokens)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            opt.step()
+            losses.append(_sft_step(model, opt, [rows[i] for i in idx], pad, micro, shared_prefix_tokens,
+                                    autocast_dtype, max_grad_norm))
             sched.step()
-            losses.append(float(loss.detach()))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             if on_step is not None:
                 on_step(step, losses[-1])

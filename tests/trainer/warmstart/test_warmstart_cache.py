@@ -30,9 +30,12 @@ def test_cache_key_ignores_rl_settings_and_follows_warm_start_ones():
         assert cache_key(warm_start_cache_spec(load_config(None, [rl]))) == key, rl
     for ws in ("warm_start.steps=301", "warm_start.seed=1", "model.tiny.hidden_size=64", "train.seed=1",
                "task.env_kwargs={prompt_template: 'Q {problem}'}", "rollout.max_total_tokens=999",
-               "task.settings.arithmetic_kinds=[mul]", "learner.backend_settings.autocast_dtype=bfloat16"):
+               "task.settings.arithmetic_kinds=[mul]", "learner.backend_settings.autocast_dtype=bfloat16",
+               "warm_start.micro_batch_size=4"):  # accumulation rounds differently: another result
         assert cache_key(warm_start_cache_spec(load_config(None, [ws]))) != key, ws
-    # a speed knob that does not change the result (the shared prefix is exact) keeps the key
+    # a speed knob that does not change the result (the shared prefix is exact) keeps the key, as
+    # does micro_batch_size 0 (the whole batch: keys written before the setting existed still match)
+    assert cache_key(warm_start_cache_spec(load_config(None, ["warm_start.micro_batch_size=0"]))) == key
     assert cache_key(warm_start_cache_spec(load_config(
         None, ["learner.backend_settings.shared_prefix_tokens=64"]))) == key
 
