@@ -9,6 +9,10 @@ and reports, over the last 5 RL steps, the means of the critic's probes (``criti
 ``value/policy_value_gap``, ``value/b_hat``) and of the actor's (``rollout/reward_mean``, the DIS
 mask's or PPO clip's fraction of tokens, ``actor/grad_norm``), so a collapse can be attributed.
 
+A second table pairs the arms by seed (every arm of a seed starts from that seed's warm-start):
+the per-seed difference of after-RL accuracy, its 95 % t interval, and the smallest true
+difference the seed count can detect (paired t-test, α = 0.05, power 0.8).
+
 Usage: ``.venv/bin/python scripts/critic_arms_report.py runs/sweeps/critic_arms [--out F.md]``.
 """
 
@@ -96,6 +100,55 @@ def report(recs: list[dict], collapse: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Comparisons of the paired table: (arm, reference).
+PAIRS = (("copc", "copc_wo_rc"), ("copc", "ppo_async"), ("copc", "brace"), ("copc_wo_rc", "ppo_async"))
+
+
+def detectable(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Smallest true mean difference a two-sided paired t-test of ``n`` pairs with difference
+    standard deviation ``sd`` detects at level ``alpha`` with probability ``power``:
+    ``(t_{1-α/2, n-1} + t_{power, n-1}) · sd / √n`` (the usual normal-approximation formula with
+    t quantiles; e.g. Cohen 1988, ch. 2). NaN for ``n < 2``."""
+    from scipy.stats import t
+
+    if n < 2 or not math.isfinite(sd):
+        return math.nan
+    return float((t.ppf(1 - alpha / 2, n - 1) + t.ppf(power, n - 1)) * sd / math.sqrt(n))
+
+
+def paired_rows(recs: list[dict]) -> list[dict]:
+    """Per lag and :data:`PAIRS` comparison, the per-seed differences of after-RL accuracy (the two
+    arms of a seed share its warm-start): n, mean, 95 % t interval, sd, :func:`detectable`."""
+    from scipy.stats import t
+
+    out = []
+    for lag in sorted({r["lag"] for r in recs}):
+        by = {(r["preset"], r["seed"]): r["after"] for r in recs if r["lag"] == lag}
+        for a, b in PAIRS:
+            d = [by[(a, s)] - by[(b, s)] for (p, s) in by if p == a and (b, s) in by]
+            if len(d) < 2:
+                continue
+            m, sd = statistics.mean(d), statistics.stdev(d)
+            half = float(t.ppf(0.975, len(d) - 1)) * sd / math.sqrt(len(d))
+            out.append({"lag": lag, "a": a, "b": b, "n": len(d), "mean": m, "lo": m - half, "hi": m + half,
+                        "sd": sd, "mde": detectable(sd, len(d))})
+    return out
+
+
+def paired_report(recs: list[dict]) -> str:
+    """The markdown table of :func:`paired_rows` with its power statement."""
+    rows = paired_rows(recs)
+    lines = ["Paired by seed (the same warm-start), after-RL accuracy of arm − reference; the last "
+             "column is the smallest true difference these seeds detect (paired t-test, α = 0.05 "
+             "two-sided, power 0.8):", "",
+             "| lag | arm − reference | seeds | mean Δ | 95 % interval | sd of Δ | detectable |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['lag']} | {r['a']} − {r['b']} | {r['n']} | {r['mean']:+.3f} | "
+                     f"[{r['lo']:+.3f}, {r['hi']:+.3f}] | {r['sd']:.3f} | {r['mde']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     """Print (and with ``--out`` write) the report of the sweep directory."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,7 +156,8 @@ def main() -> None:
     ap.add_argument("--collapse", type=float, default=0.1)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    text = report(runs(args.sweep), args.collapse)
+    recs = runs(args.sweep)
+    text = report(recs, args.collapse) + "\n" + paired_report(recs)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

@@ -143,6 +143,12 @@ def test_shipped_sweep_specs_validate(tmp_path):
     tiny = build_plan(spec)
     assert len(tiny.cells) == 8 and len(tiny.runs) == 8
     assert all(r.total_steps == tiny.runs[0].total_steps for r in tiny.runs)
+    arms = build_plan(dataclasses.replace(load_spec(REPO / "configs/sweeps/staleness_arms.yaml"),
+                                          out=str(tmp_path / "arms")))  # issue 46's experiment
+    assert len(arms.cells) == 12 and len(arms.runs) == 60
+    assert {r.total_steps for r in arms.runs} == {80}  # > 64: the lag-64 runs reach staleness 64
+    run = next(r for r in arms.runs if r.cell.id == "presetcopc_wo_rc_lag64")
+    assert {"train.staleness.mode=fixed", "preset=copc_wo_rc", "train.staleness.lag=64"} <= set(run.overrides)
     paper = load_spec(REPO / "configs/sweeps/figure1_paper.yaml")
     assert paper.grid.axes == {ETA_P: [0.25, 0.5, 0.75], ETA_A: [0.25, 0.5, 0.75],
                                "train.staleness.lag": [8, 12, 16]}

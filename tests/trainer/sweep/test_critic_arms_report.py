@@ -1,0 +1,43 @@
+"""scripts/critic_arms_report.py's paired table and power statement (issue 46, item 4): the
+detectable difference against hand-computed t quantiles, and the paired differences of a small
+hand-made sweep."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "critic_arms_report.py"
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("critic_arms_report", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_detectable_difference_by_hand(report):
+    """n = 5 pairs, sd 0.05: (t_0.975,4 = 2.7764 + t_0.8,4 = 0.9410) * 0.05 / sqrt 5 = 0.08313;
+    n = 10, sd 0.1: (2.2622 + 0.8834) * 0.1 / sqrt 10 = 0.09947; fewer than 2 pairs: NaN."""
+    assert report.detectable(0.05, 5) == pytest.approx(0.08313, abs=2e-5)
+    assert report.detectable(0.1, 10) == pytest.approx(0.09947, abs=2e-5)
+    assert math.isnan(report.detectable(0.05, 1))
+
+
+def test_paired_rows_pair_by_seed_and_skip_missing(report):
+    """copc − copc_wo_rc at lag 16 over seeds 0-2 (seed 3 has no copc_wo_rc run: not paired):
+    differences 0.1, 0.0, 0.2 -> mean 0.1, sd 0.1, 95 % half-width t_0.975,2 * 0.1 / sqrt 3 = 0.2484."""
+    recs = [{"preset": "copc", "lag": 16, "seed": s, "after": a} for s, a in enumerate([0.6, 0.5, 0.7, 0.9])]
+    recs += [{"preset": "copc_wo_rc", "lag": 16, "seed": s, "after": 0.5} for s in range(3)]
+    rows = report.paired_rows(recs)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["a"], r["b"], r["n"]) == ("copc", "copc_wo_rc", 3)
+    assert r["mean"] == pytest.approx(0.1) and r["sd"] == pytest.approx(0.1)
+    assert r["hi"] - r["mean"] == pytest.approx(0.24841, abs=1e-4)
+    assert "| 16 | copc − copc_wo_rc | 3 | +0.100 |" in report.paired_report(recs)
