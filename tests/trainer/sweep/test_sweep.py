@@ -149,6 +149,10 @@ def test_shipped_sweep_specs_validate(tmp_path):
     assert {r.total_steps for r in arms.runs} == {80}  # > 64: the lag-64 runs reach staleness 64
     run = next(r for r in arms.runs if r.cell.id == "presetcopc_wo_rc_lag64")
     assert {"train.staleness.mode=fixed", "preset=copc_wo_rc", "train.staleness.lag=64"} <= set(run.overrides)
+    eta = load_spec(REPO / "configs/sweeps/eta_grid.yaml")  # its Figure-1 grid at lag 16 and 64
+    assert eta.grid.axes == {ETA_P: [0.25, 0.5, 1.0], ETA_A: [0.0, 0.25, 0.5, 1.0],
+                             "train.staleness.lag": [16, 64]}
+    assert len(build_plan(dataclasses.replace(eta, out=str(tmp_path / "eta"))).runs) == 72
     paper = load_spec(REPO / "configs/sweeps/figure1_paper.yaml")
     assert paper.grid.axes == {ETA_P: [0.25, 0.5, 0.75], ETA_A: [0.25, 0.5, 0.75],
                                "train.staleness.lag": [8, 12, 16]}
