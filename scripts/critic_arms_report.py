@@ -26,14 +26,21 @@ from pathlib import Path
 
 CRITIC_KEYS = ("critic/value_bias", "value/policy_value_gap", "value/b_hat")
 ACTOR_KEYS = ("rollout/reward_mean", "actor/dis_masked_frac", "actor/pg_clipfrac", "actor/grad_norm")
+#: What the channels saw (the conditions under which the advantage channel can act), late means.
+CHANNEL_KEYS = ("diag/abs_log_ratio", "advantage/clipped_frac", "diag/policy_masked_frac",
+                "critic/explained_variance", "value/pooled_policy_value_gap", "value/pooled_se_gap")
 
 
 def _late_means(metrics: Path, keys: tuple[str, ...], last: int = 5) -> dict[str, float]:
+    """Means over the last ``last`` RL steps of each key (``diag/abs_log_ratio``: of the per-staleness
+    ``diag/abs_log_ratio_s<k>`` values the step logged)."""
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "actor/updated" in r][-last:]
     out = {}
     for k in keys:
-        vals = [float(r[k]) for r in steps if isinstance(r.get(k), int | float) and math.isfinite(r[k])]
+        vals = [float(v) for r in steps for name, v in r.items()
+                if (name == k or (k == "diag/abs_log_ratio" and name.startswith(k + "_s")))
+                and isinstance(v, int | float) and math.isfinite(v)]
         out[k] = statistics.mean(vals) if vals else math.nan
     return out
 
@@ -51,6 +58,8 @@ def runs(sweep: Path) -> list[dict]:
         rec = {"preset": preset, "lag": lag, "seed": int(run.name[4:]),
                "before": s["eval_before"]["accuracy"], "after": s["eval_after"]["accuracy"]}
         rec.update(_late_means(run / "metrics.jsonl", CRITIC_KEYS + ACTOR_KEYS))
+        late = _late_means(run / "metrics.jsonl", CHANNEL_KEYS, 16)
+        rec.update({f"late16:{k}": v for k, v in late.items()})
         out.append(rec)
     return out
 
@@ -149,6 +158,23 @@ def paired_report(recs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def channel_report(recs: list[dict]) -> str:
+    """Per preset and lag, the medians over seeds of :data:`CHANNEL_KEYS` over each run's last 16
+    steps: how far π_old/µ strayed (mean |log ρ|), how often the advantage channel clipped and the
+    policy channel masked, the critic's explained variance, and the pooled π-referenced gap."""
+    lines = ["What the channels saw, means over each run's last 16 RL steps, median over seeds (an "
+             "all-0 batch makes the explained variance of one step huge and negative):", "",
+             "| preset | lag | " + " | ".join(f"`{k}`" for k in CHANNEL_KEYS) + " |",
+             "|---|---|" + "---|" * len(CHANNEL_KEYS)]
+    for preset in dict.fromkeys(r["preset"] for r in recs):
+        for lag in sorted({r["lag"] for r in recs}):
+            cell = [r for r in recs if r["preset"] == preset and r["lag"] == lag]
+            if cell:
+                vals = [_median([r[f"late16:{k}"] for r in cell]) for k in CHANNEL_KEYS]
+                lines.append(f"| {preset} | {lag} | " + " | ".join(f"{v:.3g}" for v in vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     """Print (and with ``--out`` write) the report of the sweep directory."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -157,7 +183,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     recs = runs(args.sweep)
-    text = report(recs, args.collapse) + "\n" + paired_report(recs)
+    text = report(recs, args.collapse) + "\n" + paired_report(recs) + "\n" + channel_report(recs)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

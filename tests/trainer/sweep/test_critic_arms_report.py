@@ -5,6 +5,7 @@ hand-made sweep."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -41,3 +42,17 @@ def test_paired_rows_pair_by_seed_and_skip_missing(report):
     assert r["mean"] == pytest.approx(0.1) and r["sd"] == pytest.approx(0.1)
     assert r["hi"] - r["mean"] == pytest.approx(0.24841, abs=1e-4)
     assert "| 16 | copc − copc_wo_rc | 3 | +0.100 |" in report.paired_report(recs)
+
+
+def test_late_means_average_the_last_steps_and_every_staleness_key(report, tmp_path):
+    """Only rows of RL steps count (``actor/updated``), the last ``last`` of them; the per-staleness
+    ``diag/abs_log_ratio_s<k>`` keys pool into ``diag/abs_log_ratio``; a key never logged is NaN."""
+    rows = [{"eval/accuracy": 0.5},
+            {"actor/updated": 1, "x": 9.0, "diag/abs_log_ratio_s1": 9.0},
+            {"actor/updated": 1, "x": 1.0, "diag/abs_log_ratio_s2": 0.1, "diag/abs_log_ratio_s3": 0.3},
+            {"actor/updated": 1, "x": 3.0, "diag/abs_log_ratio_s3": 0.2}]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = report._late_means(f, ("x", "diag/abs_log_ratio", "missing"), last=2)
+    assert out["x"] == pytest.approx(2.0) and out["diag/abs_log_ratio"] == pytest.approx(0.2)
+    assert math.isnan(out["missing"])
