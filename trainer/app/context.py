@@ -211,12 +211,14 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
         drill = {}
         fits = functools.partial(check_sft_memory, cfg)  # refuses before the first step, naming the fix
         plan = task.drill_plan()  # the task's copy drills (its settings), if any
-        if plan is not None:
+        if plan is not None:  # (computed in the weights' dtype, without autocast)
+            drill_fits = functools.partial(check_sft_memory, cfg, phase="copy-drill warm-start",
+                                           autocast=False)
             drills = task.drill_traces(plan.steps * plan.batch_size, w.seed)
             drill = sft_warm_start(actor, tok, drills, steps=plan.steps, batch_size=plan.batch_size,
                                    lr=plan.lr, seed=w.seed, progress=cfg.logging.progress,
                                    agent_cfg=agent_cfg, schedule="constant",
-                                   micro_batch_size=w.micro_batch_size, check_memory=fits)
+                                   micro_batch_size=w.micro_batch_size, check_memory=drill_fits)
             drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
         metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
                                  seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_cfg,

@@ -8,6 +8,7 @@ line naming the setting to change, instead of an OOM kill minutes into the run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -91,24 +92,37 @@ def memory_plan(cfg: ExperimentConfig) -> MemoryPlan:
         processes=1 + (workers if remote else 0))
 
 
-def sft_memory_plan(cfg: ExperimentConfig, rows: int, seq_len: int) -> MemoryPlan:
+def sft_memory_plan(cfg: ExperimentConfig, rows: int, seq_len: int, autocast: bool = True) -> MemoryPlan:
     """The :class:`MemoryPlan` of the supervised warm-start's largest forward: a full fine-tune of
-    ``model.path`` (float32 weights under the learner's ``autocast_dtype``, else ``model.dtype``; no
-    critic, no engine: the SFT runs before either exists) on ``rows`` rows of ``seq_len`` tokens.
+    ``model.path`` (float32 weights when the learner has an ``autocast_dtype``, else ``model.dtype``;
+    no critic, no engine: the SFT runs before either exists) on ``rows`` rows of ``seq_len`` tokens.
+    ``autocast``: that SFT computes under the learner's ``autocast_dtype`` (False: the copy drills,
+    which compute in the weights' dtype).
 
     Raises:
         ConfigError: ``model.path`` has no readable ``config.json`` with the fields the estimate needs.
     """
     dims = _read_dims(cfg)
-    autocast = getattr(plugin_settings(cfg, "learner.backend"), "autocast_dtype", None)
-    param_bytes = 4 if autocast else DTYPE_BYTES[cfg.model.dtype]
-    return MemoryPlan(dims=dims, param_bytes=param_bytes, act_bytes=2 if autocast else param_bytes,
-                      mixed_precision=bool(autocast), critic=False, micro_batch=rows, seq_len=seq_len,
+    learner_autocast = getattr(plugin_settings(cfg, "learner.backend"), "autocast_dtype", None)
+    param_bytes = 4 if learner_autocast else DTYPE_BYTES[cfg.model.dtype]
+    mixed = bool(learner_autocast) and autocast
+    return MemoryPlan(dims=dims, param_bytes=param_bytes, act_bytes=2 if mixed else param_bytes,
+                      mixed_precision=mixed, critic=False, micro_batch=rows, seq_len=seq_len,
                       attn=cfg.model.attn_implementation, engines=0, processes=1)
 
 
-def check_sft_memory(cfg: ExperimentConfig, rows: int, seq_len: int,
-                     machine: MachineMemory | None = None) -> MemoryEstimate | None:
+def _sft_fix(cfg: ExperimentConfig, plan: MemoryPlan, limit: int) -> str:
+    """The largest ``warm_start.micro_batch_size`` (at most ``warm_start.batch_size``) whose
+    estimate fits ``limit`` bytes, or the other settings when not even one trace per forward fits."""
+    for m in range(min(plan.micro_batch - 1, cfg.warm_start.batch_size), 0, -1):
+        if estimate_memory(dataclasses.replace(plan, micro_batch=m)).total <= limit:
+            return f"warm_start.micro_batch_size={m}"
+    return ("model.attn_implementation=sdpa" if plan.attn == "eager" else
+            "a smaller model or shorter traces (not even one trace per forward fits)")
+
+
+def check_sft_memory(cfg: ExperimentConfig, rows: int, seq_len: int, machine: MachineMemory | None = None,
+                     *, phase: str = "warm-start", autocast: bool = True) -> MemoryEstimate | None:
     """Refuse a warm-start whose largest forward (``rows`` rows of ``seq_len`` tokens: a
     micro-batch of its longest traces) cannot fit, before its first step.
 
@@ -116,29 +130,31 @@ def check_sft_memory(cfg: ExperimentConfig, rows: int, seq_len: int,
         cfg: the validated experiment config. rows: traces per forward
             (``warm_start.micro_batch_size``, else ``batch_size``). seq_len: the longest trace, tokens.
         machine: the memory to compare with; None: :func:`machine_memory`.
+        phase: the SFT's name in the messages (``warm-start``, or the task's ``copy drills``).
+        autocast: see :func:`sft_memory_plan`.
 
     Returns:
         The estimate (None: the model's config could not be read; nothing checked).
 
     Raises:
         ConfigError: the estimate exceeds the machine's limit and ``learner.memory_check`` is on:
-            one line with both figures and ``warm_start.micro_batch_size`` to set.
+            one line with both figures and the largest ``warm_start.micro_batch_size`` that fits.
     """
     try:
-        plan = sft_memory_plan(cfg, rows, seq_len)
+        plan = sft_memory_plan(cfg, rows, seq_len, autocast)
     except ConfigError as e:
-        log.warning("warm-start memory estimate skipped: %s", e)
+        log.warning("%s memory estimate skipped: %s", phase, e)
         return None
     est = estimate_memory(plan)
     mem = machine if machine is not None else machine_memory()
+    what = f"{rows} traces x {seq_len} tokens per forward"
     if est.total > mem.limit and cfg.learner.memory_check:
-        fix = f"warm_start.micro_batch_size={max(1, rows // 2)}" if rows > 1 else \
-            "model.attn_implementation=sdpa" if plan.attn == "eager" else "a smaller model"
+        fix = _sft_fix(cfg, plan, mem.limit)
         raise ConfigError(
-            f"memory: the warm-start needs ~{est.total / GIB:.1f} GiB at its peak ({rows} traces x "
-            f"{seq_len} tokens per forward; {est.line()}) but this machine has {mem.limit / GIB:.1f} GiB "
-            f"({mem.source}); change: {fix} (or learner.memory_check=false to start anyway)")
-    log.info("warm-start memory estimate: %s (%d traces x %d tokens per forward)", est.line(), rows, seq_len)
+            f"memory: the {phase} needs ~{est.total / GIB:.1f} GiB at its peak ({what}; {est.line()}) but "
+            f"this machine has {mem.limit / GIB:.1f} GiB ({mem.source}); change: {fix} "
+            "(or learner.memory_check=false to start anyway)")
+    print(f"{phase} memory estimate: {est.line()} ({what})", file=sys.stderr, flush=True)
     return est
 
 

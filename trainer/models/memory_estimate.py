@@ -28,7 +28,7 @@ at the peak of a training step, from the model's shape (:class:`ModelDims`, read
   and output, ``4h``; the rotary embedding's products with its float32 cos/sin, ``2 (h + kv)``) and
   ``3h + 2 kv + 4i`` bfloat16 ones (the cast inputs of q/k/v and ``o_proj``, q/k/v, the MLP's four),
   plus the bfloat16 copy of every layer weight autocast saves for backward; counted with torch's
-  saved-tensor hooks on SmolLM2 (``tests/trainer/app/test_memory_check.py``). Its peak RSS is
+  saved-tensor hooks on a tiny Llama (``tests/trainer/app/test_sft_memory_check.py``). Its peak RSS is
   higher than what is saved by :data:`MIXED_TRANSIENT_FRACTION` of the layers' count: freed cast
   temporaries the allocator keeps (measured, not derived);
 * **engines**: each rollout engine's own copy of the weights at ``model.dtype`` and its KV cache

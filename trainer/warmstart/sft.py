@@ -129,7 +129,7 @@ def action_token_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Ten
 
 
 def _predicted(row: tuple[list[int], list[int]]) -> int:
-    """Loss tokens of one right-padded row that something predicts (all but a masked-in first)."""
+    """Loss tokens of one ``(ids, loss_mask)`` row that something predicts (all but a masked-in first)."""
     return sum(row[1]) - (row[1][0] if row[1] else 0)
 
 

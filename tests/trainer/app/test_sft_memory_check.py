@@ -58,7 +58,7 @@ def test_layer_activations_match_what_autograd_saves(autocast):
 def test_a_warm_start_that_cannot_fit_is_refused_naming_the_micro_batch(realmodel_path):
     """The math main job's warm-start (16 traces of its longest, 641 tokens) is estimated near its
     measured 17-18 GiB without micro-batches; on a 16 GiB machine it is refused in one line naming
-    ``warm_start.micro_batch_size=8``; with the config's micro-batch of 4 it fits."""
+    the largest ``warm_start.micro_batch_size`` that fits; with the config's micro-batch of 4 it fits."""
     whole = load_config(MATH, [f"model.path={realmodel_path}", "warm_start.micro_batch_size=0"])
     est = check_sft_memory(whole, 16, 641, MachineMemory(24 * GIB, 24 * GIB, "test"))
     assert 16 * GIB < est.total < 20 * GIB, est.line()
@@ -66,7 +66,11 @@ def test_a_warm_start_that_cannot_fit_is_refused_naming_the_micro_batch(realmode
         check_sft_memory(whole, 16, 641, MachineMemory(16 * GIB, 16 * GIB, "test"))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("memory: the warm-start needs ~")
-    assert "16 traces x 641 tokens" in msg and "change: warm_start.micro_batch_size=8" in msg
+    assert "16 traces x 641 tokens" in msg
+    fix = int(msg.split("change: warm_start.micro_batch_size=")[1].split()[0])  # the largest that fits
+    fits = [check_sft_memory(whole, m, 641, MachineMemory(64 * GIB, 64 * GIB, "test")).total < 16 * GIB
+            for m in (fix, fix + 1)]
+    assert 1 < fix < 16 and fits == [True, False], (fix, fits)
     cfg = load_config(MATH, [f"model.path={realmodel_path}"])
     assert cfg.warm_start.micro_batch_size == 4
     assert check_sft_memory(cfg, 4, 641, MachineMemory(16 * GIB, 16 * GIB, "test")).total < 8 * GIB
@@ -75,6 +79,25 @@ def test_a_warm_start_that_cannot_fit_is_refused_naming_the_micro_batch(realmode
     assert check_sft_memory(off, 16, 641, MachineMemory(GIB, GIB, "test")).total == est.total
     plan = sft_memory_plan(cfg, 4, 641)
     assert plan.mixed_precision and plan.param_bytes == 4 and not plan.critic and plan.engines == 0
+
+
+def test_copc_train_refuses_a_warm_start_that_cannot_fit_naming_its_micro_batch(tmp_path):
+    """``copc train`` wires the check into the warm-start: a tiny model made wide (hidden 1024, 8
+    layers) with 512 traces in one forward needs ~90 GiB, so the run exits 2 with one line after
+    generating its traces and before any SFT step; with ``warm_start.micro_batch_size=256`` the
+    line names 256 traces per forward (the setting reaches the SFT)."""
+    base = ["--config", "configs/math_tool/cpu_tiny.yaml", "warm_start.num_examples=512",
+            "warm_start.batch_size=512", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=4096",
+            "model.tiny.num_layers=8", "eval.enabled=false", "logging.progress=false"]
+    for extra, rows in (([], 512), (["warm_start.micro_batch_size=256"], 256)):
+        proc = subprocess.run([sys.executable, "-m", "trainer.cli", "train", *base, *extra,
+                               f"output_dir={tmp_path / str(rows)}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("copc train:")]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert "memory: the warm-start needs ~" in lines[0] and f"({rows} traces x " in lines[0], lines[0]
+        assert "change: warm_start.micro_batch_size=" in lines[0]
+        assert not (tmp_path / str(rows) / "warm_start_model").exists()
 
 
 def test_estimate_is_within_25_percent_of_a_real_warm_starts_peak_rss(realmodel_path):

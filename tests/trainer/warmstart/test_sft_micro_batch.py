@@ -28,11 +28,14 @@ def _train(traces, **kw):
     tok = build_byte_tokenizer()
     model = build_tiny_model(TinyModelConfig(seed=5, max_position_embeddings=512), len(tok),
                              tok.eos_token_id, tok.pad_token_id)
-    losses, seen = [], []
+    losses, seen, rows = [], [], []  # rows: batch rows of each forward (the embedding's input)
+    hook = model.get_decoder().embed_tokens.register_forward_hook(
+        lambda _m, args, _out: rows.append(args[0].shape[0]))
     sft_warm_start(model, tok, traces, steps=3, batch_size=6, lr=3e-3, seed=0, progress=False,
                    on_step=lambda _, loss: losses.append(loss),
-                   check_memory=lambda rows, tokens: seen.append((rows, tokens)), **kw)
-    return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), seen
+                   check_memory=lambda n, tokens: seen.append((n, tokens)), **kw)
+    hook.remove()
+    return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), (seen, rows)
 
 
 def test_micro_batches_give_the_whole_batchs_loss_and_update(traces):
@@ -42,11 +45,11 @@ def test_micro_batches_give_the_whole_batchs_loss_and_update(traces):
     with the rows per forward and the longest trace's token count."""
     tok = build_byte_tokenizer()
     longest = max(len(tokenize_trace(tok, t)[0]) for t in traces)
-    whole, w_params, seen = _train(traces)
-    assert seen == [(6, longest)] and whole[0] > whole[-1]
-    for micro in (1, 2, 4):
-        losses, params, seen = _train(traces, micro_batch_size=micro)
-        assert seen == [(micro, longest)]
+    whole, w_params, (seen, rows) = _train(traces)
+    assert seen == [(6, longest)] and whole[0] > whole[-1] and rows == [6, 6, 6]
+    for micro, per_step in ((1, [1] * 6), (2, [2, 2, 2]), (4, [4, 2])):
+        losses, params, (seen, rows) = _train(traces, micro_batch_size=micro)
+        assert seen == [(micro, longest)] and rows == per_step * 3, (micro, rows)
         assert max(abs(a - b) for a, b in zip(whole, losses, strict=True)) < 1e-5, (micro, whole, losses)
         assert float((params - w_params).abs().max()) < 1e-5, micro
     bf_whole, bf_params, _ = _train(traces, autocast_dtype=torch.bfloat16)
@@ -77,3 +80,13 @@ def test_a_refusing_memory_check_stops_before_any_step(traces):
     with pytest.raises(ValueError, match="micro_batch_size=-1"):
         sft_warm_start(model, tok, traces, steps=2, batch_size=6, micro_batch_size=-1, lr=1e-3, seed=0,
                        progress=False)
+
+
+def test_predicted_tokens_leave_out_a_masked_in_first_token():
+    """A row whose loss mask starts with 1 (nothing predicts its first token) counts one token
+    fewer; the normalizer then equals ``action_token_loss``'s own count of scored positions."""
+    from trainer.warmstart.sft import _predicted
+
+    assert _predicted(([5, 6, 7], [1, 1, 0])) == 1
+    assert _predicted(([5, 6, 7], [0, 1, 1])) == 2
+    assert _predicted(([5], [0])) == 0
