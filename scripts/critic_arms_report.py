@@ -31,11 +31,16 @@ CHANNEL_KEYS = ("diag/abs_log_ratio", "advantage/clipped_frac", "diag/policy_mas
                 "critic/explained_variance", "value/pooled_policy_value_gap", "value/pooled_se_gap")
 
 
-def _late_means(metrics: Path, keys: tuple[str, ...], last: int = 5) -> dict[str, float]:
-    """Means over the last ``last`` RL steps of each key (``diag/abs_log_ratio``: of the per-staleness
-    ``diag/abs_log_ratio_s<k>`` values the step logged)."""
+def rl_steps(metrics: Path) -> list[dict]:
+    """The RL steps' rows (``actor/updated``) of a ``metrics.jsonl``, in order."""
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    steps = [r for r in rows if "actor/updated" in r][-last:]
+    return [r for r in rows if "actor/updated" in r]
+
+
+def _late_means(steps: list[dict], keys: tuple[str, ...], last: int = 5) -> dict[str, float]:
+    """Means over the last ``last`` of the RL ``steps`` (:func:`rl_steps`) of each key
+    (``diag/abs_log_ratio``: of the per-staleness ``diag/abs_log_ratio_s<k>`` values the step logged)."""
+    steps = steps[-last:]
     out = {}
     for k in keys:
         vals = [float(v) for r in steps for name, v in r.items()
@@ -57,8 +62,9 @@ def runs(sweep: Path) -> list[dict]:
         lag = int(run.parent.name.rsplit("lag", 1)[1])
         rec = {"preset": preset, "lag": lag, "seed": int(run.name[4:]),
                "before": s["eval_before"]["accuracy"], "after": s["eval_after"]["accuracy"]}
-        rec.update(_late_means(run / "metrics.jsonl", CRITIC_KEYS + ACTOR_KEYS))
-        late = _late_means(run / "metrics.jsonl", CHANNEL_KEYS, 16)
+        steps = rl_steps(run / "metrics.jsonl")  # read once, for both windows
+        rec.update(_late_means(steps, CRITIC_KEYS + ACTOR_KEYS))
+        late = _late_means(steps, CHANNEL_KEYS, 16)
         rec.update({f"late16:{k}": v for k, v in late.items()})
         out.append(rec)
     return out

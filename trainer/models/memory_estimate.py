@@ -206,7 +206,8 @@ def activation_bytes(plan: MemoryPlan) -> int:
     d, b, t = plan.dims, plan.micro_batch, plan.seq_len
     tokens = b * t
     low = 2 if plan.mixed_precision else plan.act_bytes  # attention's dtype
-    per_layer = tokens * _layer_bytes_per_token(plan)
+    layer_saved = tokens * _layer_bytes_per_token(plan)
+    per_layer = layer_saved
     if plan.attn == "eager":
         per_layer += b * d.heads * t * t * low
     else:  # a fused kernel: output (counted above) and a float32 log-sum-exp per row and head
@@ -216,7 +217,7 @@ def activation_bytes(plan: MemoryPlan) -> int:
         else per_layer * d.layers
     if plan.mixed_precision:
         live = 1 if plan.gradient_checkpointing else d.layers  # layers whose temporaries are live at once
-        kept += int(MIXED_TRANSIENT_FRACTION * tokens * _layer_bytes_per_token(plan) * live)
+        kept += int(MIXED_TRANSIENT_FRACTION * layer_saved * live)
     head = 3 * min(plan.chunk_tokens, tokens) * d.vocab * 4
     casts = 2 * (d.params - d.vocab * d.hidden * (1 if d.tied else 2)) if plan.mixed_precision else 0
     return kept + per_layer + head + casts  # + one layer's activation gradients in backward

@@ -230,8 +230,7 @@ def sft_warm_start(model: torch.nn.Module, tokenizer: Any, traces: Sequence[tupl
 
     Raises:
         ValueError: on empty ``traces`` or a bad ``steps`` / ``batch_size`` / ``micro_batch_size`` /
-            ``lr``, or a
-            trace longer than the model's context (``max_position_embeddings``).
+            ``lr``, or a trace longer than the model's context (``max_position_embeddings``).
     """
     from ..outputs.progress import phase_bar
 

@@ -53,6 +53,6 @@ def test_late_means_average_the_last_steps_and_every_staleness_key(report, tmp_p
             {"actor/updated": 1, "x": 3.0, "diag/abs_log_ratio_s3": 0.2}]
     f = tmp_path / "metrics.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = report._late_means(f, ("x", "diag/abs_log_ratio", "missing"), last=2)
+    out = report._late_means(report.rl_steps(f), ("x", "diag/abs_log_ratio", "missing"), last=2)
     assert out["x"] == pytest.approx(2.0) and out["diag/abs_log_ratio"] == pytest.approx(0.2)
     assert math.isnan(out["missing"])
