@@ -19,7 +19,7 @@ of the table in its own fresh process:
   ``learner.backend_settings.autocast_dtype=bfloat16`` (forward passes in bfloat16, float32 weights
   and optimizer state; log-probs within bfloat16 rounding of the float32 ones, not equal).
 
-Measured: the child's peak RSS (its ``resource.getrusage`` ``ru_maxrss``: model, optimizer state,
+Measured: the child's peak RSS (its own ``VmHWM``, ``peak_memory.py``: model, optimizer state,
 activations, interpreter), its RSS before the step, and response tokens per second of the
 step. Goals (issue 22): peak RSS ≤ 0.35 × the reference's, tokens/s ≥ 0.9 × the reference's,
 printed for every row; the exit status is the row named by ``--gate`` (default ``chunked + ckpt,
@@ -65,13 +65,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peak_memory import peak_rss_bytes  # noqa: E402
 
 #: The model (a pulled name, ``copc model pull smollm2-135m-instruct``, or a directory: ``--model``).
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -138,14 +140,14 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     metrics = learner.step(batch)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = peak_rss_bytes()  # VmHWM: this process's own peak (ru_maxrss carries the parent's)
     print(json.dumps({"tokens": int(batch.loss_mask.sum()), "seconds": seconds, "rss_before": before,
                       "peak_rss": peak, "pg_loss": metrics["actor/pg_loss"]}), flush=True)
 
 
 def run_row(label: str, args: argparse.Namespace) -> dict:
     """One row in a fresh child process: its JSON line (``peak_rss``: the child's own
-    ``resource.getrusage`` peak, bytes)."""
+    ``VmHWM`` peak, bytes)."""
     cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--rows", str(args.rows),
            "--prompt-tokens", str(args.prompt_tokens), "--response-tokens", str(args.response_tokens),
            "--chunk", str(args.chunk), "--mmap-threshold", str(args.mmap_threshold), "--attn", args.attn]

@@ -8,7 +8,7 @@ piece of repeated words; its real traces are 262 tokens at the median and 641 at
 ``--steps`` optimizer steps (default 3: the first step's peak comes before AdamW's state exists,
 and later steps' peaks are higher than the first's by more than that state) per row of the table,
 each row in its own fresh process. Measured: the child's peak RSS
-(``ru_maxrss``) and the step's seconds. Goals: the micro-batched peak ≤ 0.5 × the reference's, and
+(``VmHWM``: its own peak, not its parent's; see ``peak_memory.py``) and the step's seconds. Goals: the micro-batched peak ≤ 0.5 × the reference's, and
 every estimate within 25 % of its measured peak (the check refuses on the estimate: an estimate
 far below the peak would let a run be OOM-killed). Exit status 1 when a goal is missed.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from peak_memory import peak_rss_bytes  # noqa: E402
 from real_bench_model import DEFAULT_MODEL, real_model_dir  # noqa: E402
 
 CONFIG = ROOT / "configs" / "math_tool" / "cpu_smollm.yaml"
@@ -64,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     sft_warm_start(model, tok, traces, steps=args.steps, batch_size=args.rows, lr=1e-5, seed=0,
                    progress=False, autocast_dtype=torch.bfloat16, micro_batch_size=args.child)
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    print(json.dumps({"peak_rss": peak_rss_bytes(),
                       "seconds": (time.perf_counter() - t0) / args.steps,
                       "tokens": len(tokenize_trace(tok, traces[0])[0])}))
 

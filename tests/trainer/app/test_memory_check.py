@@ -107,7 +107,7 @@ def test_checkpointing_and_sdpa_shrink_the_activations(realmodel_path):
 def test_estimate_is_within_25_percent_of_a_real_learner_steps_peak_rss(realmodel_path):
     """One actor + critic step of SmolLM2 (full fine-tuning, float32, eager, 2 rows of 32 + 224
     tokens), the learner memory benchmark's own child process: its peak RSS
-    (``ru_maxrss``) is within 25 % of the estimate (no engine in that process). Measured here:
+    (``VmHWM``) is within 25 % of the estimate (no engine in that process). Measured here:
     see docs/models.md ("The memory estimate")."""
     rows, prompt, response = 2, 32, 224
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learner_memory.py"), "--child",
