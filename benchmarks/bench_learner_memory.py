@@ -73,7 +73,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peak_memory import peak_rss_bytes  # noqa: E402
+from peak_memory import peak_rss_bytes
 
 #: The model (a pulled name, ``copc model pull smollm2-135m-instruct``, or a directory: ``--model``).
 DEFAULT_MODEL = "smollm2-135m-instruct"

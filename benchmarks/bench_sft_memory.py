@@ -7,10 +7,10 @@ weights under bf16 autocast, sdpa) over ``--rows`` traces of ``--tokens`` tokens
 piece of repeated words; its real traces are 262 tokens at the median and 641 at most), one
 ``--steps`` optimizer steps (default 3: the first step's peak comes before AdamW's state exists,
 and later steps' peaks are higher than the first's by more than that state) per row of the table,
-each row in its own fresh process. Measured: the child's peak RSS
-(``VmHWM``: its own peak, not its parent's; see ``peak_memory.py``) and the step's seconds. Goals: the micro-batched peak ≤ 0.5 × the reference's, and
-every estimate within 25 % of its measured peak (the check refuses on the estimate: an estimate
-far below the peak would let a run be OOM-killed). Exit status 1 when a goal is missed.
+each row in its own fresh process. Measured: the child's peak RSS (``VmHWM``: its own peak, not
+its parent's; see ``peak_memory.py``) and the step's seconds. Goals: the micro-batched peak ≤ 0.5 ×
+the reference's, and every estimate within 25 % of its measured peak (the check refuses on the
+estimate: an estimate far below the peak would let a run be OOM-killed). Exit status 1 when a goal is missed.
 
 Usage: ``.venv/bin/python benchmarks/bench_sft_memory.py [--rows 16 --tokens 640 --micro 4]``;
 ``--child MICRO`` runs one row (used by the table and by ``tests/trainer/app/test_memory_check.py``).

@@ -31,7 +31,8 @@ def test_a_child_of_a_big_parent_reports_its_own_peak_not_the_parents():
         print(subprocess.run([sys.executable, "-c", {child!r}], capture_output=True, text=True,
                              check=True).stdout)
     """)
-    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True,
+                         timeout=120)
     first, maxrss, after = json.loads(out.stdout.strip())
     assert maxrss >= 0.95 * GIB  # the pitfall: the parent's peak
     assert first < 0.2 * GIB
