@@ -174,8 +174,6 @@ def saved_counters(loop_state: dict) -> dict[str, int]:
 def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) -> tuple[Path, dict | None]:
     """Supervised warm-start into ``<output_dir>/warm_start_model`` (reused when it exists: a
     crash after it, or a resume); returns the policy directory and the SFT metrics."""
-    from ..warmstart import sft_warm_start
-
     ws_dir = out / "warm_start_model"
     if (ws_dir / "config.json").exists():
         metrics_file = ws_dir / "sft_metrics.json"
@@ -204,29 +202,10 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     except InfrastructureError as e:  # a sandbox / retriever failure is not a bug of the run
         raise TrainingError(f"warm start: {e} (nothing trained yet; run again once it is back)") from e
     log.info("warm-start: %d traces in %.1f s", len(traces), time.time() - t0)
-    agent_cfg = agent_loop_config(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(threads, os.cpu_count() or 1))  # nothing else computes during the SFT
     try:
-        drill = {}
-        fits = functools.partial(check_sft_memory, cfg)  # refuses before the first step, naming the fix
-        plan = task.drill_plan()  # the task's copy drills (its settings), if any
-        if plan is not None:  # (computed in the weights' dtype, without autocast)
-            drill_fits = functools.partial(check_sft_memory, cfg, phase="copy-drill warm-start",
-                                           autocast=False)
-            drills = task.drill_traces(plan.steps * plan.batch_size, w.seed)
-            drill = sft_warm_start(actor, tok, drills, steps=plan.steps, batch_size=plan.batch_size,
-                                   lr=plan.lr, seed=w.seed, progress=cfg.logging.progress,
-                                   agent_cfg=agent_cfg, schedule="constant",
-                                   micro_batch_size=w.micro_batch_size, check_memory=drill_fits)
-            drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
-        metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
-                                 seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_cfg,
-                                 schedule=w.schedule,
-                                 shared_prefix_tokens=getattr(backend, "shared_prefix_tokens", 0),
-                                 autocast_dtype=getattr(torch, autocast) if autocast else None,
-                                 micro_batch_size=w.micro_batch_size, check_memory=fits)
-        metrics.update(drill)
+        metrics = _train_warm_start(cfg, task, actor, tok, traces, backend)
     finally:
         torch.set_num_threads(threads)
     actor.save_pretrained(ws_dir)
@@ -236,6 +215,41 @@ def _warm_start(cfg: ExperimentConfig, task: Any, model_dir: Path, out: Path) ->
     if key:
         store(w.cache_dir, key, ws_dir)
     return ws_dir, metrics
+
+
+def _train_warm_start(cfg: ExperimentConfig, task: Any, actor: torch.nn.Module, tok: Any, traces: list,
+                      backend: Any) -> dict:
+    """The task's copy drills (if any), then the warm-start proper, on ``actor`` in place; their SFT
+    metrics (the drills' as ``sft/drill_*``). The warm-start's memory is checked before the drills
+    run, so a warm-start that cannot fit is refused before any SFT step, not after the drills'.
+
+    Raises:
+        ConfigError: the warm-start or the drills would not fit this machine's memory (one line).
+    """
+    from ..warmstart import sft_warm_start, tokenize_trace
+
+    w, agent_cfg = cfg.warm_start, agent_loop_config(cfg)
+    autocast = getattr(backend, "autocast_dtype", None)
+    longest = max(len(tokenize_trace(tok, t, agent_cfg)[0]) for t in traces)
+    check_sft_memory(cfg, min(w.micro_batch_size or w.batch_size, w.batch_size), longest)
+    drill = {}
+    plan = task.drill_plan()  # the task's copy drills (its settings), if any
+    if plan is not None:  # (computed in the weights' dtype, without autocast)
+        drill_fits = functools.partial(check_sft_memory, cfg, phase="copy-drill warm-start", autocast=False)
+        drills = task.drill_traces(plan.steps * plan.batch_size, w.seed)
+        drill = sft_warm_start(actor, tok, drills, steps=plan.steps, batch_size=plan.batch_size,
+                               lr=plan.lr, seed=w.seed, progress=cfg.logging.progress,
+                               agent_cfg=agent_cfg, schedule="constant",
+                               micro_batch_size=w.micro_batch_size, check_memory=drill_fits)
+        drill = {k.replace("sft/", "sft/drill_"): v for k, v in drill.items()}
+    metrics = sft_warm_start(actor, tok, traces, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                             seed=w.seed, progress=cfg.logging.progress, agent_cfg=agent_cfg,
+                             schedule=w.schedule,
+                             shared_prefix_tokens=getattr(backend, "shared_prefix_tokens", 0),
+                             autocast_dtype=getattr(torch, autocast) if autocast else None,
+                             micro_batch_size=w.micro_batch_size)
+    metrics.update(drill)
+    return metrics
 
 
 def build_context(cfg: ExperimentConfig, resume: bool = False) -> RunContext:

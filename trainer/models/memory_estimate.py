@@ -85,11 +85,19 @@ class ModelDims:
 
         Raises:
             KeyError: a field the estimate needs is missing (``hidden_size``, ...).
+            ValueError: such a field is not a positive integer (``null``, a string, 0), named.
         """
-        heads = int(config["num_attention_heads"])
-        return cls(vocab=int(config["vocab_size"]), hidden=int(config["hidden_size"]),
-                   intermediate=int(config["intermediate_size"]), layers=int(config["num_hidden_layers"]),
-                   heads=heads, kv_heads=int(config.get("num_key_value_heads") or heads),
+        def field(key: str) -> int:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config.json {key}={value!r} is not a positive integer")
+            return value
+
+        heads = field("num_attention_heads")
+        kv_heads = field("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+        return cls(vocab=field("vocab_size"), hidden=field("hidden_size"),
+                   intermediate=field("intermediate_size"), layers=field("num_hidden_layers"),
+                   heads=heads, kv_heads=kv_heads,
                    tied=bool(config.get("tie_word_embeddings", True)),
                    qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)))
 

@@ -123,16 +123,21 @@ def test_estimate_is_within_25_percent_of_a_real_learner_steps_peak_rss(realmode
     assert 0.75 <= peak / est <= 1.25, (est / GIB, peak / GIB)
 
 
-def test_a_model_config_the_estimate_cannot_read_is_not_refused(realmodel_path, tmp_path, caplog):
+@pytest.mark.parametrize("change", ["renamed", "null"])
+def test_a_model_config_the_estimate_cannot_read_is_not_refused(realmodel_path, tmp_path, caplog, change):
     """A model directory whose config.json lacks a field the estimate reads (another family's names)
-    starts with a warning instead of a refusal."""
+    or has it ``null`` starts with a warning naming the field instead of a refusal (a ``null`` once
+    raised a TypeError from deep inside the estimate)."""
     model = tmp_path / "model"
     model.mkdir()
     for f in Path(realmodel_path).iterdir():
         if f.is_file() and f.name != "config.json":
             (model / f.name).symlink_to(f)
     conf = json.loads((Path(realmodel_path) / "config.json").read_text())
-    conf["n_inner"] = conf.pop("intermediate_size")
+    if change == "renamed":
+        conf["n_inner"] = conf.pop("intermediate_size")
+    else:
+        conf["intermediate_size"] = None
     (model / "config.json").write_text(json.dumps(conf))
     cfg = load_config(SEARCH)
     cfg.model.path = str(model)

@@ -114,3 +114,21 @@ def test_estimate_is_within_25_percent_of_a_real_warm_starts_peak_rss(realmodel_
     est = check_sft_memory(cfg, 2, row["tokens"], MachineMemory(64 * GIB, 64 * GIB, "test")).total
     print(f"estimate {est / GIB:.2f} GiB, measured peak RSS {row['peak_rss'] / GIB:.2f} GiB")
     assert 0.75 <= row["peak_rss"] / est <= 1.25, (est / GIB, row["peak_rss"] / GIB)
+
+
+def test_a_warm_start_that_cannot_fit_is_refused_before_the_copy_drills_run(tmp_path):
+    """The search tiny job runs copy drills (batch 32, which fit) before its warm-start: a warm-start
+    of 512 traces in one forward on a wide model (~90 GiB) is refused in one line before the drills'
+    own check, i.e. before any SFT step, not after minutes of drills (was: after them)."""
+    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "train",
+                           "--config", "configs/search/cpu_tiny.yaml", "warm_start.num_examples=512",
+                           "warm_start.batch_size=512",
+                           "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=4096",
+                           "model.tiny.num_layers=8", "eval.enabled=false", "logging.progress=false",
+                           f"output_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("copc train:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "memory: the warm-start needs ~" in lines[0] and "(512 traces x " in lines[0], lines[0]
+    assert "copy-drill warm-start memory estimate" not in proc.stderr
+    assert not (tmp_path / "run" / "warm_start_model").exists()
