@@ -4,22 +4,10 @@ hand-made sweep."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "critic_arms_report.py"
-
-
-@pytest.fixture(scope="module")
-def report():
-    spec = importlib.util.spec_from_file_location("critic_arms_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_detectable_difference_by_hand(report):

@@ -1,0 +1,184 @@
+"""Summarise ``copc sweep`` runs over the η_P × η_A grid (``configs/sweeps/eta_grid.yaml``, the
+paper's Figure 1 question, issue 46 item 4): does the effect of one channel depend on, or reverse
+with, the other?
+
+For each staleness lag, from every finished run's ``summary.json`` and ``config.yaml``:
+
+* the cell table: after-RL held-out accuracy (avg@k), mean ± sd over seeds, and Δ = after − before;
+* the advantage channel's effect at each η_P: after(η_P, η_A) − after(η_P, 0), paired by seed (the
+  runs of a seed share its warm-start and its before-RL accuracy), with its 95 % t interval and
+  the smallest true effect the seeds detect (:func:`critic_arms_report.detectable`);
+* the interaction test of the two-way layout with seeds as blocks (a randomized complete block
+  design; e.g. Montgomery, *Design and Analysis of Experiments*, ch. 4-5):
+  ``y_ijs = μ + β_s + a_i + b_j + (ab)_ij + ε``, ``SS_AB = S Σ_ij (ȳ_ij· − ȳ_i·· − ȳ_·j· + ȳ)²`` on
+  ``(I−1)(J−1)`` degrees of freedom against the residual after seeds, factors and cells on
+  ``(IJ−1)(S−1)``; ``F = MS_AB / MS_E`` and its p-value. No interaction (a large p) means the
+  data show no dependence of one channel's effect on the other; with 3 seeds only large
+  dependences would show, which the detectable column quantifies.
+
+Usage: ``.venv/bin/python scripts/eta_grid_report.py runs/sweeps/eta_grid_lag16 runs/sweeps/eta_grid_lag64
+[--out F.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+from pathlib import Path
+
+import yaml
+
+
+def _arms_report():
+    """``scripts/critic_arms_report.py`` as a module (its :func:`detectable`)."""
+    spec = importlib.util.spec_from_file_location("critic_arms_report",
+                                                  Path(__file__).with_name("critic_arms_report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def runs(sweeps: list[Path]) -> list[dict]:
+    """One record per finished run of the sweep directories: ``eta_p``, ``eta_a``, ``lag``,
+    ``seed``, ``before`` / ``after`` (held-out accuracy, avg@k)."""
+    out = []
+    for sweep in sweeps:
+        for summary in sorted(sweep.glob("cells/*/seed*/summary.json")):
+            s = json.loads(summary.read_text())
+            cfg = yaml.safe_load((summary.parent / "config.yaml").read_text())
+            alg = cfg.get("algorithm") or {}
+            out.append({"eta_p": float(alg["policy_loss_settings"]["eta_p"]),
+                        "eta_a": float(alg["estimator_settings"]["eta_a"]),
+                        "lag": int(cfg["train"]["staleness"]["lag"]), "seed": int(cfg["train"]["seed"]),
+                        "before": float(s["eval_before"]["accuracy"]),
+                        "after": float(s["eval_after"]["accuracy"])})
+    return out
+
+
+def _t_interval(d: list[float]) -> tuple[float, float, float, float]:
+    """Mean, 95 % t interval (lo, hi) and sd of ``d`` (``len(d) >= 2``)."""
+    from scipy.stats import t
+
+    m, sd = statistics.mean(d), statistics.stdev(d)
+    half = float(t.ppf(0.975, len(d) - 1)) * sd / math.sqrt(len(d))
+    return m, m - half, m + half, sd
+
+
+def eta_a_effects(recs: list[dict]) -> list[dict]:
+    """Per lag, η_P and η_A > 0: the per-seed differences after(η_P, η_A) − after(η_P, 0), with
+    n, mean, 95 % t interval, sd and the detectable effect (paired t, α 0.05, power 0.8)."""
+    detectable = _arms_report().detectable
+    out = []
+    for lag in sorted({r["lag"] for r in recs}):
+        by = {(r["eta_p"], r["eta_a"], r["seed"]): r["after"] for r in recs if r["lag"] == lag}
+        for p in sorted({k[0] for k in by}):
+            for a in sorted({k[1] for k in by if k[0] == p and k[1] > 0}):
+                d = [by[(p, a, s)] - by[(p, 0.0, s)] for (pp, aa, s) in by
+                     if (pp, aa) == (p, a) and (p, 0.0, s) in by]
+                if len(d) < 2:
+                    continue
+                m, lo, hi, sd = _t_interval(d)
+                out.append({"lag": lag, "eta_p": p, "eta_a": a, "n": len(d), "mean": m, "lo": lo, "hi": hi,
+                            "sd": sd, "mde": detectable(sd, len(d))})
+    return out
+
+
+def interaction_test(cells: dict[tuple[float, float, int], float]) -> dict:
+    """The η_P × η_A interaction F test of one lag's complete grid, seeds as blocks (module
+    docstring). ``cells``: ``(eta_p, eta_a, seed) -> after``.
+
+    Returns:
+        ``{"F", "p", "df_ab", "df_err", "ss_ab", "ss_err", "ss_a", "ss_b", "ss_seed"}``.
+
+    Raises:
+        ValueError: the grid is incomplete (a seed misses a cell), or has fewer than 2 levels of a
+            factor or fewer than 2 seeds.
+    """
+    from scipy.stats import f as f_dist
+
+    ps, as_, ss = (sorted({k[i] for k in cells}) for i in range(3))
+    I, J, S = len(ps), len(as_), len(ss)
+    if min(I, J, S) < 2 or len(cells) != I * J * S:
+        raise ValueError(f"interaction_test: need a complete grid of >= 2 x 2 cells and >= 2 seeds, "
+                         f"got {I} eta_p x {J} eta_a x {S} seeds with {len(cells)} runs")
+    y = {k: float(v) for k, v in cells.items()}
+    grand = statistics.mean(y.values())
+    cell = {(p, a): statistics.mean(y[(p, a, s)] for s in ss) for p in ps for a in as_}
+    pm = {p: statistics.mean(cell[(p, a)] for a in as_) for p in ps}
+    am = {a: statistics.mean(cell[(p, a)] for p in ps) for a in as_}
+    sm = {s: statistics.mean(y[(p, a, s)] for p in ps for a in as_) for s in ss}
+    ss_total = sum((v - grand) ** 2 for v in y.values())
+    ss_a = J * S * sum((v - grand) ** 2 for v in pm.values())
+    ss_b = I * S * sum((v - grand) ** 2 for v in am.values())
+    ss_seed = I * J * sum((v - grand) ** 2 for v in sm.values())
+    ss_ab = S * sum((cell[(p, a)] - pm[p] - am[a] + grand) ** 2 for p in ps for a in as_)
+    ss_err = max(ss_total - ss_a - ss_b - ss_seed - ss_ab, 0.0)
+    df_ab, df_err = (I - 1) * (J - 1), (I * J - 1) * (S - 1)
+    exact = ss_err <= 1e-12 * max(ss_total, 1e-300)  # no residual at all (rounding aside)
+    F = math.inf if exact and ss_ab > 0 else 0.0 if exact else (ss_ab / df_ab) / (ss_err / df_err)
+    return {"F": F, "p": float(f_dist.sf(F, df_ab, df_err)), "df_ab": df_ab, "df_err": df_err,
+            "ss_ab": ss_ab, "ss_err": ss_err, "ss_a": ss_a, "ss_b": ss_b, "ss_seed": ss_seed}
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
+
+
+def cell_table(recs: list[dict], lag: int) -> str:
+    """Markdown: rows η_P, columns η_A, after-RL mean ± sd (n seeds) and the mean Δ in brackets."""
+    rs = [r for r in recs if r["lag"] == lag]
+    ps, as_ = sorted({r["eta_p"] for r in rs}), sorted({r["eta_a"] for r in rs})
+    lines = [f"Lag {lag}: after-RL accuracy, mean ± sd over seeds [mean Δ = after − before]:", "",
+             "| η_P \\ η_A | " + " | ".join(f"{a:g}" for a in as_) + " |", "|---|" + "---|" * len(as_)]
+    for p in ps:
+        row = []
+        for a in as_:
+            c = [r for r in rs if (r["eta_p"], r["eta_a"]) == (p, a)]
+            delta = statistics.mean(r["after"] - r["before"] for r in c) if c else 0.0
+            row.append(f"{_fmt([r['after'] for r in c])} [{delta:+.3f}]" if c else "–")
+        lines.append(f"| {p:g} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report(recs: list[dict]) -> str:
+    """The whole markdown report: per lag the cell table, the η_A effects and the interaction test."""
+    parts = []
+    effects = eta_a_effects(recs)
+    for lag in sorted({r["lag"] for r in recs}):
+        parts.append(cell_table(recs, lag))
+        lines = [f"Lag {lag}: effect of the advantage channel at each η_P, after(η_P, η_A) − after(η_P, 0) "
+                 "paired by seed; the last column is the smallest true effect these seeds detect "
+                 "(paired t, α = 0.05 two-sided, power 0.8):", "",
+                 "| η_P | η_A | seeds | mean | 95 % interval | detectable |", "|---|---|---|---|---|---|"]
+        lines += [f"| {e['eta_p']:g} | {e['eta_a']:g} | {e['n']} | {e['mean']:+.3f} | "
+                  f"[{e['lo']:+.3f}, {e['hi']:+.3f}] | {e['mde']:.3f} |" for e in effects if e["lag"] == lag]
+        parts.append("\n".join(lines) + "\n")
+        try:
+            t = interaction_test({(r["eta_p"], r["eta_a"], r["seed"]): r["after"]
+                                  for r in recs if r["lag"] == lag})
+            parts.append(f"Lag {lag}: η_P × η_A interaction (seeds as blocks): "
+                         f"F({t['df_ab']}, {t['df_err']}) = {t['F']:.2f}, p = {t['p']:.3f}; sums of "
+                         f"squares: η_P {t['ss_a']:.4f}, η_A {t['ss_b']:.4f}, interaction "
+                         f"{t['ss_ab']:.4f}, seeds {t['ss_seed']:.4f}, residual {t['ss_err']:.4f}.\n")
+        except ValueError as e:
+            parts.append(f"Lag {lag}: no interaction test ({e}).\n")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    """Print (and with ``--out`` write) the report of the sweep directories."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweeps", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    text = report(runs(args.sweeps))
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
