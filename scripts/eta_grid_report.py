@@ -41,21 +41,40 @@ def _arms_report():
     return mod
 
 
-def runs(sweeps: list[Path]) -> list[dict]:
+def runs(sweeps: list[Path]) -> tuple[list[dict], list[str]]:
     """One record per finished run of the sweep directories: ``eta_p``, ``eta_a``, ``lag``,
-    ``seed``, ``before`` / ``after`` (held-out accuracy, avg@k)."""
-    out = []
+    ``seed``, ``before`` / ``after`` (held-out accuracy, avg@k); and one line per run left out
+    (no evaluation after RL, a non-finite accuracy such as an evaluation whose every episode failed,
+    or a ``config.yaml`` without explicit ``eta_p`` / ``eta_a``), so none is dropped silently.
+
+    Raises:
+        ValueError: two runs of the directories share (lag, eta_p, eta_a, seed), naming both.
+    """
+    out, skipped, seen = [], [], {}
     for sweep in sweeps:
         for summary in sorted(sweep.glob("cells/*/seed*/summary.json")):
             s = json.loads(summary.read_text())
             cfg = yaml.safe_load((summary.parent / "config.yaml").read_text())
             alg = cfg.get("algorithm") or {}
-            out.append({"eta_p": float(alg["policy_loss_settings"]["eta_p"]),
-                        "eta_a": float(alg["estimator_settings"]["eta_a"]),
-                        "lag": int(cfg["train"]["staleness"]["lag"]), "seed": int(cfg["train"]["seed"]),
-                        "before": float(s["eval_before"]["accuracy"]),
-                        "after": float(s["eval_after"]["accuracy"])})
-    return out
+            try:
+                rec = {"eta_p": float(alg["policy_loss_settings"]["eta_p"]),
+                       "eta_a": float(alg["estimator_settings"]["eta_a"]),
+                       "lag": int(cfg["train"]["staleness"]["lag"]), "seed": int(cfg["train"]["seed"]),
+                       "before": float(s["eval_before"]["accuracy"]),
+                       "after": float(s["eval_after"]["accuracy"])}
+            except (KeyError, TypeError) as e:
+                skipped.append(f"{summary.parent}: no {e} in its config.yaml / summary.json")
+                continue
+            if not (math.isfinite(rec["before"]) and math.isfinite(rec["after"])):
+                skipped.append(f"{summary.parent}: accuracy before {rec['before']}, after {rec['after']}")
+                continue
+            key = (rec["lag"], rec["eta_p"], rec["eta_a"], rec["seed"])
+            if key in seen:
+                raise ValueError(f"eta_grid_report: {seen[key]} and {summary.parent} are the same run "
+                                 f"(lag, eta_p, eta_a, seed) = {key}")
+            seen[key] = summary.parent
+            out.append(rec)
+    return out, skipped
 
 
 def _t_interval(d: list[float]) -> tuple[float, float, float, float]:
@@ -95,10 +114,12 @@ def interaction_test(cells: dict[tuple[float, float, int], float]) -> dict:
 
     Raises:
         ValueError: the grid is incomplete (a seed misses a cell), or has fewer than 2 levels of a
-            factor or fewer than 2 seeds.
+            factor or fewer than 2 seeds, or an accuracy is not finite.
     """
     from scipy.stats import f as f_dist
 
+    if not all(math.isfinite(v) for v in cells.values()):
+        raise ValueError("interaction_test: a run's accuracy is not finite")
     ps, as_, ss = (sorted({k[i] for k in cells}) for i in range(3))
     I, J, S = len(ps), len(as_), len(ss)
     if min(I, J, S) < 2 or len(cells) != I * J * S:
@@ -117,8 +138,13 @@ def interaction_test(cells: dict[tuple[float, float, int], float]) -> dict:
     ss_ab = S * sum((cell[(p, a)] - pm[p] - am[a] + grand) ** 2 for p in ps for a in as_)
     ss_err = max(ss_total - ss_a - ss_b - ss_seed - ss_ab, 0.0)
     df_ab, df_err = (I - 1) * (J - 1), (I * J - 1) * (S - 1)
-    exact = ss_err <= 1e-12 * max(ss_total, 1e-300)  # no residual at all (rounding aside)
-    F = math.inf if exact and ss_ab > 0 else 0.0 if exact else (ss_ab / df_ab) / (ss_err / df_err)
+    tol = 1e-12 * max(ss_total, 1e-300)  # rounding: a sum of squares below it is 0
+    if ss_ab <= tol:
+        F = 0.0
+    elif ss_err <= tol:  # an exact fit with an interaction
+        F = math.inf
+    else:
+        F = (ss_ab / df_ab) / (ss_err / df_err)
     return {"F": F, "p": float(f_dist.sf(F, df_ab, df_err)), "df_ab": df_ab, "df_err": df_err,
             "ss_ab": ss_ab, "ss_err": ss_err, "ss_a": ss_a, "ss_b": ss_b, "ss_seed": ss_seed}
 
@@ -174,7 +200,10 @@ def main() -> None:
     ap.add_argument("sweeps", type=Path, nargs="+")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    text = report(runs(args.sweeps))
+    recs, skipped = runs(args.sweeps)
+    text = report(recs)
+    if skipped:
+        text += "\nRuns left out:\n" + "".join(f"- {x}\n" for x in skipped)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

@@ -225,9 +225,12 @@ def _train_warm_start(cfg: ExperimentConfig, task: Any, actor: torch.nn.Module, 
 
     Raises:
         ConfigError: the warm-start or the drills would not fit this machine's memory (one line).
+        ValueError: ``traces`` is empty.
     """
     from ..warmstart import sft_warm_start, tokenize_trace
 
+    if not traces:
+        raise ValueError("sft_warm_start: traces is empty")  # (as sft_warm_start says it, before max())
     w, agent_cfg = cfg.warm_start, agent_loop_config(cfg)
     autocast = getattr(backend, "autocast_dtype", None)
     longest = max(len(tokenize_trace(tok, t, agent_cfg)[0]) for t in traces)

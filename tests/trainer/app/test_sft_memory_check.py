@@ -132,3 +132,13 @@ def test_a_warm_start_that_cannot_fit_is_refused_before_the_copy_drills_run(tmp_
     assert "memory: the warm-start needs ~" in lines[0] and "(512 traces x " in lines[0], lines[0]
     assert "copy-drill warm-start memory estimate" not in proc.stderr
     assert not (tmp_path / "run" / "warm_start_model").exists()
+
+
+def test_no_warm_start_traces_is_the_sft_error_not_a_max_of_nothing():
+    """A task that made no traces: the warm-start raises ``sft_warm_start: traces is empty`` (as
+    before the memory check moved ahead of the drills), not ``max() arg is an empty sequence``."""
+    from trainer.app.context import _train_warm_start
+
+    cfg = load_config(ROOT / "configs" / "math_tool" / "cpu_tiny.yaml")
+    with pytest.raises(ValueError, match=r"^sft_warm_start: traces is empty$"):
+        _train_warm_start(cfg, None, None, None, [], None)

@@ -57,7 +57,8 @@ def test_additive_data_have_no_interaction_and_a_reversal_has_a_large_one(grid):
     exact = {k: 0.1 * k[2] + 0.3 * k[0] - 0.05 * k[1] for k in keys}
     t = grid.interaction_test({k: v + noise[k] for k, v in exact.items()})
     assert t["ss_ab"] < 1e-5 and t["p"] > 0.5
-    assert grid.interaction_test(exact)["ss_ab"] == pytest.approx(0.0, abs=1e-12)
+    t = grid.interaction_test(exact)  # no residual and no interaction: F 0, p 1 (not a rounding F = inf)
+    assert t["ss_ab"] == pytest.approx(0.0, abs=1e-12) and (t["F"], t["p"]) == (0.0, 1.0)
     rev = {(0.25, 0.0, 0): 0.3, (0.25, 1.0, 0): 0.1, (1.0, 0.0, 0): 0.3, (1.0, 1.0, 0): 0.5}
     rev.update({(p, a, 1): v + 0.1 for (p, a, _), v in list(rev.items())})
     t = grid.interaction_test(rev)
@@ -67,10 +68,13 @@ def test_additive_data_have_no_interaction_and_a_reversal_has_a_large_one(grid):
 
 
 def test_an_incomplete_grid_is_refused_naming_its_shape(grid):
-    """A seed missing one cell: ValueError naming the grid's shape and run count."""
-    keys = list(itertools.product([0.25, 1.0], [0.0, 1.0], [0, 1]))[:-1]
+    """A seed missing one cell: ValueError naming the grid's shape and run count; a NaN accuracy:
+    ValueError (not an all-NaN result)."""
+    keys = list(itertools.product([0.25, 1.0], [0.0, 1.0], [0, 1]))
     with pytest.raises(ValueError, match="2 eta_p x 2 eta_a x 2 seeds with 7 runs"):
-        grid.interaction_test({k: 0.1 for k in keys})
+        grid.interaction_test({k: 0.1 for k in keys[:-1]})
+    with pytest.raises(ValueError, match="not finite"):
+        grid.interaction_test({k: float("nan") if i == 0 else 0.1 for i, k in enumerate(keys)})
 
 
 def test_eta_a_effects_pair_by_seed(grid):
@@ -87,21 +91,41 @@ def test_eta_a_effects_pair_by_seed(grid):
     assert e["hi"] == pytest.approx(0.1 + 0.2484, abs=1e-4)
 
 
+def _run(root, name: str, eta: tuple[float, float], seed: int, summary: dict) -> None:
+    run = root / "cells" / name / f"seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({
+        "algorithm": {"policy_loss_settings": {"eta_p": eta[0]}, "estimator_settings": {"eta_a": eta[1]}},
+        "train": {"seed": seed, "staleness": {"mode": "fixed", "lag": 64}}}))
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
 def test_runs_read_a_sweep_directory(grid, tmp_path):
     """Two hand-made runs: η_P, η_A, lag and seed from each run's config.yaml, before / after from
-    its summary.json; a run without summary.json (unfinished) is left out; the report names both cells."""
-    for i, (p, a) in enumerate([(0.5, 0.0), (1.0, 0.25)]):
-        run = tmp_path / "cells" / f"c{i}" / "seed2"
-        run.mkdir(parents=True)
-        (run / "config.yaml").write_text(yaml.safe_dump({
-            "algorithm": {"policy_loss_settings": {"eta_p": p}, "estimator_settings": {"eta_a": a}},
-            "train": {"seed": 2, "staleness": {"mode": "fixed", "lag": 64}}}))
-        (run / "summary.json").write_text(json.dumps({"eval_before": {"accuracy": 0.25},
-                                                      "eval_after": {"accuracy": 0.25 + 0.1 * i}}))
+    its summary.json; a run without summary.json (unfinished) is not a run; a run whose after-RL
+    accuracy is NaN (every evaluation episode failed) or that has no evaluation after RL is left
+    out and named; the report names both cells."""
+    for i, eta in enumerate([(0.5, 0.0), (1.0, 0.25)]):
+        _run(tmp_path, f"c{i}", eta, 2, {"eval_before": {"accuracy": 0.25},
+                                         "eval_after": {"accuracy": 0.25 + 0.1 * i}})
     (tmp_path / "cells" / "c2" / "seed0").mkdir(parents=True)
-    recs = grid.runs([tmp_path])
+    _run(tmp_path, "c3", (0.5, 0.5), 1, {"eval_before": {"accuracy": 0.25},
+                                         "eval_after": {"accuracy": float("nan")}})
+    _run(tmp_path, "c4", (0.5, 1.0), 1, {"eval_before": {"accuracy": 0.25}})
+    recs, skipped = grid.runs([tmp_path])
     assert recs == [{"eta_p": 0.5, "eta_a": 0.0, "lag": 64, "seed": 2, "before": 0.25, "after": 0.25},
                     {"eta_p": 1.0, "eta_a": 0.25, "lag": 64, "seed": 2, "before": 0.25, "after": 0.35}]
+    assert len(skipped) == 2 and "c3/seed1: accuracy before 0.25, after nan" in skipped[0]
+    assert "c4/seed1: no 'eval_after'" in skipped[1]
     text = grid.report(recs)
     assert "| 0.5 | 0.250 [+0.000] | – |" in text and "| 1 | – | 0.350 [+0.100] |" in text
     assert "no interaction test" in text
+
+
+def test_the_same_run_in_two_sweep_directories_is_refused(grid, tmp_path):
+    """Two directories holding (lag, η_P, η_A, seed) = (64, 0.5, 0, 0) both: ValueError naming both."""
+    for d in ("a", "b"):
+        _run(tmp_path / d, "c", (0.5, 0.0), 0, {"eval_before": {"accuracy": 0.2},
+                                                "eval_after": {"accuracy": 0.3}})
+    with pytest.raises(ValueError, match=r"a/cells/c/seed0 and .*b/cells/c/seed0 are the same run"):
+        grid.runs([tmp_path / "a", tmp_path / "b"])
