@@ -13,7 +13,7 @@ A second table pairs the arms by seed (every arm of a seed starts from that seed
 the per-seed difference of after-RL accuracy, its 95 % t interval, and the smallest true
 difference the seed count can detect (paired t-test, α = 0.05, power 0.8).
 
-Usage: ``.venv/bin/python scripts/critic_arms_report.py runs/sweeps/critic_arms [--out F.md]``.
+Usage: ``.venv/bin/python scripts/critic_arms_report.py runs/sweeps/critic_arms [--metric em] [--out F.md]``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ def _late_means(steps: list[dict], keys: tuple[str, ...], last: int = 5) -> dict
     return out
 
 
-def runs(sweep: Path) -> list[dict]:
-    """One record per finished run: preset, lag, seed, before / after accuracy, late diagnostics."""
+def runs(sweep: Path, metric: str = "accuracy") -> list[dict]:
+    """One record per finished run: preset, lag, seed, before / after held-out ``metric`` (a key of
+    the summary's ``eval_before`` / ``eval_after``: ``accuracy`` = avg@k, ``em`` for search), late
+    diagnostics."""
     out = []
     for summary in sorted(sweep.glob("cells/*/seed*/summary.json")):
         run = summary.parent
@@ -61,7 +63,7 @@ def runs(sweep: Path) -> list[dict]:
                       if line.startswith("preset:"))
         lag = int(run.parent.name.rsplit("lag", 1)[1])
         rec = {"preset": preset, "lag": lag, "seed": int(run.name[4:]),
-               "before": s["eval_before"]["accuracy"], "after": s["eval_after"]["accuracy"]}
+               "before": s["eval_before"][metric], "after": s["eval_after"][metric]}
         steps = rl_steps(run / "metrics.jsonl")  # read once, for both windows
         rec.update(_late_means(steps, CRITIC_KEYS + ACTOR_KEYS))
         late = _late_means(steps, CHANNEL_KEYS, 16)
@@ -186,9 +188,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", type=Path)
     ap.add_argument("--collapse", type=float, default=0.1)
+    ap.add_argument("--metric", default="accuracy", help="held-out metric: accuracy (avg@k) or em (search)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    recs = runs(args.sweep)
+    recs = runs(args.sweep, args.metric)
     text = report(recs, args.collapse) + "\n" + paired_report(recs) + "\n" + channel_report(recs)
     print(text)
     if args.out is not None:

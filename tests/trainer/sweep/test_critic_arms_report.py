@@ -44,3 +44,20 @@ def test_late_means_average_the_last_steps_and_every_staleness_key(report, tmp_p
     out = report._late_means(report.rl_steps(f), ("x", "diag/abs_log_ratio", "missing"), last=2)
     assert out["x"] == pytest.approx(2.0) and out["diag/abs_log_ratio"] == pytest.approx(0.2)
     assert math.isnan(out["missing"])
+
+
+def test_runs_read_the_named_metric(report, tmp_path):
+    """A hand-made run of preset copc_wo_rc at lag 16, seed 1: with ``metric="em"`` before / after are
+    the summary's ``em`` (0.024 / 0.066), with the default its ``accuracy`` (0.1 / 0.2)."""
+    run = tmp_path / "cells" / "presetcopc_wo_rc_lag16" / "seed1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("name: x\npreset: copc_wo_rc\n")
+    (run / "summary.json").write_text(json.dumps({"eval_before": {"accuracy": 0.1, "em": 0.024},
+                                                  "eval_after": {"accuracy": 0.2, "em": 0.066}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"actor/updated": 1, "actor/grad_norm": 0.5}) + "\n")
+    (em,) = report.runs(tmp_path, "em")
+    assert (em["preset"], em["lag"], em["seed"]) == ("copc_wo_rc", 16, 1)
+    assert (em["before"], em["after"]) == (0.024, 0.066)
+    assert em["actor/grad_norm"] == 0.5
+    (acc,) = report.runs(tmp_path)
+    assert (acc["before"], acc["after"]) == (0.1, 0.2)

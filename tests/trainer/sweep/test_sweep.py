@@ -167,6 +167,16 @@ def test_shipped_sweep_specs_validate(tmp_path):
             "train.staleness.lag=16"} <= set(run.overrides)
 
 
+def test_the_real_model_arm_spec_validates(realmodel_path, tmp_path):
+    """configs/sweeps/search_real_arms.yaml (issue 46's real-model arm): 3 presets x lag 16 x 2 seeds
+    of the real search job, 32 steps (16 at staleness 16), fixed lag, EM."""
+    spec = load_spec(REPO / "configs/sweeps/search_real_arms.yaml")
+    plan = build_plan(dataclasses.replace(spec, out=str(tmp_path / "real")))
+    assert len(plan.runs) == 6 and plan.metric == "em" and {r.total_steps for r in plan.runs} == {32}
+    run = next(r for r in plan.runs if r.cell.id == "presetppo_async_lag16")
+    assert {"train.staleness.mode=fixed", "preset=ppo_async", "train.staleness.lag=16"} <= set(run.overrides)
+
+
 # ----------------------------------------------------------------------- validation up front
 @pytest.mark.parametrize("grid,needle", [
     (f"{ETA_A}=0.25,2", f"cell eta_a2 (seed 0): {ETA_A}=2.0: must be a number in [0, 1]"),
