@@ -12,7 +12,8 @@ For each staleness lag, from every finished run's ``summary.json`` and ``config.
   design; e.g. Montgomery, *Design and Analysis of Experiments*, ch. 4-5):
   ``y_ijs = μ + β_s + a_i + b_j + (ab)_ij + ε``, ``SS_AB = S Σ_ij (ȳ_ij· − ȳ_i·· − ȳ_·j· + ȳ)²`` on
   ``(I−1)(J−1)`` degrees of freedom against the residual after seeds, factors and cells on
-  ``(IJ−1)(S−1)``; ``F = MS_AB / MS_E`` and its p-value. No interaction (a large p) means the
+  ``(IJ−1)(S−1)``; ``F = MS_AB / MS_E`` and its p-value (and the main effects' F tests against the
+  same ``MS_E``). No interaction (a large p) means the
   data show no dependence of one channel's effect on the other; with 3 seeds only large
   dependences would show, which the detectable column quantifies.
 
@@ -110,7 +111,9 @@ def interaction_test(cells: dict[tuple[float, float, int], float]) -> dict:
     docstring). ``cells``: ``(eta_p, eta_a, seed) -> after``.
 
     Returns:
-        ``{"F", "p", "df_ab", "df_err", "ss_ab", "ss_err", "ss_a", "ss_b", "ss_seed"}``.
+        ``{"F", "p", "df_ab", "df_err", "ss_ab", "ss_err", "ss_a", "ss_b", "ss_seed"}`` for the
+        interaction, and the main effects' ``F_a`` / ``p_a`` (η_P, ``df_a`` = I − 1) and ``F_b`` /
+        ``p_b`` (η_A, ``df_b`` = J − 1), each against the same residual mean square.
 
     Raises:
         ValueError: the grid is incomplete (a seed misses a cell), or has fewer than 2 levels of a
@@ -139,14 +142,18 @@ def interaction_test(cells: dict[tuple[float, float, int], float]) -> dict:
     ss_err = max(ss_total - ss_a - ss_b - ss_seed - ss_ab, 0.0)
     df_ab, df_err = (I - 1) * (J - 1), (I * J - 1) * (S - 1)
     tol = 1e-12 * max(ss_total, 1e-300)  # rounding: a sum of squares below it is 0
-    if ss_ab <= tol:
-        F = 0.0
-    elif ss_err <= tol:  # an exact fit with an interaction
-        F = math.inf
-    else:
-        F = (ss_ab / df_ab) / (ss_err / df_err)
-    return {"F": F, "p": float(f_dist.sf(F, df_ab, df_err)), "df_ab": df_ab, "df_err": df_err,
-            "ss_ab": ss_ab, "ss_err": ss_err, "ss_a": ss_a, "ss_b": ss_b, "ss_seed": ss_seed}
+
+    def f_ratio(ss: float, df: int) -> float:
+        if ss <= tol:
+            return 0.0
+        return math.inf if ss_err <= tol else (ss / df) / (ss_err / df_err)  # inf: an exact fit
+
+    out = {"df_ab": df_ab, "df_err": df_err, "df_a": I - 1, "df_b": J - 1, "ss_ab": ss_ab, "ss_err": ss_err,
+           "ss_a": ss_a, "ss_b": ss_b, "ss_seed": ss_seed}
+    for name, ss, df in (("", ss_ab, df_ab), ("_a", ss_a, I - 1), ("_b", ss_b, J - 1)):
+        F = f_ratio(ss, df)
+        out[f"F{name}"], out[f"p{name}"] = F, float(f_dist.sf(F, df, df_err))
+    return out
 
 
 def _fmt(xs: list[float]) -> str:
@@ -157,15 +164,21 @@ def cell_table(recs: list[dict], lag: int) -> str:
     """Markdown: rows η_P, columns η_A, after-RL mean ± sd (n seeds) and the mean Δ in brackets."""
     rs = [r for r in recs if r["lag"] == lag]
     ps, as_ = sorted({r["eta_p"] for r in rs}), sorted({r["eta_a"] for r in rs})
-    lines = [f"Lag {lag}: after-RL accuracy, mean ± sd over seeds [mean Δ = after − before]:", "",
-             "| η_P \\ η_A | " + " | ".join(f"{a:g}" for a in as_) + " |", "|---|" + "---|" * len(as_)]
+    lines = [f"Lag {lag}: after-RL accuracy, mean ± sd over seeds [mean Δ = after − before]; the last "
+             "column and row: the means over the other factor (every seed):", "",
+             "| η_P \\ η_A | " + " | ".join(f"{a:g}" for a in as_) + " | all η_A |",
+             "|---|" + "---|" * (len(as_) + 1)]
     for p in ps:
         row = []
         for a in as_:
             c = [r for r in rs if (r["eta_p"], r["eta_a"]) == (p, a)]
             delta = statistics.mean(r["after"] - r["before"] for r in c) if c else 0.0
             row.append(f"{_fmt([r['after'] for r in c])} [{delta:+.3f}]" if c else "–")
-        lines.append(f"| {p:g} | " + " | ".join(row) + " |")
+        row_mean = statistics.mean(r["after"] for r in rs if r["eta_p"] == p)
+        lines.append(f"| {p:g} | " + " | ".join(row) + f" | {row_mean:.3f} |")
+    cols = [statistics.mean(r["after"] for r in rs if r["eta_a"] == a) for a in as_]
+    grand = statistics.mean(r["after"] for r in rs)
+    lines.append("| all η_P | " + " | ".join(f"{c:.3f}" for c in cols) + f" | {grand:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -188,7 +201,10 @@ def report(recs: list[dict]) -> str:
             parts.append(f"Lag {lag}: η_P × η_A interaction (seeds as blocks): "
                          f"F({t['df_ab']}, {t['df_err']}) = {t['F']:.2f}, p = {t['p']:.3f}; sums of "
                          f"squares: η_P {t['ss_a']:.4f}, η_A {t['ss_b']:.4f}, interaction "
-                         f"{t['ss_ab']:.4f}, seeds {t['ss_seed']:.4f}, residual {t['ss_err']:.4f}.\n")
+                         f"{t['ss_ab']:.4f}, seeds {t['ss_seed']:.4f}, residual {t['ss_err']:.4f}. "
+                         f"Main effects: η_P F({t['df_a']}, {t['df_err']}) = {t['F_a']:.2f}, "
+                         f"p = {t['p_a']:.3f}; η_A F({t['df_b']}, {t['df_err']}) = {t['F_b']:.2f}, "
+                         f"p = {t['p_b']:.3f}.\n")
         except ValueError as e:
             parts.append(f"Lag {lag}: no interaction test ({e}).\n")
     return "\n".join(parts)

@@ -27,7 +27,9 @@ def _design(keys, interaction: bool) -> np.ndarray:
 
 def test_interaction_f_equals_the_nested_least_squares_fit(grid):
     """3 η_P x 4 η_A x 3 seeds of random accuracies: F and p equal those of the nested-model test
-    (full model with the interaction against the additive one, both fitted by numpy lstsq) to 1e-9."""
+    (full model with the interaction against the additive one, both fitted by numpy lstsq) to 1e-9;
+    each main effect's F equals the additive model against the one without that factor (balanced
+    design), over the full model's residual mean square."""
     from scipy.stats import f as f_dist
 
     rng = np.random.default_rng(0)
@@ -45,6 +47,14 @@ def test_interaction_f_equals_the_nested_least_squares_fit(grid):
     assert t["F"] == pytest.approx(F, rel=1e-9)
     assert t["p"] == pytest.approx(float(f_dist.sf(F, df_ab, df_err)), rel=1e-9)
     assert t["ss_err"] == pytest.approx(rss[True], rel=1e-9)
+    for name, df in (("_a", 2), ("_b", 3)):  # main effects: the additive fit without one factor
+        X = _design(keys, False)
+        cols = [0, 1, 2] + ([3, 4] if name == "_b" else []) + ([5, 6, 7] if name == "_a" else [])
+        beta = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
+        rss_without = float(((y - X[:, cols] @ beta) ** 2).sum())
+        F_main = ((rss_without - rss[False]) / df) / (rss[True] / df_err)  # balanced: SS by difference
+        assert t[f"F{name}"] == pytest.approx(F_main, rel=1e-9), name
+        assert t[f"p{name}"] == pytest.approx(float(f_dist.sf(F_main, df, df_err)), rel=1e-9)
 
 
 def test_additive_data_have_no_interaction_and_a_reversal_has_a_large_one(grid):
@@ -118,7 +128,8 @@ def test_runs_read_a_sweep_directory(grid, tmp_path):
     assert len(skipped) == 2 and "c3/seed1: accuracy before 0.25, after nan" in skipped[0]
     assert "c4/seed1: no 'eval_after'" in skipped[1]
     text = grid.report(recs)
-    assert "| 0.5 | 0.250 [+0.000] | – |" in text and "| 1 | – | 0.350 [+0.100] |" in text
+    assert "| 0.5 | 0.250 [+0.000] | – | 0.250 |" in text and "| 1 | – | 0.350 [+0.100] | 0.350 |" in text
+    assert "| all η_P | 0.250 | 0.350 | 0.300 |" in text
     assert "no interaction test" in text
 
 
