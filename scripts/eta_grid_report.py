@@ -78,6 +78,37 @@ def runs(sweeps: list[Path]) -> tuple[list[dict], list[str]]:
     return out, skipped
 
 
+#: What the channels saw (``scripts/critic_arms_report.py``'s keys), means over a run's last 16 steps.
+CHANNEL_KEYS = ("diag/abs_log_ratio", "diag/policy_masked_frac", "advantage/clipped_frac",
+                "critic/explained_variance")
+
+
+def channel_table(sweeps: list[Path], last: int = 16) -> str:
+    """Markdown: per lag and (η_P, η_A) cell, the median over its runs of each run's mean of
+    :data:`CHANNEL_KEYS` over its last ``last`` RL steps (how far π_old strayed from µ, the share
+    of tokens the policy mask dropped and the advantage interval clipped, the critic's explained
+    variance). A run without ``metrics.jsonl`` is not counted."""
+    arms = _arms_report()
+    cells: dict[tuple, list[dict]] = {}
+    for sweep in sweeps:
+        for metrics in sorted(sweep.glob("cells/*/seed*/metrics.jsonl")):
+            cfg = yaml.safe_load((metrics.parent / "config.yaml").read_text())
+            alg = cfg.get("algorithm") or {}
+            try:
+                key = (int(cfg["train"]["staleness"]["lag"]), float(alg["policy_loss_settings"]["eta_p"]),
+                       float(alg["estimator_settings"]["eta_a"]))
+            except (KeyError, TypeError):
+                continue
+            cells.setdefault(key, []).append(arms._late_means(arms.rl_steps(metrics), CHANNEL_KEYS, last))
+    lines = [f"What the channels saw: means over each run's last {last} RL steps, median over seeds:", "",
+             "| lag | η_P | η_A | " + " | ".join(f"`{k}`" for k in CHANNEL_KEYS) + " |",
+             "|---|---|---|" + "---|" * len(CHANNEL_KEYS)]
+    for (lag, p, a), rows in sorted(cells.items()):
+        vals = [arms._median([r[k] for r in rows]) for k in CHANNEL_KEYS]
+        lines.append(f"| {lag} | {p:g} | {a:g} | " + " | ".join(f"{v:.3g}" for v in vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _t_interval(d: list[float]) -> tuple[float, float, float, float]:
     """Mean, 95 % t interval (lo, hi) and sd of ``d`` (``len(d) >= 2``)."""
     from scipy.stats import t
@@ -217,7 +248,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     recs, skipped = runs(args.sweeps)
-    text = report(recs)
+    text = report(recs) + "\n" + channel_table(args.sweeps)
     if skipped:
         text += "\nRuns left out:\n" + "".join(f"- {x}\n" for x in skipped)
     print(text)

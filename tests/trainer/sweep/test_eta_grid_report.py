@@ -140,3 +140,18 @@ def test_the_same_run_in_two_sweep_directories_is_refused(grid, tmp_path):
                                                 "eval_after": {"accuracy": 0.3}})
     with pytest.raises(ValueError, match=r"a/cells/c/seed0 and .*b/cells/c/seed0 are the same run"):
         grid.runs([tmp_path / "a", tmp_path / "b"])
+
+
+def test_channel_table_takes_the_median_over_seeds_of_late_means(grid, tmp_path):
+    """Cell (64, 0.5, 0): three seeds whose RL steps log a masked share of 0.1 / 0.2 / 0.6 (a row
+    without ``actor/updated`` is not an RL step) -> median 0.2; |log ρ| pooled from the per-staleness
+    keys; a key never logged prints nan."""
+    for seed, masked in enumerate([0.1, 0.2, 0.6]):
+        _run(tmp_path, "c", (0.5, 0.0), seed, {"eval_before": {"accuracy": 0.2},
+                                               "eval_after": {"accuracy": 0.3}})
+        rows = [{"diag/policy_masked_frac": 9.0},
+                {"actor/updated": 1, "diag/policy_masked_frac": masked, "diag/abs_log_ratio_s64": 0.05}]
+        (tmp_path / "cells" / "c" / f"seed{seed}" / "metrics.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in rows) + "\n")
+    text = grid.channel_table([tmp_path])
+    assert "| 64 | 0.5 | 0 | 0.05 | 0.2 | nan | nan |" in text
