@@ -133,11 +133,18 @@ def detectable(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> fl
     return float((t.ppf(1 - alpha / 2, n - 1) + t.ppf(power, n - 1)) * sd / math.sqrt(n))
 
 
+def t_interval(d: list[float]) -> tuple[float, float, float, float]:
+    """Mean, 95 % t interval (lo, hi) and sd of ``d`` (``len(d) >= 2``): ``mean ± t_{0.975, n-1} sd / √n``."""
+    from scipy.stats import t
+
+    m, sd = statistics.mean(d), statistics.stdev(d)
+    half = float(t.ppf(0.975, len(d) - 1)) * sd / math.sqrt(len(d))
+    return m, m - half, m + half, sd
+
+
 def paired_rows(recs: list[dict]) -> list[dict]:
     """Per lag and :data:`PAIRS` comparison, the per-seed differences of after-RL accuracy (the two
     arms of a seed share its warm-start): n, mean, 95 % t interval, sd, :func:`detectable`."""
-    from scipy.stats import t
-
     out = []
     for lag in sorted({r["lag"] for r in recs}):
         by = {(r["preset"], r["seed"]): r["after"] for r in recs if r["lag"] == lag}
@@ -145,9 +152,8 @@ def paired_rows(recs: list[dict]) -> list[dict]:
             d = [by[(a, s)] - by[(b, s)] for (p, s) in by if p == a and (b, s) in by]
             if len(d) < 2:
                 continue
-            m, sd = statistics.mean(d), statistics.stdev(d)
-            half = float(t.ppf(0.975, len(d) - 1)) * sd / math.sqrt(len(d))
-            out.append({"lag": lag, "a": a, "b": b, "n": len(d), "mean": m, "lo": m - half, "hi": m + half,
+            m, lo, hi, sd = t_interval(d)
+            out.append({"lag": lag, "a": a, "b": b, "n": len(d), "mean": m, "lo": lo, "hi": hi,
                         "sd": sd, "mde": detectable(sd, len(d))})
     return out
 

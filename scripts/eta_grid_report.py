@@ -24,6 +24,7 @@ Usage: ``.venv/bin/python scripts/eta_grid_report.py runs/sweeps/eta_grid_lag16 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -33,13 +34,26 @@ from pathlib import Path
 import yaml
 
 
+@functools.cache
 def _arms_report():
-    """``scripts/critic_arms_report.py`` as a module (its :func:`detectable`)."""
+    """``scripts/critic_arms_report.py`` as a module (its statistics and metrics readers), loaded once."""
     spec = importlib.util.spec_from_file_location("critic_arms_report",
                                                   Path(__file__).with_name("critic_arms_report.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _cell_key(run: Path) -> tuple[int, float, float, int]:
+    """``(lag, eta_p, eta_a, seed)`` of a run directory, from its ``config.yaml``.
+
+    Raises:
+        KeyError: the config has no explicit ``eta_p`` / ``eta_a`` (or lag, seed).
+    """
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    alg = cfg.get("algorithm") or {}
+    return (int(cfg["train"]["staleness"]["lag"]), float(alg["policy_loss_settings"]["eta_p"]),
+            float(alg["estimator_settings"]["eta_a"]), int(cfg["train"]["seed"]))
 
 
 def runs(sweeps: list[Path]) -> tuple[list[dict], list[str]]:
@@ -55,12 +69,9 @@ def runs(sweeps: list[Path]) -> tuple[list[dict], list[str]]:
     for sweep in sweeps:
         for summary in sorted(sweep.glob("cells/*/seed*/summary.json")):
             s = json.loads(summary.read_text())
-            cfg = yaml.safe_load((summary.parent / "config.yaml").read_text())
-            alg = cfg.get("algorithm") or {}
             try:
-                rec = {"eta_p": float(alg["policy_loss_settings"]["eta_p"]),
-                       "eta_a": float(alg["estimator_settings"]["eta_a"]),
-                       "lag": int(cfg["train"]["staleness"]["lag"]), "seed": int(cfg["train"]["seed"]),
+                lag, eta_p, eta_a, seed = _cell_key(summary.parent)
+                rec = {"eta_p": eta_p, "eta_a": eta_a, "lag": lag, "seed": seed,
                        "before": float(s["eval_before"]["accuracy"]),
                        "after": float(s["eval_after"]["accuracy"])}
             except (KeyError, TypeError) as e:
@@ -92,11 +103,8 @@ def channel_table(sweeps: list[Path], last: int = 16) -> str:
     cells: dict[tuple, list[dict]] = {}
     for sweep in sweeps:
         for metrics in sorted(sweep.glob("cells/*/seed*/metrics.jsonl")):
-            cfg = yaml.safe_load((metrics.parent / "config.yaml").read_text())
-            alg = cfg.get("algorithm") or {}
             try:
-                key = (int(cfg["train"]["staleness"]["lag"]), float(alg["policy_loss_settings"]["eta_p"]),
-                       float(alg["estimator_settings"]["eta_a"]))
+                key = _cell_key(metrics.parent)[:3]
             except (KeyError, TypeError):
                 continue
             cells.setdefault(key, []).append(arms._late_means(arms.rl_steps(metrics), CHANNEL_KEYS, last))
@@ -109,19 +117,10 @@ def channel_table(sweeps: list[Path], last: int = 16) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _t_interval(d: list[float]) -> tuple[float, float, float, float]:
-    """Mean, 95 % t interval (lo, hi) and sd of ``d`` (``len(d) >= 2``)."""
-    from scipy.stats import t
-
-    m, sd = statistics.mean(d), statistics.stdev(d)
-    half = float(t.ppf(0.975, len(d) - 1)) * sd / math.sqrt(len(d))
-    return m, m - half, m + half, sd
-
-
 def eta_a_effects(recs: list[dict]) -> list[dict]:
     """Per lag, η_P and η_A > 0: the per-seed differences after(η_P, η_A) − after(η_P, 0), with
     n, mean, 95 % t interval, sd and the detectable effect (paired t, α 0.05, power 0.8)."""
-    detectable = _arms_report().detectable
+    arms = _arms_report()
     out = []
     for lag in sorted({r["lag"] for r in recs}):
         by = {(r["eta_p"], r["eta_a"], r["seed"]): r["after"] for r in recs if r["lag"] == lag}
@@ -131,9 +130,9 @@ def eta_a_effects(recs: list[dict]) -> list[dict]:
                      if (pp, aa) == (p, a) and (p, 0.0, s) in by]
                 if len(d) < 2:
                     continue
-                m, lo, hi, sd = _t_interval(d)
+                m, lo, hi, sd = arms.t_interval(d)
                 out.append({"lag": lag, "eta_p": p, "eta_a": a, "n": len(d), "mean": m, "lo": lo, "hi": hi,
-                            "sd": sd, "mde": detectable(sd, len(d))})
+                            "sd": sd, "mde": arms.detectable(sd, len(d))})
     return out
 
 
